@@ -1,0 +1,1 @@
+"""jaxinfer: experiments (see DESIGN.md)."""

@@ -1,0 +1,235 @@
+"""Checkpoints: safetensors in the official layout and in the HF-transformers layout; orbax.
+
+Official names (MODEL_SPEC 3.7) are the canonical names: our parameter tree mirrors them, with
+two mechanical differences handled here — `hc_{attn,ffn,head}_{fn,base,scale}` are the
+submodules `hc_attn.fn` etc., and routed experts are stacked (`ffn.experts.w1` [E, I, D] holds
+`ffn.experts.{e}.w1.weight`). HF names (`model.layers.{l}.self_attn.q_a_proj.weight`, fused
+`mlp.experts.gate_up_proj`, ...) are first translated to official names.
+
+Loading never executes code: safetensors + JSON only. FP8 (E4M3 + UE8M0 block scales) and FP4
+(E2M1 packed low-nibble-first + UE8M0 per 32) are dequantised tensor by tensor and cast straight
+to the parameter dtype. Missing, unexpected or mis-shaped tensors raise errors naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import quant_io
+from .config import ModelConfig
+from .transformer import Transformer, abstract_model
+
+_HC = re.compile(r"(^|\.)(hc_(?:attn|ffn|head))_(fn|base|scale)$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+# ----------------------------------------------------------------------------- naming
+
+def path_to_official(path: tuple) -> str:
+    """nnx state path -> official name (stacked experts give the pattern with '{e}')."""
+    name = ".".join(str(p) for p in path)
+    name = re.sub(r"(^|\.)(hc_(?:attn|ffn|head))\.(fn|base|scale)$", r"\1\2_\3", name)
+    m = re.match(r"^(.*\.experts)\.(w[123])$", name)
+    if m:
+        return f"{m.group(1)}.{{e}}.{m.group(2)}.weight"
+    return name
+
+
+def _hf_rules() -> list[tuple[re.Pattern, str]]:
+    rules = [
+        (r"^model\.embed_tokens\.weight$", "embed.weight"),
+        (r"^lm_head\.weight$", "head.weight"),
+        (r"^model\.norm\.weight$", "norm.weight"),
+        (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+        (r"^model\.layers\.(\d+)\.attn_hc\.(fn|base|scale)$", r"layers.\1.hc_attn_\2"),
+        (r"^model\.layers\.(\d+)\.ffn_hc\.(fn|base|scale)$", r"layers.\1.hc_ffn_\2"),
+        (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"layers.\1.attn_norm.weight"),
+        (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"layers.\1.ffn_norm.weight"),
+        (r"^model\.layers\.(\d+)\.self_attn\.sinks$", r"layers.\1.attn.attn_sink"),
+        (r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$", r"layers.\1.ffn.gate.bias"),
+        (r"^model\.layers\.(\d+)\.mlp\.gate\.(weight|tid2eid)$", r"layers.\1.ffn.gate.\2"),
+        (r"^model\.layers\.(\d+)\.mlp\.experts\.down_proj$", r"layers.\1.ffn.experts.w2"),
+        (r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$", r"layers.\1.ffn.experts.gate_up"),
+        (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.weight$", r"layers.\1.ffn.shared_experts.w1.weight"),
+        (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.weight$", r"layers.\1.ffn.shared_experts.w3.weight"),
+        (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.weight$", r"layers.\1.ffn.shared_experts.w2.weight"),
+    ]
+    attn = {"q_a_proj": "wq_a", "q_a_norm": "q_norm", "q_b_proj": "wq_b", "kv_proj": "wkv",
+            "kv_norm": "kv_norm", "o_a_proj": "wo_a", "o_b_proj": "wo_b"}
+    for hf, off in attn.items():
+        rules.append((rf"^model\.layers\.(\d+)\.self_attn\.{hf}\.weight$", rf"layers.\1.attn.{off}.weight"))
+    comp = {"kv_proj.weight": "wkv.weight", "gate_proj.weight": "wgate.weight", "position_bias": "ape",
+            "kv_norm.weight": "norm.weight"}
+    for hf, off in comp.items():
+        hf_re = hf.replace(".", r"\.")
+        rules.append((rf"^model\.layers\.(\d+)\.self_attn\.compressor\.indexer\.{hf_re}$",
+                      rf"layers.\1.attn.indexer.compressor.{off}"))
+        rules.append((rf"^model\.layers\.(\d+)\.self_attn\.compressor\.{hf_re}$",
+                      rf"layers.\1.attn.compressor.{off}"))
+    rules += [
+        (r"^model\.layers\.(\d+)\.self_attn\.compressor\.indexer\.q_b_proj\.weight$",
+         r"layers.\1.attn.indexer.wq_b.weight"),
+        (r"^model\.layers\.(\d+)\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.weight$",
+         r"layers.\1.attn.indexer.weights_proj.weight"),
+    ]
+    return [(re.compile(p), r) for p, r in rules]
+
+
+_HF_RULES = _hf_rules()
+
+
+def hf_to_official(name: str) -> str:
+    for pattern, repl in _HF_RULES:
+        if pattern.match(name):
+            return pattern.sub(repl, name)
+    raise ValueError(f"unexpected tensor {name!r}: not part of the HF DeepseekV4 layout")
+
+
+def _hf_tensors(items: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Translate HF tensors to official names; split fused experts into per-expert tensors."""
+    for name, arr in items:
+        off = hf_to_official(name)
+        if off.endswith(".experts.gate_up") or off.endswith(".experts.w2"):
+            prefix, kind = off.rsplit(".", 1)
+            if arr.ndim != 3:
+                raise ValueError(f"tensor {name!r}: expected [experts, out, in], got shape {arr.shape}")
+            if kind == "gate_up":
+                if arr.shape[1] % 2:
+                    raise ValueError(f"tensor {name!r}: fused gate_up rows {arr.shape[1]} not even")
+                half = arr.shape[1] // 2
+                for e in range(arr.shape[0]):
+                    yield f"{prefix}.{e}.w1.weight", arr[e, :half]
+                    yield f"{prefix}.{e}.w3.weight", arr[e, half:]
+            else:
+                for e in range(arr.shape[0]):
+                    yield f"{prefix}.{e}.w2.weight", arr[e]
+        else:
+            yield off, arr
+
+
+def _dequantised(items: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Pair each quantised `.weight` with its `.scale` and yield logical tensors."""
+    pending: dict[str, np.ndarray] = {}
+    for name, arr in items:
+        if name.endswith(".scale"):
+            partner = name[:-len(".scale")] + ".weight"
+        elif name.endswith(".weight") and (arr.dtype in (quant_io.F8_E4M3, quant_io.F8_E5M2)
+                                           or arr.dtype in (np.int8, np.uint8)):
+            partner = name[:-len(".weight")] + ".scale"
+        else:
+            yield from quant_io.dequantize_official({name: arr}).items()
+            continue
+        if partner in pending:
+            pair = {name: arr, partner: pending.pop(partner)}
+            yield from quant_io.dequantize_official(pair).items()
+        else:
+            pending[name] = arr
+    for name, arr in pending.items():  # unpaired: dequantize_official names the problem
+        quant_io.dequantize_official({name: arr})
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_checkpoint(directory, dtype="bfloat16", mesh=None) -> Transformer:
+    """config.json + *.safetensors (official or HF layout) -> Transformer with weights in `dtype`.
+
+    A checkpoint without any `mtp.*` tensors (HF `save_pretrained` drops MTP) loads with
+    `num_mtp_layers = 0`.
+    """
+    if mesh is not None:
+        raise NotImplementedError("sharded loading arrives with the sharding issue; pass mesh=None")
+    directory = Path(directory)
+    cfg = ModelConfig.from_hf(directory)
+    names = [n for f in quant_io.list_checkpoint_files(directory) for n in quant_io.read_safetensors_header(f)[0]]
+    if not names:
+        raise ValueError(f"{directory}: checkpoint holds no tensors")
+    layout = "hf" if any(n.startswith("model.") for n in names) else "official"
+    if not any(n.startswith("mtp.") for n in names):
+        cfg = cfg.replace(num_mtp_layers=0, compress_ratios=cfg.compress_ratios[:cfg.num_layers])
+    items = quant_io.iter_checkpoint_tensors(directory)
+    if layout == "hf":
+        items = _hf_tensors(items)
+    return build_from_tensors(cfg, _dequantised(items), dtype=dtype, source=str(directory))
+
+
+def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str = "<tensors>") -> Transformer:
+    """Official-named logical tensors (iterable of (name, array) or a dict) -> Transformer."""
+    abstract = abstract_model(cfg, dtype)
+    graphdef, state = nnx.split(abstract)
+    flat = list(nnx.to_flat_state(state))
+    expected: dict[str, tuple[int, int | None]] = {}  # name -> (leaf index, expert index)
+    buffers: list[np.ndarray | None] = [None] * len(flat)
+    filled: list[np.ndarray | None] = [None] * len(flat)
+    for i, (path, var) in enumerate(flat):
+        name = path_to_official(path)
+        if "{e}" in name:
+            for e in range(var.shape[0]):
+                expected[name.format(e=e)] = (i, e)
+            filled[i] = np.zeros(var.shape[0], bool)
+        else:
+            expected[name] = (i, None)
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    for name, arr in items:
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        if name in seen:
+            raise ValueError(f"{source}: tensor {name!r} appears twice")
+        seen.add(name)
+        i, e = expected[name]
+        var = flat[i][1]
+        want = tuple(var.shape[1:]) if e is not None else tuple(var.shape)
+        if tuple(arr.shape) != want:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
+        np_dtype = np.dtype(var.dtype)
+        if e is None:
+            buffers[i] = np.asarray(arr).astype(np_dtype)
+        else:
+            if buffers[i] is None:
+                buffers[i] = np.empty(var.shape, np_dtype)
+            buffers[i][e] = np.asarray(arr).astype(np_dtype)
+            filled[i][e] = True
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensors (not in a {cfg.name} model): "
+                         f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}")
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ValueError(f"{source}: missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    leaves = [(path, var.replace(jnp.asarray(buf))) for (path, var), buf in zip(flat, buffers)]
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+# ----------------------------------------------------------------------------- saving
+
+def official_tensors(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's parameters under official names (logical, unquantised, experts unstacked)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        name = path_to_official(path)
+        arr = np.asarray(jax.device_get(var[...]))
+        if "{e}" in name:
+            for e in range(arr.shape[0]):
+                out[name.format(e=e)] = arr[e]
+        else:
+            out[name] = arr
+    return out
+
+
+def save_safetensors(model: Transformer, directory, config: dict | None = None) -> Path:
+    """Write config.json (official style) + model.safetensors with official names."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    (directory / "config.json").write_text(json.dumps(config or cfg.to_official_dict(), indent=1))
+    quant_io.write_safetensors(directory / "model.safetensors", official_tensors(model))
+    return directory

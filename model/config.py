@@ -1,0 +1,413 @@
+"""Model configuration: `ModelConfig` (frozen, hashable, static under jit) and per-layer `LayerSpec`.
+
+A layer's code path is chosen at trace time from its `LayerSpec`, never from traced values.
+Readers accept both config.json styles of DeepSeek-V4-Flash:
+
+* the official release (`compress_ratios` per layer incl. MTP slots, `num_hash_layers`,
+  `rope_scaling`, `qk_rope_head_dim`, ...), and
+* the HF transformers style (`layer_types`, `compress_rates`, `mlp_layer_types`,
+  `rope_parameters` keyed `main` / `compress`, `partial_rotary_factor`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ATTENTION_KINDS = ("swa", "csa", "hca")
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+HF_LAYER_TYPES = {
+    "sliding_attention": "swa",
+    "compressed_sparse_attention": "csa",
+    "heavily_compressed_attention": "hca",
+}
+HF_MLP_LAYER_TYPES = ("hash_moe", "moe")
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN frequency interpolation (no magnitude scaling), used only on compressed layers."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Static description of one block (backbone layer or MTP slot).
+
+    attention: "swa" (sliding window only), "csa" (ratio-4 overlapping compressor + lightning
+      indexer top-k) or "hca" (non-overlapping compressor, all entries attended).
+    """
+
+    index: int
+    attention: str
+    compress_ratio: int
+    overlap: bool
+    indexer: bool
+    hash_routed: bool
+    rope_theta: float
+    yarn: Yarn | None
+    mtp: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    # One entry per backbone layer followed by one per MTP slot: 0 = SWA only, r = r-to-1 compression.
+    compress_ratios: tuple[int, ...]
+    rope_theta: float
+    compress_rope_theta: float
+    yarn: Yarn | None
+    max_position_embeddings: int
+    rms_norm_eps: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    n_experts_per_tok: int
+    moe_intermediate_size: int
+    num_hash_layers: int
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    num_mtp_layers: int = 1
+    csa_ratio: int = 4  # the ratio whose layers get the overlapping compressor and the indexer
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    generation: str = "v4"
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"invalid ModelConfig ({self.name}): {msg}")
+
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank",
+                  "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts", "n_experts_per_tok",
+                  "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "index_n_heads",
+                  "index_head_dim", "index_topk", "max_position_embeddings"):
+            need(int(getattr(self, f)) > 0, f"{f} must be positive, got {getattr(self, f)}")
+        need(self.generation == "v4", f"generation {self.generation!r} is not supported (only 'v4')")
+        need(self.rope_head_dim % 2 == 0, f"rope_head_dim must be even, got {self.rope_head_dim}")
+        need(0 < self.rope_head_dim <= self.head_dim,
+             f"rope_head_dim {self.rope_head_dim} must be in (0, head_dim={self.head_dim}]")
+        need(self.rope_head_dim <= self.index_head_dim,
+             f"rope_head_dim {self.rope_head_dim} exceeds index_head_dim {self.index_head_dim}")
+        need(self.num_heads % self.o_groups == 0,
+             f"num_heads {self.num_heads} is not divisible by o_groups {self.o_groups}")
+        need(self.n_experts_per_tok <= self.n_routed_experts,
+             f"num_experts_per_tok {self.n_experts_per_tok} > n_routed_experts {self.n_routed_experts}")
+        need(self.n_shared_experts == 1, f"n_shared_experts must be 1, got {self.n_shared_experts}")
+        need(self.scoring_func in SCORING_FUNCS,
+             f"scoring_func {self.scoring_func!r} not in {SCORING_FUNCS}")
+        need(0 <= self.num_hash_layers <= self.num_layers,
+             f"num_hash_layers {self.num_hash_layers} not in [0, num_layers={self.num_layers}]")
+        need(self.num_mtp_layers >= 0, "num_mtp_layers must be >= 0")
+        need(len(self.compress_ratios) == self.num_layers + self.num_mtp_layers,
+             f"compress_ratios has {len(self.compress_ratios)} entries, expected num_layers + "
+             f"num_mtp_layers = {self.num_layers + self.num_mtp_layers}")
+        for i, r in enumerate(self.compress_ratios):
+            need(r >= 0, f"compress_ratios[{i}] = {r} is negative")
+        for i in range(self.num_layers, len(self.compress_ratios)):
+            need(self.compress_ratios[i] == 0, f"MTP slot {i} must be SWA only (ratio 0)")
+        need(self.csa_ratio > 0, "csa_ratio must be positive")
+        if self.yarn is not None:
+            need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_blocks(self) -> int:
+        """Backbone layers plus MTP slots."""
+        return self.num_layers + self.num_mtp_layers
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+    def layer_spec(self, index: int) -> LayerSpec:
+        if not 0 <= index < self.num_blocks:
+            raise ValueError(f"layer index {index} out of range [0, {self.num_blocks})")
+        ratio = self.compress_ratios[index]
+        mtp = index >= self.num_layers
+        if ratio == 0:
+            kind = "swa"
+        elif ratio == self.csa_ratio:
+            kind = "csa"
+        else:
+            kind = "hca"
+        return LayerSpec(
+            index=index,
+            attention=kind,
+            compress_ratio=ratio,
+            overlap=kind == "csa",
+            indexer=kind == "csa",
+            hash_routed=(not mtp) and index < self.num_hash_layers,
+            rope_theta=self.compress_rope_theta if ratio > 0 else self.rope_theta,
+            yarn=self.yarn if ratio > 0 else None,
+            mtp=mtp,
+        )
+
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        return tuple(self.layer_spec(i) for i in range(self.num_layers))
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """A table of layer -> attention kind, ratio, routing, rope."""
+        rows = [f"{'layer':>5} {'attn':>4} {'ratio':>5} {'router':>6} {'rope':>9} yarn"]
+        for i in range(self.num_blocks):
+            s = self.layer_spec(i)
+            name = f"mtp.{i - self.num_layers}" if s.mtp else str(i)
+            rows.append(f"{name:>5} {s.attention:>4} {s.compress_ratio:>5} "
+                        f"{'hash' if s.hash_routed else 'score':>6} {s.rope_theta:>9g} {s.yarn is not None}")
+        return "\n".join(rows)
+
+    def to_official_dict(self) -> dict:
+        """The official-release style config.json of this config (readable by `from_hf`)."""
+        d = {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": 1, "head_dim": self.head_dim, "qk_rope_head_dim": self.rope_head_dim,
+            "q_lora_rank": self.q_lora_rank, "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank,
+            "sliding_window": self.sliding_window, "compress_ratios": list(self.compress_ratios),
+            "compress_rate_csa": self.csa_ratio, "rope_theta": self.rope_theta,
+            "compress_rope_theta": self.compress_rope_theta,
+            "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
+            "index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk, "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.n_experts_per_tok, "n_shared_experts": self.n_shared_experts,
+            "moe_intermediate_size": self.moe_intermediate_size, "num_hash_layers": self.num_hash_layers,
+            "routed_scaling_factor": self.routed_scaling_factor, "swiglu_limit": self.swiglu_limit,
+            "scoring_func": self.scoring_func, "norm_topk_prob": self.norm_topk_prob,
+            "hc_mult": self.hc_mult, "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps,
+            "num_nextn_predict_layers": self.num_mtp_layers, "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id, "hidden_act": "silu", "tie_word_embeddings": False,
+        }
+        if self.yarn is not None:
+            d["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.yarn)}
+        return d
+
+    # ------------------------------------------------------------------ presets
+    @staticmethod
+    def preset(name: str) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+        return PRESETS[name]()
+
+    # ------------------------------------------------------------------ readers
+    @staticmethod
+    def from_hf(path_or_dict: str | Path | dict) -> "ModelConfig":
+        """Read an official or HF-transformers-style config.json (a path, a directory or a dict)."""
+        if isinstance(path_or_dict, dict):
+            raw, where = path_or_dict, "<dict>"
+        else:
+            p = Path(path_or_dict)
+            if p.is_dir():
+                p = p / "config.json"
+            if not p.is_file():
+                raise FileNotFoundError(f"config.json not found: {p}")
+            try:
+                raw = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}: not valid JSON ({e})") from e
+            where = str(p)
+        return _config_from_dict(raw, where)
+
+
+def _config_from_dict(raw: dict, where: str) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; expected one of "
+                         f"{SUPPORTED_MODEL_TYPES}")
+
+    def get(*keys: str, default: Any = KeyError) -> Any:
+        for k in keys:
+            if k in raw and raw[k] is not None:
+                return raw[k]
+        if default is KeyError:
+            raise ValueError(f"{where}: missing config field {keys[0]!r}")
+        return default
+
+    num_layers = int(get("num_hidden_layers", "n_layers"))
+    head_dim = int(get("head_dim"))
+    num_mtp = int(get("num_nextn_predict_layers", "n_mtp_layers", default=1))
+
+    # Per-layer attention kinds / ratios.
+    if "layer_types" in raw and raw["layer_types"] is not None:  # HF style
+        rates = dict(get("compress_rates", default={}) or {})
+        rates.setdefault("compressed_sparse_attention", 4)
+        rates.setdefault("heavily_compressed_attention", 128)
+        types = list(raw["layer_types"])
+        if len(types) < num_layers:
+            raise ValueError(f"{where}: layer_types has {len(types)} entries < num_hidden_layers {num_layers}")
+        ratios = []
+        for i, t in enumerate(types[:num_layers]):
+            if t not in HF_LAYER_TYPES:
+                raise ValueError(f"{where}: unknown layer type {t!r} at layer {i}; expected one of "
+                                 f"{sorted(HF_LAYER_TYPES)}")
+            ratios.append(0 if t == "sliding_attention" else int(rates[t]))
+        ratios += [0] * num_mtp
+        csa_ratio = int(rates["compressed_sparse_attention"])
+    else:  # official style
+        ratios = [int(r) for r in get("compress_ratios")]
+        if len(ratios) < num_layers:
+            raise ValueError(f"{where}: compress_ratios has {len(ratios)} entries < num_hidden_layers {num_layers}")
+        ratios = ratios[:num_layers] + [0] * num_mtp  # trailing slots are MTP (always SWA)
+        csa_ratio = int(get("compress_rate_csa", default=4))
+
+    if raw.get("mlp_layer_types") is not None:
+        mlp = list(raw["mlp_layer_types"])[:num_layers]
+        for i, t in enumerate(mlp):
+            if t not in HF_MLP_LAYER_TYPES:
+                raise ValueError(f"{where}: unknown mlp layer type {t!r} at layer {i}")
+        n_hash = sum(t == "hash_moe" for t in mlp)
+        if mlp[:n_hash] != ["hash_moe"] * n_hash:
+            raise ValueError(f"{where}: hash_moe layers must come first, got {mlp}")
+    else:
+        n_hash = int(get("num_hash_layers", "n_hash_layers", default=0))
+
+    # RoPE: official `rope_scaling` (+ `qk_rope_head_dim`), HF `rope_parameters` {main, compress}.
+    rope_theta = float(get("rope_theta", default=10000.0))
+    compress_theta = float(get("compress_rope_theta", default=160000.0))
+    yarn_raw = None
+    rp = raw.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
+        comp = rp["compress"]
+        compress_theta = float(comp.get("rope_theta", compress_theta))
+        if isinstance(rp.get("main"), dict):
+            rope_theta = float(rp["main"].get("rope_theta", rope_theta))
+        if comp.get("rope_type", comp.get("type")) == "yarn":
+            yarn_raw = comp
+    elif isinstance(rp, dict) and rp.get("rope_type", rp.get("type")) == "yarn":
+        yarn_raw = rp
+    elif isinstance(raw.get("rope_scaling"), dict):
+        rs = raw["rope_scaling"]
+        if rs.get("type", rs.get("rope_type")) == "yarn":
+            yarn_raw = rs
+        elif rs.get("type", rs.get("rope_type")) not in (None, "default"):
+            raise ValueError(f"{where}: unsupported rope_scaling type {rs.get('type')!r}")
+    yarn = None
+    if yarn_raw is not None:
+        yarn = Yarn(factor=float(yarn_raw["factor"]),
+                    original_max_position_embeddings=int(yarn_raw["original_max_position_embeddings"]),
+                    beta_fast=float(yarn_raw.get("beta_fast", 32)),
+                    beta_slow=float(yarn_raw.get("beta_slow", 1)))
+
+    if raw.get("qk_rope_head_dim") is not None:
+        rope_dim = int(raw["qk_rope_head_dim"])
+    elif raw.get("partial_rotary_factor") is not None:
+        rope_dim = int(round(head_dim * float(raw["partial_rotary_factor"])))
+    else:
+        rope_dim = head_dim * 64 // 512
+
+    if int(get("num_key_value_heads", default=1)) != 1:
+        raise ValueError(f"{where}: num_key_value_heads must be 1 (shared-KV MQA)")
+    eos = get("eos_token_id", default=1)
+    return ModelConfig(
+        vocab_size=int(get("vocab_size")),
+        hidden_size=int(get("hidden_size", "dim")),
+        num_layers=num_layers,
+        num_heads=int(get("num_attention_heads", "n_heads")),
+        head_dim=head_dim,
+        rope_head_dim=rope_dim,
+        q_lora_rank=int(get("q_lora_rank")),
+        o_groups=int(get("o_groups")),
+        o_lora_rank=int(get("o_lora_rank")),
+        sliding_window=int(get("sliding_window", "window_size")),
+        compress_ratios=tuple(ratios),
+        rope_theta=rope_theta,
+        compress_rope_theta=compress_theta,
+        yarn=yarn,
+        max_position_embeddings=int(get("max_position_embeddings", default=1 << 20)),
+        rms_norm_eps=float(get("rms_norm_eps", "norm_eps", default=1e-6)),
+        index_n_heads=int(get("index_n_heads")),
+        index_head_dim=int(get("index_head_dim")),
+        index_topk=int(get("index_topk")),
+        n_routed_experts=int(get("n_routed_experts")),
+        n_experts_per_tok=int(get("num_experts_per_tok", "n_activated_experts")),
+        moe_intermediate_size=int(get("moe_intermediate_size", "moe_inter_dim")),
+        num_hash_layers=n_hash,
+        n_shared_experts=int(get("n_shared_experts", default=1)),
+        routed_scaling_factor=float(get("routed_scaling_factor", "route_scale", default=1.0)),
+        swiglu_limit=float(get("swiglu_limit", default=0.0)),
+        scoring_func=str(get("scoring_func", "score_func", default="sqrtsoftplus")),
+        norm_topk_prob=bool(get("norm_topk_prob", default=True)),
+        hc_mult=int(get("hc_mult", default=4)),
+        hc_sinkhorn_iters=int(get("hc_sinkhorn_iters", default=20)),
+        hc_eps=float(get("hc_eps", default=1e-6)),
+        num_mtp_layers=num_mtp,
+        csa_ratio=csa_ratio,
+        bos_token_id=int(get("bos_token_id", default=0)),
+        eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+        name=str(raw.get("_name_or_path") or where),
+    )
+
+
+def _tiny_v4() -> ModelConfig:
+    # SWA, SWA(hash), CSA, HCA, CSA, HCA + one MTP slot; 16 indexer heads avoid exact top-k ties.
+    return ModelConfig(
+        vocab_size=256, hidden_size=128, num_layers=6, num_heads=4, head_dim=96, rope_head_dim=32,
+        q_lora_rank=128, o_groups=2, o_lora_rank=64, sliding_window=8,
+        compress_ratios=(0, 0, 4, 16, 4, 16, 0), rope_theta=10000.0, compress_rope_theta=40000.0,
+        yarn=Yarn(factor=4.0, original_max_position_embeddings=32), max_position_embeddings=1024,
+        rms_norm_eps=1e-6, index_n_heads=16, index_head_dim=64, index_topk=4, n_routed_experts=8,
+        n_experts_per_tok=2, moe_intermediate_size=128, num_hash_layers=2, num_mtp_layers=1,
+        name="tiny-v4",
+    )
+
+
+def _v4_flash() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=129280, hidden_size=4096, num_layers=43, num_heads=64, head_dim=512, rope_head_dim=64,
+        q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
+        compress_ratios=(0, 0) + (4, 128) * 20 + (4,) + (0,), rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        yarn=Yarn(factor=16.0, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1),
+        max_position_embeddings=1048576, rms_norm_eps=1e-6, index_n_heads=64, index_head_dim=128,
+        index_topk=512, n_routed_experts=256, n_experts_per_tok=6, moe_intermediate_size=2048,
+        num_hash_layers=3, num_mtp_layers=1, name="v4-flash",
+    )
+
+
+PRESETS = {"tiny-v4": _tiny_v4, "v4-flash": _v4_flash}
+
+
+def _v4_flash_layers(num_layers: int) -> ModelConfig:
+    """V4-Flash widths with fewer layers (benchmarks on one GPU): SWA, SWA, then CSA/HCA alternating."""
+    base = _v4_flash()
+    ratios = tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(num_layers)) + (0,)
+    return base.replace(num_layers=num_layers, compress_ratios=ratios,
+                        num_hash_layers=min(3, num_layers), name=f"v4-flash-{num_layers}l")
+
+
+PRESETS["v4-flash-4l"] = lambda: _v4_flash_layers(4)

@@ -1,0 +1,74 @@
+"""Manifold-constrained hyper-connections (MODEL_SPEC 2.2).
+
+The residual is n streams X [..., n, D]. For each sublayer, coefficients come from X:
+rho = rsqrt(mean(flat(X)^2) + eps), m = rho * (fn @ flat(X)) (fp32), then
+pre = sigmoid(m_pre * s0 + b_pre) + hc_eps, post = 2 sigmoid(m_post * s1 + b_post),
+comb = Sinkhorn(softmax_rows(M * s2 + B) + hc_eps) ending on a column normalisation.
+collapse: y = sum_i pre_i X_i; expand: X'_j = post_j F + sum_i comb_ij X_i.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .layers import normal_init, rms_normalize
+
+
+class HyperConnection(nnx.Module):
+    """Holds one sublayer's (fn [(2+n)n, nD], base [(2+n)n], scale [3]) and computes its coefficients."""
+
+    def __init__(self, hc_mult: int, dim: int, *, rngs: nnx.Rngs):
+        n = hc_mult
+        self.fn = nnx.Param(normal_init(rngs, ((2 + n) * n, n * dim), 0.05))
+        self.base = nnx.Param(normal_init(rngs, ((2 + n) * n,), 0.2))
+        self.scale = nnx.Param(normal_init(rngs, (3,), 0.2, mean=0.5))
+
+
+def hc_coefficients(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Array, *, norm_eps: float,
+                    hc_eps: float, sinkhorn_iters: int):
+    """x: [..., n, D] -> pre [..., n], post [..., n], comb [..., n, n] (all float32)."""
+    n = x.shape[-2]
+    flat = rms_normalize(x.reshape(*x.shape[:-2], -1), norm_eps)
+    m = jnp.einsum("...k,ok->...o", flat, fn.astype(jnp.float32))
+    base = base.astype(jnp.float32)
+    scale = scale.astype(jnp.float32)
+    pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
+    comb = jax.nn.softmax(logits, axis=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdims=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdims=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdims=True) + hc_eps)
+    return pre, post, comb
+
+
+def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
+    """y = sum_i pre_i X_i (float32 sum, cast to the residual dtype). x [..., n, D], pre [..., n]."""
+    return jnp.einsum("...n,...nd->...d", pre, x.astype(jnp.float32)).astype(x.dtype)
+
+
+def expand(x: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """X'_j = post_j * F + sum_i comb_ij X_i. x [..., n, D], out F [..., D]."""
+    dt = x.dtype
+    mixed = jnp.einsum("...ij,...id->...jd", comb.astype(dt), x)
+    return post.astype(dt)[..., None] * out.astype(dt)[..., None, :] + mixed
+
+
+class HyperHead(nnx.Module):
+    """Final collapse [V4]: a_i = sigmoid(rho (fn_i . flat X) scale + base_i) + hc_eps, y = sum a_i X_i."""
+
+    def __init__(self, hc_mult: int, dim: int, *, rngs: nnx.Rngs):
+        self.fn = nnx.Param(normal_init(rngs, (hc_mult, hc_mult * dim), 0.05))
+        self.base = nnx.Param(normal_init(rngs, (hc_mult,), 0.2))
+        self.scale = nnx.Param(normal_init(rngs, (1,), 0.2, mean=0.5))
+
+
+def hc_head_collapse(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Array, *, norm_eps: float,
+                     hc_eps: float) -> jax.Array:
+    flat = rms_normalize(x.reshape(*x.shape[:-2], -1), norm_eps)
+    m = jnp.einsum("...k,ok->...o", flat, fn.astype(jnp.float32))
+    pre = jax.nn.sigmoid(m * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + hc_eps
+    return collapse(x, pre)

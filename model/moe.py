@@ -1,0 +1,104 @@
+"""Mixture of experts (MODEL_SPEC 2.8): router (score / hash), clamped SwiGLU experts, shared expert.
+
+Router in float32: s = f(W_g h) with f = sqrt(softplus) (or sigmoid / softmax). Score-routed layers
+pick top-k of s + bias (bias only for choosing); hash layers pick tid2eid[token]. Weights are the
+unbiased s of the chosen experts, normalised to sum 1, times routed_scaling_factor.
+Expert: z = silu(min(W1 x, L)) * clip(W3 x, -L, L); routed z is scaled by its weight before W2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels import reference as ref
+
+from .config import LayerSpec, ModelConfig
+from .layers import Linear, Table, normal_init
+
+
+def score_function(name: str, logits: jax.Array) -> jax.Array:
+    if name == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if name == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if name == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"unknown scoring function {name!r}")
+
+
+class Gate(nnx.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
+        e, k = cfg.n_routed_experts, cfg.n_experts_per_tok
+        self.weight = nnx.Param(normal_init(rngs, (e, cfg.hidden_size), cfg.hidden_size ** -0.5, dtype=dtype))
+        if spec.hash_routed:
+            # k distinct experts per token id, as the released table has.
+            keys = jax.random.uniform(rngs.params(), (cfg.vocab_size, e))
+            self.tid2eid = Table(jnp.argsort(keys, axis=-1)[:, :k].astype(jnp.int32))
+            self.bias = None
+        else:
+            self.tid2eid = None
+            self.bias = nnx.Param(normal_init(rngs, (e,), 0.3))
+        self.cfg = cfg
+
+    def __call__(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
+        cfg = self.cfg
+        logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        scores = score_function(cfg.scoring_func, logits)
+        if self.tid2eid is not None:
+            ids = jnp.take(self.tid2eid[...], tokens, axis=0).astype(jnp.int32)
+        else:
+            _, ids = jax.lax.top_k(scores + self.bias[...], cfg.n_experts_per_tok)
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return ids, weights * cfg.routed_scaling_factor
+
+
+class Experts(nnx.Module):
+    """Stacked routed experts: w1, w3 [E, I, D] (gate, up), w2 [E, D, I] (down)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype):
+        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.w1 = nnx.Param(normal_init(rngs, (e, i, d), d ** -0.5, dtype=dtype))
+        self.w2 = nnx.Param(normal_init(rngs, (e, d, i), i ** -0.5, dtype=dtype))
+        self.w3 = nnx.Param(normal_init(rngs, (e, i, d), d ** -0.5, dtype=dtype))
+
+
+class MLP(nnx.Module):
+    """The shared expert (same clamped SwiGLU, weight 1)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype):
+        d, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.w1 = Linear(d, i, rngs=rngs, dtype=dtype)
+        self.w2 = Linear(i, d, rngs=rngs, dtype=dtype)
+        self.w3 = Linear(d, i, rngs=rngs, dtype=dtype)
+        self.limit = cfg.swiglu_limit
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        z = ref.clamped_swiglu(self.w1(x), self.w3(x), self.limit)
+        return self.w2(z.astype(x.dtype))
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
+        self.gate = Gate(cfg, spec, rngs=rngs, dtype=dtype)
+        self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+        self.shared_experts = MLP(cfg, rngs=rngs, dtype=dtype)
+        self.limit = cfg.swiglu_limit
+
+    def route(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """h [B, T, D], tokens [B, T] -> expert ids, weights [B, T, k]."""
+        ids, w = self.gate(h.reshape(-1, h.shape[-1]), tokens.reshape(-1))
+        return ids.reshape(*h.shape[:-1], -1), w.reshape(*h.shape[:-1], -1)
+
+    def __call__(self, h: jax.Array, tokens: jax.Array) -> jax.Array:
+        """h [B, T, D], tokens [B, T] -> [B, T, D]."""
+        ids, w = self.route(h, tokens)
+        x = h.reshape(-1, h.shape[-1])
+        routed = ref.moe_experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1),
+                                 self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], self.limit)
+        out = routed + self.shared_experts(x).astype(jnp.float32)
+        return out.astype(h.dtype).reshape(h.shape)

@@ -1,0 +1,166 @@
+"""Block and Transformer (MODEL_SPEC 2.1, 2.2, 2.9, 2.11).
+
+tokens -> embed -> n residual streams -> per block:
+  mHC(attn) collapse -> attn_norm -> Attention -> expand; mHC(ffn) collapse -> ffn_norm -> MoE -> expand
+-> hc_head collapse -> norm -> head -> float32 logits.
+The MTP block (`mtp.0`) is a full block fed with W_e RMSNorm(embed(x_{p+1})) + W_h RMSNorm(X_p).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .attention import Attention
+from .config import LayerSpec, ModelConfig
+from .layers import Embedding, Linear, RMSNorm
+from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
+from .moe import MoE
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
+        self.hc_attn = HyperConnection(cfg.hc_mult, cfg.hidden_size, rngs=rngs)
+        self.hc_ffn = HyperConnection(cfg.hc_mult, cfg.hidden_size, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+        self.attn = Attention(cfg, spec, rngs=rngs, dtype=dtype)
+        self.ffn = MoE(cfg, spec, rngs=rngs, dtype=dtype)
+        self.spec = spec
+        self.hc_kw = dict(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+
+    def _coefficients(self, hc: HyperConnection, x: jax.Array):
+        return hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, **self.hc_kw)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, tokens: jax.Array) -> jax.Array:
+        """x [B, T, n, D] residual streams -> same."""
+        pre, post, comb = self._coefficients(self.hc_attn, x)
+        a = self.attn(self.attn_norm(collapse(x, pre)), positions)
+        x = expand(x, a, post, comb)
+        pre, post, comb = self._coefficients(self.hc_ffn, x)
+        f = self.ffn(self.ffn_norm(collapse(x, pre)), tokens)
+        return expand(x, f, post, comb)
+
+
+class MTPBlock(Block):
+    """MTP-1 [V4]: input streams W_e RMSNorm(embed(next token)) + W_h RMSNorm(X_i), a full block,
+    then its own hc_head and norm before the shared head."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
+        super().__init__(cfg, spec, rngs=rngs, dtype=dtype)
+        d = cfg.hidden_size
+        self.e_proj = Linear(d, d, rngs=rngs, dtype=dtype)
+        self.h_proj = Linear(d, d, rngs=rngs, dtype=dtype)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs)
+        self.hc_head = HyperHead(cfg.hc_mult, d, rngs=rngs)
+
+    def hidden(self, residual: jax.Array, next_embed: jax.Array, positions: jax.Array,
+               next_tokens: jax.Array) -> jax.Array:
+        """residual [B, T, n, D] (backbone, before hc_head), next_embed [B, T, D] -> normed [B, T, D]."""
+        e = self.e_proj(self.enorm(next_embed))
+        x = self.h_proj(self.hnorm(residual)) + e[:, :, None, :]
+        x = super().__call__(x.astype(residual.dtype), positions, next_tokens)
+        y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], x,
+                             norm_eps=self.hc_kw["norm_eps"], hc_eps=self.hc_kw["hc_eps"])
+        return self.norm(y)
+
+
+class Transformer(nnx.Module):
+    """The V4 model. `model(tokens)` -> float32 logits [B, T, vocab] (full sequence, no cache)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype="float32"):
+        dtype = resolve_dtype(dtype)
+        self.config = cfg
+        self.dtype = dtype
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List([Block(cfg, cfg.layer_spec(i), rngs=rngs, dtype=dtype)
+                                for i in range(cfg.num_layers)])
+        self.mtp = nnx.List([MTPBlock(cfg, cfg.layer_spec(cfg.num_layers + j), rngs=rngs, dtype=dtype)
+                             for j in range(cfg.num_mtp_layers)])
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, rngs=rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype, fp32=True)
+
+    # ---------------------------------------------------------------- pieces
+    def logits(self, y: jax.Array) -> jax.Array:
+        """Normed final hidden [.., D] -> float32 logits [.., vocab]."""
+        return self.head(y)
+
+    def backbone(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """tokens [B, T] -> final residual streams [B, T, n, D] (before hc_head)."""
+        e = self.embed(tokens)
+        x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
+        for block in self.layers:
+            x = block(x, positions, tokens)
+        return x
+
+    def final_hidden(self, residual: jax.Array) -> jax.Array:
+        cfg = self.config
+        y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], residual,
+                             norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+        return self.norm(y)
+
+    def mtp_logits(self, residual: jax.Array, next_tokens: jax.Array, positions: jax.Array,
+                   stage: int = 0) -> jax.Array:
+        """MTP-1: row t of `residual` with token x_{t+1} predicts x_{t+2}. -> [B, T, vocab] float32."""
+        if stage >= len(self.mtp):
+            raise ValueError(f"model has {len(self.mtp)} MTP stages; stage {stage} requested")
+        return self.logits(self.mtp[stage].hidden(residual, self.embed(next_tokens), positions, next_tokens))
+
+    # ---------------------------------------------------------------- full forward
+    def check_tokens(self, tokens) -> jax.Array:
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be integers, got {tokens.dtype}")
+        if tokens.shape[1] == 0:
+            raise ValueError("tokens has zero length")
+        if not isinstance(tokens, jax.core.Tracer):
+            lo, hi = int(np.min(tokens)), int(np.max(tokens))
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got range [{lo}, {hi}]")
+        return tokens.astype(jnp.int32)
+
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """tokens [B, T] from position 0 -> (logits [B, T, V] float32, residual [B, T, n, D])."""
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        residual = self.backbone(tokens, positions)
+        return self.logits(self.final_hidden(residual)), residual
+
+    def __call__(self, tokens) -> jax.Array:
+        tokens = self.check_tokens(tokens)
+        return _jit_forward(self, tokens)[0]
+
+
+@nnx.jit
+def _jit_forward(model: Transformer, tokens: jax.Array):
+    return model.forward(tokens)
+
+
+def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32") -> Transformer:
+    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...)."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype)
+
+
+def abstract_model(cfg: ModelConfig, dtype="bfloat16") -> Transformer:
+    """Shapes only (no memory): `nnx.eval_shape` of the model."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0), dtype=dtype))
+
+
+def parameter_count(model: Transformer) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

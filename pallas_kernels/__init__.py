@@ -1,0 +1,1 @@
+"""jaxinfer: pallas_kernels (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""jaxinfer: sampling (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""jaxinfer: sharding (see DESIGN.md)."""

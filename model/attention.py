@@ -16,6 +16,7 @@ from flax import nnx
 
 from pallas_kernels import reference as ref
 
+from .cache import LayerCache, Step, ring_positions, ring_write
 from .compressor import Compressor, Indexer, visible_entries
 from .config import LayerSpec, ModelConfig
 from .layers import Linear, RMSNorm, apply_rope, normal_init, rms_normalize, rope_frequencies
@@ -61,21 +62,37 @@ class Attention(nnx.Module):
         u = jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
         return self.wo_b(u.reshape(*u.shape[:-2], -1))
 
-    def __call__(self, h: jax.Array, positions: jax.Array) -> jax.Array:
-        """Full-sequence attention: h [B, T, D] at positions [B, T] = 0..T-1 -> [B, T, D]."""
-        q, c_q = self.queries(h, positions)
-        kv = self.keys(h, positions)
-        delta = positions[:, :, None] - positions[:, None, :]
-        mask = (delta >= 0) & (delta < self.window)
-        keys = kv
+    def __call__(self, h: jax.Array, step: Step, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+        """h [B, S, D] rows of `step` -> ([B, S, D], cache with this chunk written).
+
+        Keys: the SWA ring (positions before the chunk), the chunk's own rows, and (compressed layers)
+        the entry store after adding the blocks this chunk closes.
+        """
+        pos = step.positions
+        q, c_q = self.queries(h, pos)
+        kv = self.keys(h, pos)
+        ring_pos = ring_positions(step.start, cache.kv.shape[1])
+        keys = [cache.kv, kv]
+        masks = [self._window(pos, ring_pos, ring_pos >= 0), self._window(pos, pos, step.valid)]
+        new = cache.replace(kv=ring_write(cache.kv, kv, step))
         if self.compressor is not None:
-            entries = self.compressor(h, positions)
-            visible = visible_entries(positions, entries.shape[1], self.spec.compress_ratio)
+            comp = self.compressor.update(h, step, cache.comp)
+            n = comp.entries.shape[1]
+            visible = visible_entries(pos, n, self.spec.compress_ratio)
             if self.indexer is not None:
-                iq, iw = self.indexer.queries(h, c_q, positions)
-                chosen = self.indexer.select(iq, iw, self.indexer.keys(h, positions), positions)
-                visible = visible & ref.indices_to_mask(chosen, entries.shape[1])
-            keys = jnp.concatenate([kv, entries], axis=1)
-            mask = jnp.concatenate([mask, visible], axis=2)
-        o = ref.sink_attention(q, keys, mask, self.attn_sink[...], self.head_dim ** -0.5)
-        return self.output(o, positions)
+                index = self.indexer.compressor.update(h, step, cache.index)
+                iq, iw = self.indexer.queries(h, c_q, pos)
+                chosen = self.indexer.select(iq, iw, index.entries, pos)
+                visible = visible & ref.indices_to_mask(chosen, n)
+                new = new.replace(index=index)
+            keys.append(comp.entries)
+            masks.append(visible)
+            new = new.replace(comp=comp)
+        o = ref.sink_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(masks, axis=2),
+                               self.attn_sink[...], self.head_dim ** -0.5)
+        return self.output(o, pos), new
+
+    def _window(self, q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+        """[B, S] query positions x [B, N] key positions -> [B, S, N]: 0 <= q - k < W and key valid."""
+        delta = q_pos[:, :, None] - k_pos[:, None, :]
+        return (delta >= 0) & (delta < self.window) & k_valid[:, None, :]

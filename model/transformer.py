@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from .attention import Attention
+from .cache import Cache, LayerCache, Step, allocate, allocate_layer
 from .config import LayerSpec, ModelConfig
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
@@ -39,19 +40,21 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, spec, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, spec, rngs=rngs, dtype=dtype)
         self.spec = spec
-        self.hc_kw = dict(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+        self.norm_eps, self.hc_eps, self.sinkhorn_iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
 
     def _coefficients(self, hc: HyperConnection, x: jax.Array):
-        return hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, **self.hc_kw)
+        return hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, norm_eps=self.norm_eps,
+                               hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, tokens: jax.Array) -> jax.Array:
-        """x [B, T, n, D] residual streams -> same."""
+    def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache
+                 ) -> tuple[jax.Array, LayerCache]:
+        """x [B, S, n, D] residual streams of the chunk `step` -> (same shape, updated layer cache)."""
         pre, post, comb = self._coefficients(self.hc_attn, x)
-        a = self.attn(self.attn_norm(collapse(x, pre)), positions)
+        a, cache = self.attn(self.attn_norm(collapse(x, pre)), step, cache)
         x = expand(x, a, post, comb)
         pre, post, comb = self._coefficients(self.hc_ffn, x)
         f = self.ffn(self.ffn_norm(collapse(x, pre)), tokens)
-        return expand(x, f, post, comb)
+        return expand(x, f, post, comb), cache
 
 
 class MTPBlock(Block):
@@ -68,15 +71,15 @@ class MTPBlock(Block):
         self.norm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs)
         self.hc_head = HyperHead(cfg.hc_mult, d, rngs=rngs)
 
-    def hidden(self, residual: jax.Array, next_embed: jax.Array, positions: jax.Array,
-               next_tokens: jax.Array) -> jax.Array:
-        """residual [B, T, n, D] (backbone, before hc_head), next_embed [B, T, D] -> normed [B, T, D]."""
+    def hidden(self, residual: jax.Array, next_embed: jax.Array, step: Step, next_tokens: jax.Array,
+               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+        """residual [B, S, n, D] (backbone, before hc_head), next_embed [B, S, D] -> (normed [B, S, D], cache)."""
         e = self.e_proj(self.enorm(next_embed))
         x = self.h_proj(self.hnorm(residual)) + e[:, :, None, :]
-        x = super().__call__(x.astype(residual.dtype), positions, next_tokens)
+        x, cache = super().__call__(x.astype(residual.dtype), step, next_tokens, cache)
         y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], x,
-                             norm_eps=self.hc_kw["norm_eps"], hc_eps=self.hc_kw["hc_eps"])
-        return self.norm(y)
+                             norm_eps=self.norm_eps, hc_eps=self.hc_eps)
+        return self.norm(y), cache
 
 
 class Transformer(nnx.Module):
@@ -100,13 +103,9 @@ class Transformer(nnx.Module):
         """Normed final hidden [.., D] -> float32 logits [.., vocab]."""
         return self.head(y)
 
-    def backbone(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        """tokens [B, T] -> final residual streams [B, T, n, D] (before hc_head)."""
+    def embed_streams(self, tokens: jax.Array) -> jax.Array:
         e = self.embed(tokens)
-        x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
-        for block in self.layers:
-            x = block(x, positions, tokens)
-        return x
+        return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
 
     def final_hidden(self, residual: jax.Array) -> jax.Array:
         cfg = self.config
@@ -114,12 +113,33 @@ class Transformer(nnx.Module):
                              norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
         return self.norm(y)
 
-    def mtp_logits(self, residual: jax.Array, next_tokens: jax.Array, positions: jax.Array,
-                   stage: int = 0) -> jax.Array:
-        """MTP-1: row t of `residual` with token x_{t+1} predicts x_{t+2}. -> [B, T, vocab] float32."""
+    def step(self, tokens: jax.Array, cache: Cache, n_new: jax.Array
+             ) -> tuple[jax.Array, Cache, jax.Array]:
+        """Run a chunk: tokens [B, S] at positions lengths[b] + i, valid for i < n_new[b].
+
+        -> (logits [B, S, V] float32, cache advanced by n_new, residual [B, S, n, D] before hc_head).
+        Rows i >= n_new[b] are padding: computed, never written to the cache, outputs meaningless.
+        """
+        step = Step.make(cache.lengths, n_new, tokens.shape[1])
+        x = self.embed_streams(tokens)
+        layers = []
+        for block, layer_cache in zip(self.layers, cache.layers):
+            x, layer_cache = block(x, step, tokens, layer_cache)
+            layers.append(layer_cache)
+        cache = cache.replace(lengths=step.end, layers=tuple(layers))
+        return self.logits(self.final_hidden(x)), cache, x
+
+    def mtp_logits(self, residual: jax.Array, next_tokens: jax.Array, stage: int = 0) -> jax.Array:
+        """MTP-1 over a full sequence from position 0: row t of `residual` with token x_{t+1} predicts
+        x_{t+2}. -> [B, T, vocab] float32."""
         if stage >= len(self.mtp):
             raise ValueError(f"model has {len(self.mtp)} MTP stages; stage {stage} requested")
-        return self.logits(self.mtp[stage].hidden(residual, self.embed(next_tokens), positions, next_tokens))
+        b, t = next_tokens.shape
+        cfg = self.config
+        layer_cache = allocate_layer(cfg, cfg.num_layers + stage, b, t, residual.dtype)
+        step = Step.make(jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32), t)
+        y, _ = self.mtp[stage].hidden(residual, self.embed(next_tokens), step, next_tokens, layer_cache)
+        return self.logits(y)
 
     # ---------------------------------------------------------------- full forward
     def check_tokens(self, tokens) -> jax.Array:
@@ -138,9 +158,10 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens [B, T] from position 0 -> (logits [B, T, V] float32, residual [B, T, n, D])."""
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        residual = self.backbone(tokens, positions)
-        return self.logits(self.final_hidden(residual)), residual
+        b, t = tokens.shape
+        cache = allocate(self.config, b, t, self.dtype)
+        logits, _, residual = self.step(tokens, cache, jnp.full((b,), t, jnp.int32))
+        return logits, residual
 
     def __call__(self, tokens) -> jax.Array:
         tokens = self.check_tokens(tokens)

@@ -53,9 +53,12 @@ def topk_indices(scores: jax.Array, k: int) -> jax.Array:
 
 
 def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
-    """[..., K] int indices (-1 = none) -> [..., n] bool membership mask."""
-    hit = indices[..., :, None] == jnp.arange(n, dtype=indices.dtype)
-    return jnp.any(hit & (indices[..., :, None] >= 0), axis=-2)
+    """[B, T, K] int indices (-1 = none) -> [B, T, n] bool membership mask."""
+    b, t, _ = indices.shape
+    slot = jnp.where(indices >= 0, indices, n)  # -1 -> out of range -> dropped
+    bi = jnp.arange(b)[:, None, None]
+    ti = jnp.arange(t)[None, :, None]
+    return jnp.zeros((b, t, n), bool).at[bi, ti, slot].set(True, mode="drop")
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:

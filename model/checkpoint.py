@@ -233,3 +233,47 @@ def save_safetensors(model: Transformer, directory, config: dict | None = None) 
     (directory / "config.json").write_text(json.dumps(config or cfg.to_official_dict(), indent=1))
     quant_io.write_safetensors(directory / "model.safetensors", official_tensors(model))
     return directory
+
+
+# ----------------------------------------------------------------------------- orbax
+
+def save_orbax(model: Transformer, path) -> Path:
+    """Save the model's nnx state with orbax (`path/state`) plus its config (`path/config.json`).
+
+    The state is written as it is (parameter dtypes kept); `path` must not exist yet or be empty.
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()  # orbax wants absolute paths
+    if path.exists() and any(path.iterdir()):
+        raise ValueError(f"orbax checkpoint directory {path} exists and is not empty")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_official_dict(), indent=1))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path / "state", nnx.state(model))
+    checkpointer.wait_until_finished()
+    return path
+
+
+def restore_orbax(path, cfg: ModelConfig | None = None, dtype="bfloat16") -> Transformer:
+    """Restore a `save_orbax` checkpoint into `abstract_model(cfg, dtype)`.
+
+    `cfg` defaults to the saved `path/config.json`. Parameters are cast to the abstract model's
+    dtypes (so a float32 checkpoint restores into bfloat16 and back).
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    state_dir = path / "state"
+    if not state_dir.is_dir():
+        raise FileNotFoundError(f"no orbax state at {state_dir} (written by save_orbax)")
+    if cfg is None:
+        cfg = ModelConfig.from_hf(path / "config.json")
+    graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        state = checkpointer.restore(state_dir, abstract_state)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{state_dir}: orbax state does not match a {cfg.name} model "
+                         f"({type(e).__name__}: {e})") from e
+    return nnx.merge(graphdef, state)

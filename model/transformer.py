@@ -113,11 +113,12 @@ class Transformer(nnx.Module):
                              norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
         return self.norm(y)
 
-    def step(self, tokens: jax.Array, cache: Cache, n_new: jax.Array
+    def step(self, tokens: jax.Array, cache: Cache, n_new: jax.Array, last_only: bool = False
              ) -> tuple[jax.Array, Cache, jax.Array]:
         """Run a chunk: tokens [B, S] at positions lengths[b] + i, valid for i < n_new[b].
 
-        -> (logits [B, S, V] float32, cache advanced by n_new, residual [B, S, n, D] before hc_head).
+        -> (logits [B, S, V] float32 — or [B, 1, V] of each sequence's last valid row if `last_only` —,
+        cache advanced by n_new, residual [B, S, n, D] before hc_head).
         Rows i >= n_new[b] are padding: computed, never written to the cache, outputs meaningless.
         """
         step = Step.make(cache.lengths, n_new, tokens.shape[1])
@@ -127,7 +128,11 @@ class Transformer(nnx.Module):
             x, layer_cache = block(x, step, tokens, layer_cache)
             layers.append(layer_cache)
         cache = cache.replace(lengths=step.end, layers=tuple(layers))
-        return self.logits(self.final_hidden(x)), cache, x
+        rows = x
+        if last_only:
+            last = jnp.maximum(step.n_new - 1, 0)[:, None, None, None]
+            rows = jnp.take_along_axis(x, last, axis=1)
+        return self.logits(self.final_hidden(rows)), cache, x
 
     def mtp_logits(self, residual: jax.Array, next_tokens: jax.Array, stage: int = 0) -> jax.Array:
         """MTP-1 over a full sequence from position 0: row t of `residual` with token x_{t+1} predicts
@@ -171,6 +176,51 @@ class Transformer(nnx.Module):
 @nnx.jit
 def _jit_forward(model: Transformer, tokens: jax.Array):
     return model.forward(tokens)
+
+
+@nnx.jit(static_argnames="last_only", donate_argnames="cache")
+def _jit_step(model: Transformer, tokens: jax.Array, cache: Cache, n_new: jax.Array, last_only: bool):
+    logits, cache, _ = model.step(tokens, cache, n_new, last_only)
+    return logits, cache
+
+
+def prefill(model: Transformer, cache: Cache, tokens, lengths) -> tuple[jax.Array, Cache]:
+    """Append a chunk of prompt tokens to every sequence (chunked prefill from any cached length).
+
+    tokens [B, S] (padded), lengths [B] = valid tokens of each row (0 leaves a sequence untouched).
+    -> (logits of each sequence's last new token [B, V] float32, updated cache). The cache is donated.
+    """
+    tokens = model.check_tokens(tokens)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != (tokens.shape[0],):
+        raise ValueError(f"lengths must have shape ({tokens.shape[0]},) to match tokens {tokens.shape}, "
+                         f"got {lengths.shape}")
+    if cache.batch != tokens.shape[0]:
+        raise ValueError(f"cache holds {cache.batch} sequences, tokens have {tokens.shape[0]}")
+    _check_room(cache, lengths)
+    logits, cache = _jit_step(model, tokens, cache, lengths, True)
+    return logits[:, 0], cache
+
+
+def decode(model: Transformer, cache: Cache, tokens) -> tuple[jax.Array, Cache]:
+    """One new token per sequence (tokens [B] -> logits [B, V]) or a few (tokens [B, k] -> [B, k, V],
+    causal within the k rows, as speculative verification needs). The cache is donated."""
+    tokens = jnp.asarray(tokens)
+    single = tokens.ndim == 1
+    tokens = model.check_tokens(tokens[:, None] if single else tokens)
+    if cache.batch != tokens.shape[0]:
+        raise ValueError(f"cache holds {cache.batch} sequences, tokens have {tokens.shape[0]}")
+    n_new = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    _check_room(cache, n_new)
+    logits, cache = _jit_step(model, tokens, cache, n_new, False)
+    return (logits[:, 0] if single else logits), cache
+
+
+def _check_room(cache: Cache, n_new: jax.Array) -> None:
+    end = np.asarray(cache.lengths) + np.asarray(n_new)
+    if end.max() > cache.max_len:
+        raise ValueError(f"cache of max_len {cache.max_len} cannot hold {int(end.max())} positions; "
+                         "allocate a longer cache")
 
 
 def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32") -> Transformer:

@@ -1,1 +1,6 @@
-"""jaxinfer: sampling (see DESIGN.md)."""
+"""jaxinfer sampling: token sampling and the jitted generation loop."""
+
+from .generate import GenerateOutput, generate
+from .sampler import sample
+
+__all__ = ["GenerateOutput", "generate", "sample"]

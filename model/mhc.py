@@ -39,9 +39,12 @@ def hc_coefficients(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Arr
     logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
     comb = comb / (comb.sum(-2, keepdims=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdims=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdims=True) + hc_eps)
+
+    def sinkhorn_step(_, c):
+        c = c / (c.sum(-1, keepdims=True) + hc_eps)
+        return c / (c.sum(-2, keepdims=True) + hc_eps)
+
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_step, comb)
     return pre, post, comb
 
 

@@ -27,6 +27,7 @@ HF_LAYER_TYPES = {
 }
 HF_MLP_LAYER_TYPES = ("hash_moe", "moe")
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+IMPLS = ("reference", "pallas")
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     generation: str = "v4"
+    # Implementations of the hot paths (pallas_kernels): "reference" (pure jnp, every backend) or "pallas".
+    attention_impl: str = "reference"
+    moe_impl: str = "reference"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -138,6 +142,8 @@ class ModelConfig:
         for i in range(self.num_layers, len(self.compress_ratios)):
             need(self.compress_ratios[i] == 0, f"MTP slot {i} must be SWA only (ratio 0)")
         need(self.csa_ratio > 0, "csa_ratio must be positive")
+        for f in ("attention_impl", "moe_impl"):
+            need(getattr(self, f) in IMPLS, f"{f} must be one of {IMPLS}, got {getattr(self, f)!r}")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
 

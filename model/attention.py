@@ -1,25 +1,39 @@
-"""One attention block driven by `LayerSpec`: SWA, CSA (compressor + indexer top-k) or HCA
-(MODEL_SPEC 2.4-2.5).
+"""One attention block driven by `LayerSpec` (MODEL_SPEC 2.4-2.6): [V4] SWA, CSA (own compressor +
+indexer top-k) or HCA (own compressor, all entries); [V4.1] SWA, Full, Reindex or Reuse (CSA2).
 
-Common path: c_q = RMSNorm(W_qa h); q = W_qb c_q -> [H, Dh], per-head weightless RMS norm,
+Common path: c_q = RMSNorm(W_qa h); q = W_qb c_q -> [H, Dh] ([V4] per-head weightless RMS norm),
 RoPE on the last R dims; kv = RoPE(RMSNorm(W_kv h)) is both key and value. Keys are the window
-(positions p-W+1..p) plus compressed entries (selected by the indexer for CSA, all visible for HCA);
-a per-head sink joins the softmax denominator. The output's rope dims are rotated back by -p,
-then the grouped output projection: G groups of (H/G)*Dh -> o_lora each (W_oa), then W_ob.
+(positions p-W+1..p) plus compressed entries (selected by top-k, or all visible for HCA); a per-head
+sink joins the softmax denominator. The output's rope dims are rotated back by -p, then the grouped
+output projection: G groups of (H/G)*Dh -> o_lora each (W_oa), then W_ob.
+
+[V4.1] global KV, index keys, top-k and the candidate mask flow down the layer stack in `Shared`:
+sources publish them, Reuse layers read them.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from pallas_kernels import reference as ref
 
 from .cache import LayerCache, Step, ring_positions, ring_write
-from .compressor import Compressor, Indexer, visible_entries
+from .compressor import Compressor, Indexer, store_entries, visible_entries
 from .config import LayerSpec, ModelConfig
-from .layers import Linear, RMSNorm, apply_rope, normal_init, rms_normalize, rope_frequencies
+from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_fake_quant, normal_init, rms_normalize,
+                     rope_frequencies)
+
+
+@struct.dataclass
+class Shared:
+    """[V4.1] what sources hand down the stack within one step (MODEL_SPEC 2.6, V41_NOTES 2.3)."""
+
+    kv: jax.Array | None = None  # latest source's global KV store [B, N, Dh]
+    keys: jax.Array | None = None  # its index keys [B, N, DI]
+    topk: jax.Array | None = None  # latest index source's selection [B, S, K]
+    candidates: jax.Array | None = None  # candidate source's mask [B, S, N]
 
 
 class Attention(nnx.Module):
@@ -33,10 +47,12 @@ class Attention(nnx.Module):
         self.wo_a = Linear(h * dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, rngs=rngs, dtype=dtype)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, rngs=rngs, dtype=dtype)
         self.attn_sink = nnx.Param(normal_init(rngs, (h,), 0.5))
-        self.compressor = (Compressor(cfg, spec, dh, rngs=rngs, dtype=dtype)
-                           if spec.compress_ratio > 0 else None)
+        self.compressor = Compressor(cfg, spec, dh, rngs=rngs, dtype=dtype) if spec.owns_kv else None
         self.indexer = Indexer(cfg, spec, rngs=rngs, dtype=dtype) if spec.indexer else None
         self.spec = spec
+        self.v4 = cfg.generation == "v4"
+        self.quant_sim = cfg.quant_sim
+        self.rope_dim = cfg.rope_head_dim
         self.num_heads, self.head_dim = h, dh
         self.o_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
         self.window = cfg.sliding_window
@@ -47,12 +63,45 @@ class Attention(nnx.Module):
         """h [B, T, D] -> (q [B, T, H, Dh] rotated, c_q [B, T, q_lora])."""
         c_q = self.q_norm(self.wq_a(h))
         q = self.wq_b(c_q).reshape(*h.shape[:-1], self.num_heads, self.head_dim)
-        q = rms_normalize(q, self.eps).astype(h.dtype)
+        if self.v4:
+            q = rms_normalize(q, self.eps).astype(h.dtype)
         return apply_rope(q, positions[..., None], self.freqs), c_q
 
     def keys(self, h: jax.Array, positions: jax.Array) -> jax.Array:
-        """The layer's own window kv [B, T, Dh] (rotated at each row's position)."""
-        return apply_rope(self.kv_norm(self.wkv(h)), positions, self.freqs)
+        """The layer's own window kv [B, T, Dh] (rotated at each row's position, FP8 sim)."""
+        return self.quantize_kv(apply_rope(self.kv_norm(self.wkv(h)), positions, self.freqs))
+
+    def quantize_kv(self, kv: jax.Array) -> jax.Array:
+        """FP8 sim of window / [V4] compressed KV: V4 on the non-rope dims per 64, V4.1 all dims per 32."""
+        if not self.quant_sim:
+            return kv
+        if not self.v4:
+            return fp8_fake_quant(kv, 32)
+        nope = kv.shape[-1] - self.rope_dim
+        return jnp.concatenate([fp8_fake_quant(kv[..., :nope], 64), kv[..., nope:]], axis=-1)
+
+    def compress(self, h: jax.Array, step: Step, cache: LayerCache) -> LayerCache:
+        """Own compressor (and V4 indexer compressor): add the blocks this chunk closes to the stores."""
+        r = self.spec.compress_ratio
+        comp = cache.comp
+        lat, j, pa, pg = self.compressor.latents(h, step, comp.proj_a, comp.proj_g, h.dtype)
+        at = j * r
+        entries = apply_rope(lat, at, self.freqs)
+        if self.v4:
+            entries = self.quantize_kv(entries)
+        elif self.quant_sim:
+            entries = fp4_fake_quant(entries, 16, e4m3_scale=True)
+        cache = cache.replace(comp=comp.replace(proj_a=pa, proj_g=pg, entries=store_entries(comp.entries, entries, j)))
+        if self.indexer is None:
+            return cache
+        index = cache.index
+        if self.v4:
+            klat, kj, ka, kg = self.indexer.compressor.latents(h, step, index.proj_a, index.proj_g, h.dtype)
+            keys = self.indexer.finish_keys(apply_rope(klat, kj * r, self.freqs))
+            index = index.replace(proj_a=ka, proj_g=kg, entries=store_entries(index.entries, keys, kj))
+        else:
+            index = index.replace(entries=store_entries(index.entries, self.indexer.keys_from_latent(lat, at), j))
+        return cache.replace(index=index)
 
     def output(self, o: jax.Array, positions: jax.Array) -> jax.Array:
         """o [B, T, H, Dh] -> inverse RoPE -> grouped output projection -> [B, T, D]."""
@@ -62,11 +111,12 @@ class Attention(nnx.Module):
         u = jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
         return self.wo_b(u.reshape(*u.shape[:-2], -1))
 
-    def __call__(self, h: jax.Array, step: Step, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
-        """h [B, S, D] rows of `step` -> ([B, S, D], cache with this chunk written).
+    def __call__(self, h: jax.Array, step: Step, cache: LayerCache, shared: Shared
+                 ) -> tuple[jax.Array, LayerCache, Shared]:
+        """h [B, S, D] rows of `step` -> ([B, S, D], cache with this chunk written, shared state).
 
         Keys: the SWA ring (positions before the chunk), the chunk's own rows, and (compressed layers)
-        the entry store after adding the blocks this chunk closes.
+        the global entry store after adding the blocks this chunk closes.
         """
         pos = step.positions
         q, c_q = self.queries(h, pos)
@@ -74,23 +124,25 @@ class Attention(nnx.Module):
         ring_pos = ring_positions(step.start, cache.kv.shape[1])
         keys = [cache.kv, kv]
         masks = [self._window(pos, ring_pos, ring_pos >= 0), self._window(pos, pos, step.valid)]
-        new = cache.replace(kv=ring_write(cache.kv, kv, step))
-        if self.compressor is not None:
-            comp = self.compressor.update(h, step, cache.comp)
-            n = comp.entries.shape[1]
-            visible = visible_entries(pos, n, self.spec.compress_ratio)
+        cache = cache.replace(kv=ring_write(cache.kv, kv, step))
+        if self.spec.compress_ratio > 0:
+            if self.compressor is not None:
+                cache = self.compress(h, step, cache)
+                shared = shared.replace(kv=cache.comp.entries,
+                                        keys=cache.index.entries if cache.index is not None else None)
+            entries = shared.kv
+            visible = visible_entries(pos, entries.shape[1], self.spec.compress_ratio)
             if self.indexer is not None:
-                index = self.indexer.compressor.update(h, step, cache.index)
                 iq, iw = self.indexer.queries(h, c_q, pos)
-                chosen = self.indexer.select(iq, iw, index.entries, pos)
-                visible = visible & ref.indices_to_mask(chosen, n)
-                new = new.replace(index=index)
-            keys.append(comp.entries)
+                topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates)
+                shared = shared.replace(topk=topk, candidates=cand)
+            if self.spec.topk_source is not None:
+                visible = visible & ref.indices_to_mask(shared.topk, entries.shape[1])
+            keys.append(entries)
             masks.append(visible)
-            new = new.replace(comp=comp)
         o = ref.sink_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(masks, axis=2),
                                self.attn_sink[...], self.head_dim ** -0.5)
-        return self.output(o, pos), new
+        return self.output(o, pos), cache, shared
 
     def _window(self, q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
         """[B, S] query positions x [B, N] key positions -> [B, S, N]: 0 <= q - k < W and key valid."""

@@ -28,8 +28,8 @@ from .config import ModelConfig
 
 @struct.dataclass
 class CompressorCache:
-    proj_a: jax.Array  # [B, R_c, c*d] float32
-    proj_g: jax.Array  # [B, R_c, c*d] float32
+    proj_a: jax.Array | None  # [B, R_c, c*d] float32 (None: entries derived elsewhere, e.g. V4.1 index keys)
+    proj_g: jax.Array | None  # [B, R_c, c*d] float32
     entries: jax.Array  # [B, N, d]
 
 
@@ -44,7 +44,8 @@ class LayerCache:
 class Cache:
     lengths: jax.Array  # [B] int32
     layers: tuple
-    max_len: int = struct.field(pytree_node=False)
+    tokens: jax.Array | None = None  # [V4.1 Engram] ring of raw token ids [B, R_t] (n-gram history)
+    max_len: int = struct.field(pytree_node=False, default=0)
 
     @property
     def batch(self) -> int:
@@ -128,17 +129,25 @@ def geometry(cfg: ModelConfig, max_len: int, spec_room: int = 8) -> CacheGeometr
 
 
 def _layer_shapes(cfg: ModelConfig, index: int, geo: CacheGeometry, batch: int) -> dict:
-    """Per-layer arrays as {name: (shape, kind)} with kind in {"act", "f32"}."""
+    """Per-layer arrays as {name: (shape, kind)} with kind in {"act", "f32"}.
+
+    Global KV lives only in the layers that own a compressor ([V4] every compressed layer, [V4.1]
+    KV sources); index keys with their own projection ring in V4 CSA layers, derived from the
+    latent (no ring) in V4.1 KV sources.
+    """
     spec = cfg.layer_spec(index)
     shapes = {"kv": ((batch, geo.window_ring, cfg.head_dim), "act")}
-    for part, d, on in (("comp", cfg.head_dim, spec.compress_ratio > 0),
-                        ("index", cfg.index_head_dim, spec.indexer)):
+    if not spec.owns_kv:
+        return shapes
+    r = spec.compress_ratio
+    v4 = cfg.generation == "v4"
+    for part, d, on, ring in (("comp", cfg.head_dim, True, True),
+                              ("index", cfg.index_head_dim, spec.indexer, v4)):
         if on:
-            r = spec.compress_ratio
-            width = (2 if spec.overlap else 1) * d
-            rc = geo.compressor_ring(r)
-            shapes[f"{part}.proj_a"] = ((batch, rc, width), "f32")
-            shapes[f"{part}.proj_g"] = ((batch, rc, width), "f32")
+            if ring:
+                width = (2 if spec.overlap else 1) * d
+                shapes[f"{part}.proj_a"] = ((batch, geo.compressor_ring(r), width), "f32")
+                shapes[f"{part}.proj_g"] = ((batch, geo.compressor_ring(r), width), "f32")
             shapes[f"{part}.entries"] = ((batch, geo.entries(r), d), "act")
     return shapes
 
@@ -153,7 +162,7 @@ def allocate_layer(cfg: ModelConfig, index: int, batch: int, max_len: int, dtype
     def comp(part):
         if f"{part}.entries" not in arrays:
             return None
-        return CompressorCache(proj_a=arrays[f"{part}.proj_a"], proj_g=arrays[f"{part}.proj_g"],
+        return CompressorCache(proj_a=arrays.get(f"{part}.proj_a"), proj_g=arrays.get(f"{part}.proj_g"),
                                entries=arrays[f"{part}.entries"])
 
     return LayerCache(kv=arrays["kv"], comp=comp("comp"), index=comp("index"))
@@ -162,11 +171,31 @@ def allocate_layer(cfg: ModelConfig, index: int, batch: int, max_len: int, dtype
 def allocate(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, spec_room: int = 8) -> Cache:
     """An empty cache for `batch` sequences of up to `max_len` positions (backbone layers)."""
     layers = tuple(allocate_layer(cfg, i, batch, max_len, dtype, spec_room) for i in range(cfg.num_layers))
-    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers, max_len=max_len)
+    tokens = None
+    if cfg.engram_layer_ids:
+        tokens = jnp.zeros((batch, cfg.engram_max_ngram_size - 1 + spec_room), jnp.int32)
+    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers, tokens=tokens, max_len=max_len)
 
 
-def memory_estimate(cfg: ModelConfig, max_len: int, dtype=jnp.bfloat16, spec_room: int = 8) -> dict:
-    """Cache bytes for one sequence: growing stores (per token) and fixed rings (per sequence)."""
+def packed_entry_bytes(cfg: ModelConfig, part: str) -> float:
+    """Bytes of one global-KV entry ("comp") or index key ("index") in the trained storage formats
+    (MODEL_SPEC 2.7): [V4] FP8 nope + bf16 rope + UE8M0 scales (FlashMLA 584 B row) / MXFP4 keys;
+    [V4.1] E2M1 + one E4M3 scale per 16 / MXFP4 (E2M1 + UE8M0 per 32) keys."""
+    if part == "index":
+        return cfg.index_head_dim / 2 + cfg.index_head_dim / 32
+    if cfg.generation == "v4":
+        nope = cfg.head_dim - cfg.rope_head_dim
+        return nope + 2 * cfg.rope_head_dim + nope / 64 + 1
+    return cfg.head_dim / 2 + cfg.head_dim / 16
+
+
+def memory_estimate(cfg: ModelConfig, max_len: int, dtype=jnp.bfloat16, spec_room: int = 8,
+                    packed: bool = False) -> dict:
+    """Cache bytes for one sequence: growing stores (per token) and fixed rings (per sequence).
+
+    `packed=True` counts the global KV in the trained storage formats instead of our `dtype` arrays
+    (V4.1-Flash: 890 B/token; V4-Flash: 3514 B/token).
+    """
     geo = geometry(cfg, max_len, spec_room)
     act = np.dtype(dtype).itemsize
     per_token, fixed = 0.0, 0
@@ -174,7 +203,8 @@ def memory_estimate(cfg: ModelConfig, max_len: int, dtype=jnp.bfloat16, spec_roo
         for name, (shape, kind) in _layer_shapes(cfg, i, geo, 1).items():
             size = int(np.prod(shape)) * (act if kind == "act" else 4)
             if name.endswith("entries"):
-                per_token += size / shape[1] / cfg.layer_spec(i).compress_ratio
+                entry = packed_entry_bytes(cfg, name.split(".")[0]) if packed else size / shape[1]
+                per_token += entry / cfg.layer_spec(i).compress_ratio
             else:
                 fixed += size
     total = fixed + per_token * max_len

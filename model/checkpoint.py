@@ -271,9 +271,42 @@ def restore_orbax(path, cfg: ModelConfig | None = None, dtype="bfloat16") -> Tra
         cfg = ModelConfig.from_hf(path / "config.json")
     graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
     checkpointer = ocp.StandardCheckpointer()
+    # Compare shapes first: a failed orbax restore leaves reads in flight and only says "error".
+    want = {".".join(str(k) for k in key): tuple(var.shape)
+            for key, var in nnx.to_flat_state(abstract_state)}
+    have = _orbax_shapes(checkpointer, state_dir)
+    if have is not None:
+        where = f"{state_dir}: orbax state does not match a {cfg.name} model"
+        missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        if missing:
+            raise ValueError(f"{where}: missing {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unexpected:
+            raise ValueError(f"{where}: unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+        for name, shape in want.items():
+            if have[name] != shape:
+                raise ValueError(f"{where}: {name!r} has shape {have[name]}, expected {shape}")
     try:
         state = checkpointer.restore(state_dir, abstract_state)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{state_dir}: orbax state does not match a {cfg.name} model "
                          f"({type(e).__name__}: {e})") from e
     return nnx.merge(graphdef, state)
+
+
+def _orbax_shapes(checkpointer, state_dir: Path) -> dict[str, tuple[int, ...]] | None:
+    """name -> shape of the arrays of a saved nnx state (None where orbax gives no metadata)."""
+    try:
+        meta = checkpointer.metadata(state_dir)
+        meta = getattr(meta, "item_metadata", meta)
+        flat = jax.tree_util.tree_flatten_with_path(meta)[0]
+    except Exception:  # metadata layout differs between orbax versions: skip the pre-check
+        return None
+    out = {}
+    for path, leaf in flat:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        if keys and keys[-1] == "value":  # nnx Variables are saved as {'value': array}
+            keys = keys[:-1]
+        if not hasattr(leaf, "shape"):
+            return None
+        out[".".join(keys)] = tuple(leaf.shape)
+    return out

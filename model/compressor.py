@@ -1,17 +1,19 @@
-"""Token-to-entry compression and the lightning indexer [V4] (MODEL_SPEC 2.5).
+"""Token-to-entry compression and the lightning indexer (MODEL_SPEC 2.5 [V4], 2.6 [V4.1]).
 
-Compressor (ratio r, output width d, overlap iff the layer is CSA): per token, in float32,
-a_t = W_kv h_t and g_t = W_gate h_t + ape[t mod r]. Entry j pools its block T_j = [jr, jr+r)
-with a per-channel softmax over the gate scores:
-  non-overlap: C_j = sum_{t in T_j} softmax(g) * a,
-  overlap:     C_j pools 2r slots: the A halves (first d channels) of T_{j-1} and the B halves of
-               T_j (for j = 0 the A slots are absent).
-then C_j <- RoPE(RMSNorm(C_j), position j*r). Entries are a pure function of the projections of
-their blocks, so they can be rebuilt from stored projections at any time (chunking, rollback).
+Compressor (ratio r, width d): per token, in float32, a_t = W_kv h_t and a gate score g_t
+(W_gate h_t, plus the learned in-block bias ape[t mod r] in V4). Entry j pools its block
+T_j = [jr, jr+r) with a per-channel softmax over the gate scores, then RMSNorm -> the latent L_j.
+  [V4] overlap (CSA, r=4): entry j pools 2r slots, the A halves (first d channels) of T_{j-1} and
+       the B halves of T_j (for j = 0 the A slots are absent).
+  [V4.1] no overlap, no ape; r = 1 is a plain projection (no gate).
+Entries are a pure function of the projections of their blocks, rebuilt from the stored
+projection ring when a block closes (chunking, rollback and resume are length updates).
+The caller rotates latents at position j*r (and derives V4.1 index keys from the unrotated latent).
 
-Indexer: q^I = RoPE(W^I_qb c_q) (Hadamard), keys from its own overlap compressor (Hadamard),
-weights w = W^I_w h / sqrt(DI * HI), score_{p,j} = sum_h w_h ReLU(q^I_h . k_j) over visible
-entries j < (p+1)//r, then top-k.
+Indexer: q^I = RoPE(W^I_qb c_q) (V4: Hadamard), weights w = W^I_w h / sqrt(DI * HI),
+score_{p,j} = sum_h w_h ReLU(q^I_h . k_j) over visible entries j < (p+1)//r, then top-k.
+[V4.1] the candidate source keeps the best blocks of `candidate_block_size` entries (level 1) and
+later Reindex layers restrict their scores to them (level 2).
 """
 
 from __future__ import annotations
@@ -22,38 +24,41 @@ from flax import nnx
 
 from pallas_kernels import reference as ref
 
-from .cache import CompressorCache, Step, ring_gather, ring_write
+from .cache import Step, ring_gather, ring_write
 from .config import LayerSpec, ModelConfig
-from .layers import Linear, RMSNorm, apply_rope, hadamard, normal_init, rope_frequencies
+from .layers import Linear, RMSNorm, apply_rope, fp4_fake_quant, hadamard, normal_init, rope_frequencies
 
 NEG_LARGE = -1e30  # gate of an absent projection row: softmax weight exactly 0, never NaN
 
 
 class Compressor(nnx.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, out_dim: int, *, rngs: nnx.Rngs, dtype,
-                 hadamard_out: bool = False):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, out_dim: int, *, rngs: nnx.Rngs, dtype):
+        v4 = cfg.generation == "v4"
+        r = spec.compress_ratio
         width = (2 if spec.overlap else 1) * out_dim
-        self.wkv = Linear(cfg.hidden_size, width, rngs=rngs, dtype=dtype, fp32=True)
-        self.wgate = Linear(cfg.hidden_size, width, rngs=rngs, dtype=dtype, fp32=True)
-        self.ape = nnx.Param(normal_init(rngs, (spec.compress_ratio, width), 0.1))
+        gated = v4 or r > 1
+        self.wkv = Linear(cfg.hidden_size, width, rngs=rngs, dtype=dtype, fp32=gated)
+        self.wgate = Linear(cfg.hidden_size, width, rngs=rngs, dtype=dtype, fp32=True) if gated else None
+        self.ape = nnx.Param(normal_init(rngs, (r, width), 0.1)) if v4 else None
         self.norm = RMSNorm(out_dim, cfg.rms_norm_eps, rngs=rngs)
-        self.ratio = spec.compress_ratio
+        self.ratio = r
         self.overlap = spec.overlap
         self.out_dim = out_dim
-        self.hadamard_out = hadamard_out  # indexer keys are stored Hadamard-rotated
-        self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
 
     def project(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D], positions [B, T] -> (a, g) float32 [B, T, c*d]."""
-        a = self.wkv(h)
-        g = self.wgate(h) + jnp.take(self.ape[...], positions % self.ratio, axis=0)
+        a = self.wkv(h).astype(jnp.float32)
+        if self.wgate is None:
+            return a, jnp.zeros_like(a)
+        g = self.wgate(h)
+        if self.ape is not None:
+            g = g + jnp.take(self.ape[...], positions % self.ratio, axis=0)
         return a, g
 
-    def pool(self, a: jax.Array, g: jax.Array, first_position: jax.Array, out_dtype) -> jax.Array:
-        """Entries of consecutive whole blocks; a, g [B, n*r, c*d] float32, block 0 at `first_position` [B].
+    def pool(self, a: jax.Array, g: jax.Array, out_dtype) -> jax.Array:
+        """Latents of consecutive whole blocks: a, g [B, n*r, c*d] float32 -> [B, n, d] (normalised).
 
-        -> [B, n, d] (normalised, rotated at each block's first position, out_dtype). Rows whose gate
-        is NEG_LARGE (absent) get weight 0; with overlap, block 0 has no previous block.
+        Rows whose gate is NEG_LARGE (absent) get weight 0; with overlap, block 0 has no previous block.
         """
         b, length, width = a.shape
         n, r, d = length // self.ratio, self.ratio, self.out_dim
@@ -65,17 +70,15 @@ class Compressor(nnx.Module):
             a = jnp.concatenate([prev_a, a[..., d:]], axis=2)
             g = jnp.concatenate([prev_g, g[..., d:]], axis=2)
         pooled = jnp.sum(jax.nn.softmax(g, axis=2) * a, axis=2)
-        entries = self.norm(pooled.astype(out_dtype))
-        positions = first_position[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :] * r
-        entries = apply_rope(entries, positions, self.freqs)
-        return hadamard(entries) if self.hadamard_out else entries
+        return self.norm(pooled.astype(out_dtype))
 
-    def update(self, h: jax.Array, step: Step, cache: CompressorCache) -> CompressorCache:
-        """Add a chunk: h [B, S, D] at `step` -> cache with every block closed by the chunk stored.
+    def latents(self, h: jax.Array, step: Step, proj_a: jax.Array, proj_g: jax.Array, out_dtype):
+        """Pool every block a chunk can close. h [B, S, D] at `step`; proj_a/g the projection ring.
 
         Each sequence pools a window of whole blocks starting at the block before its first open
-        block (overlap) or at its first open block, reading rows before `step.start` from the
-        projection ring and the rest from the chunk.
+        block (overlap) or at its first open block, reading rows before `step.start` from the ring and
+        the rest from the chunk. -> (latents [B, n, d], entry ids j [B, n] (out of range where the
+        block is not closed), updated proj_a, proj_g).
         """
         a, g = self.project(h, step.positions)
         r, s = self.ratio, h.shape[1]
@@ -83,26 +86,23 @@ class Compressor(nnx.Module):
         span = -(-(s + back) // r) * r
         base = (step.start // r) * r - (r if self.overlap else 0)  # [B]
         pos = base[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]  # [B, span]
-        from_ring = pos < step.start[:, None]
+        from_ring = (pos < step.start[:, None])[..., None]
         in_chunk = jnp.clip(pos - step.start[:, None], 0, s - 1)[..., None]
-        win_a = jnp.where(from_ring[..., None], ring_gather(cache.proj_a, pos),
-                          jnp.take_along_axis(a, in_chunk, axis=1))
-        win_g = jnp.where(from_ring[..., None], ring_gather(cache.proj_g, pos),
-                          jnp.take_along_axis(g, in_chunk, axis=1))
+        win_a = jnp.where(from_ring, ring_gather(proj_a, pos), jnp.take_along_axis(a, in_chunk, axis=1))
+        win_g = jnp.where(from_ring, ring_gather(proj_g, pos), jnp.take_along_axis(g, in_chunk, axis=1))
         present = ((pos >= 0) & (pos < step.end[:, None]))[..., None]
-        win_a = jnp.where(present, win_a, 0.0)
-        win_g = jnp.where(present, win_g, NEG_LARGE)
-        entries = self.pool(win_a, win_g, base, cache.entries.dtype)
+        lat = self.pool(jnp.where(present, win_a, 0.0), jnp.where(present, win_g, NEG_LARGE), out_dtype)
         first = 1 if self.overlap else 0  # with overlap, window block 0 only lends its A halves
         j = base[:, None] // r + jnp.arange(first, span // r, dtype=jnp.int32)[None, :]
         closed = (j >= 0) & ((j + 1) * r <= step.end[:, None])
-        j = jnp.where(closed, j, cache.entries.shape[1])  # out of range -> dropped
-        bidx = jnp.arange(h.shape[0])[:, None]
-        return CompressorCache(
-            proj_a=ring_write(cache.proj_a, a, step),
-            proj_g=ring_write(cache.proj_g, g, step),
-            entries=cache.entries.at[bidx, j].set(entries[:, first:], mode="drop"),
-        )
+        j = jnp.where(closed, j, jnp.iinfo(jnp.int32).max)
+        return lat[:, first:], j, ring_write(proj_a, a, step), ring_write(proj_g, g, step)
+
+
+def store_entries(store: jax.Array, values: jax.Array, j: jax.Array) -> jax.Array:
+    """Write entries values [B, n, d] at indices j [B, n] of store [B, N, d]; out-of-range j are dropped."""
+    bidx = jnp.arange(store.shape[0])[:, None]
+    return store.at[bidx, jnp.minimum(j, store.shape[1])].set(values.astype(store.dtype), mode="drop")
 
 
 def visible_entries(positions: jax.Array, num_entries: int, ratio: int) -> jax.Array:
@@ -110,25 +110,73 @@ def visible_entries(positions: jax.Array, num_entries: int, ratio: int) -> jax.A
     return jnp.arange(num_entries)[None, None, :] < ((positions + 1) // ratio)[..., None]
 
 
+def candidate_blocks(scores: jax.Array, reachable: jax.Array, topk_blocks: int, block: int) -> jax.Array:
+    """[V4.1] level-1 selection: scores [B, T, N] (-inf where unreachable), reachable [B, T] entry counts.
+
+    Block score = max over `block` consecutive entries; the block holding the newest reachable entry is
+    forced in; keep the best `topk_blocks` blocks with a finite score -> candidate mask [B, T, N].
+    """
+    n = scores.shape[-1]
+    pad = -n % block
+    s = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    s = jnp.max(s.reshape(*s.shape[:-1], -1, block), axis=-1)  # [B, T, nb]
+    nb = s.shape[-1]
+    newest = (reachable - 1) // block  # -1 when nothing is reachable: no block forced
+    s = jnp.where(jnp.arange(nb) == newest[..., None], jnp.inf, s)
+    vals, idx = jax.lax.top_k(s, min(topk_blocks, nb))
+    keep = jnp.zeros(s.shape, bool).at[jnp.arange(s.shape[0])[:, None, None],
+                                       jnp.arange(s.shape[1])[None, :, None], idx].set(vals > -jnp.inf)
+    return jnp.repeat(keep, block, axis=-1)[..., :n]
+
+
 class Indexer(nnx.Module):
+    """Lightning indexer. [V4]: own overlap compressor for keys, Hadamard-rotated q and keys.
+    [V4.1]: keys from the KV source's latent (`wk`, `k_norm` on KV sources only), no Hadamard."""
+
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, dtype=dtype, fp32=True)
-        self.compressor = Compressor(cfg, spec, cfg.index_head_dim, rngs=rngs, dtype=dtype, hadamard_out=True)
+        self.v4 = cfg.generation == "v4"
+        self.compressor = Compressor(cfg, spec, cfg.index_head_dim, rngs=rngs, dtype=dtype) if self.v4 else None
+        own_keys = not self.v4 and spec.owns_kv
+        self.wk = Linear(cfg.head_dim, cfg.index_head_dim, rngs=rngs, dtype=dtype) if own_keys else None
+        self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, rngs=rngs) if own_keys else None
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.topk = cfg.index_topk
+        self.ratio = spec.compress_ratio
+        self.quant_sim = cfg.quant_sim
+        self.candidate_source = spec.candidate_source
+        self.uses_candidates = spec.uses_candidates
+        self.candidate_topk_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
 
+    def finish_keys(self, keys: jax.Array) -> jax.Array:
+        """Rotated keys -> stored form: V4 Hadamard; FP4 sim (UE8M0 / 32) when quant_sim."""
+        if self.v4:
+            keys = hadamard(keys)
+        return fp4_fake_quant(keys, 32) if self.quant_sim else keys
+
+    def keys_from_latent(self, latent: jax.Array, positions: jax.Array) -> jax.Array:
+        """[V4.1] index keys k_j = RoPE(k_norm(W_k L_j)) at j*r from the unrotated latent."""
+        return self.finish_keys(apply_rope(self.k_norm(self.wk(latent)), positions, self.freqs))
+
     def queries(self, h: jax.Array, c_q: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """-> q^I [B, T, HI, DI] (rotated, Hadamard) and head weights [B, T, HI] float32 (scaled)."""
+        """-> q^I [B, T, HI, DI] (rotated; V4 Hadamard; FP4 sim) and head weights [B, T, HI] float32 (scaled)."""
         q = self.wq_b(c_q).reshape(*c_q.shape[:-1], self.n_heads, self.head_dim)
-        q = hadamard(apply_rope(q, positions[..., None], self.freqs))
+        q = self.finish_keys(apply_rope(q, positions[..., None], self.freqs))
         w = self.weights_proj(h) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 
-    def select(self, q: jax.Array, w: jax.Array, keys: jax.Array, positions: jax.Array) -> jax.Array:
-        """Top-k entry indices per query [B, T, min(K, N)] (-1 = none)."""
-        visible = visible_entries(positions, keys.shape[1], self.compressor.ratio)
-        return ref.topk_indices(ref.indexer_scores(q, w, keys, visible), self.topk)
-
+    def select(self, q: jax.Array, w: jax.Array, keys: jax.Array, positions: jax.Array,
+               candidates: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """Top-k entry indices per query [B, T, min(K, N)] (-1 = none), and the candidate mask this
+        layer publishes (candidate source) or passes on."""
+        visible = visible_entries(positions, keys.shape[1], self.ratio)
+        scores = ref.indexer_scores(q, w, keys, visible)
+        if self.candidate_source:
+            candidates = candidate_blocks(scores, (positions + 1) // self.ratio, self.candidate_topk_blocks,
+                                          self.candidate_block_size)
+        elif self.uses_candidates:
+            scores = jnp.where(candidates, scores, -jnp.inf)
+        return ref.topk_indices(scores, self.topk), candidates

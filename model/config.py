@@ -26,7 +26,8 @@ HF_LAYER_TYPES = {
     "heavily_compressed_attention": "hca",
 }
 HF_MLP_LAYER_TYPES = ("hash_moe", "moe")
-SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")
+GENERATIONS = ("v4", "v41")
 IMPLS = ("reference", "pallas")
 
 
@@ -42,10 +43,13 @@ class Yarn:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """Static description of one block (backbone layer or MTP slot).
+    """Static description of one block (backbone layer or MTP / DSpark slot).
 
-    attention: "swa" (sliding window only), "csa" (ratio-4 overlapping compressor + lightning
-      indexer top-k) or "hca" (non-overlapping compressor, all entries attended).
+    attention: [V4] "swa" (window only), "csa" (ratio-4 overlapping compressor + own lightning indexer
+      top-k) or "hca" (own non-overlapping compressor, all entries attended); [V4.1] "swa", "full"
+      (owns the compressor and the indexer; publishes global KV, index keys and top-k), "reindex" (own
+      indexer over the latest source's keys) or "reuse" (reads the latest global KV and top-k).
+    kv_source / topk_source: layer whose global KV / top-k this layer reads (itself when it owns them).
     """
 
     index: int
@@ -57,6 +61,17 @@ class LayerSpec:
     rope_theta: float
     yarn: Yarn | None
     mtp: bool = False
+    kv_source: int | None = None
+    topk_source: int | None = None
+    candidate_source: bool = False
+    uses_candidates: bool = False
+    engram: bool = False
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.compress_ratio > 0 and self.kv_source == self.index
 
 
 @dataclass(frozen=True)
@@ -98,13 +113,39 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     generation: str = "v4"
+    # [V4.1] CSA2 roles (MODEL_SPEC 1.2/1.3), Engram, DSpark, router temperature.
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 0
+    engram_vocab_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 0
+    engram_num_embeddings: tuple[int, ...] = ()
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_n_routed_experts: int = 0
+    dspark_n_experts_per_tok: int = 0
+    gate_temp: float = 1.0
+    # Fake-quant steps of the official model (FP8 window KV, FP4 compressed KV / indexer q,k): on for
+    # fidelity to the trained model, off for exactness tests.
+    quant_sim: bool = False
     # Implementations of the hot paths (pallas_kernels): "reference" (pure jnp, every backend) or "pallas".
     attention_impl: str = "reference"
     moe_impl: str = "reference"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        for f in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
+                  "engram_num_embeddings", "dspark_target_layer_ids"):
+            object.__setattr__(self, f, tuple(int(r) for r in getattr(self, f)))
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -118,7 +159,7 @@ class ModelConfig:
                   "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "index_n_heads",
                   "index_head_dim", "index_topk", "max_position_embeddings"):
             need(int(getattr(self, f)) > 0, f"{f} must be positive, got {getattr(self, f)}")
-        need(self.generation == "v4", f"generation {self.generation!r} is not supported (only 'v4')")
+        need(self.generation in GENERATIONS, f"generation {self.generation!r} not in {GENERATIONS}")
         need(self.rope_head_dim % 2 == 0, f"rope_head_dim must be even, got {self.rope_head_dim}")
         need(0 < self.rope_head_dim <= self.head_dim,
              f"rope_head_dim {self.rope_head_dim} must be in (0, head_dim={self.head_dim}]")
@@ -142,10 +183,49 @@ class ModelConfig:
         for i in range(self.num_layers, len(self.compress_ratios)):
             need(self.compress_ratios[i] == 0, f"MTP slot {i} must be SWA only (ratio 0)")
         need(self.csa_ratio > 0, "csa_ratio must be positive")
+        if self.generation == "v41":
+            self._validate_v41(need)
         for f in ("attention_impl", "moe_impl"):
             need(getattr(self, f) in IMPLS, f"{f} must be one of {IMPLS}, got {getattr(self, f)!r}")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
+
+    def _validate_v41(self, need) -> None:
+        n = self.num_layers
+        need(self.num_hash_layers == 0, "V4.1 has no hash-routed layers (num_hash_layers must be 0)")
+        srcs, idx = self.kv_source_layer_ids, self.index_source_layer_ids
+        for name, ids in (("kv_source_layer_ids", srcs), ("index_source_layer_ids", idx),
+                          ("engram_layer_ids", self.engram_layer_ids)):
+            need(all(0 <= i < n for i in ids), f"{name} {list(ids)} must be backbone layers [0, {n})")
+            need(list(ids) == sorted(set(ids)), f"{name} {list(ids)} must be strictly increasing")
+        for i in srcs:
+            need(self.compress_ratios[i] > 0, f"KV source layer {i} has compress ratio 0")
+            need(i in idx, f"KV source layer {i} must also be an index source (it owns the index keys)")
+        for i in range(n):
+            r = self.compress_ratios[i]
+            if r == 0:
+                need(i not in idx, f"index source layer {i} has compress ratio 0")
+                continue
+            src = [s for s in srcs if s <= i]
+            need(bool(src), f"layer {i} (ratio {r}) has no KV source at or before it in {list(srcs)}")
+            need(self.compress_ratios[src[-1]] == r,
+                 f"layer {i} has ratio {r} but its KV source {src[-1]} has ratio {self.compress_ratios[src[-1]]}")
+            need(any(s <= i for s in idx), f"layer {i} (ratio {r}) has no index source at or before it")
+        c = self.candidate_source_layer_id
+        if c >= 0:
+            need(c in srcs, f"candidate_source_layer_id {c} must be a KV source layer")
+            need(self.candidate_topk_blocks > 0 and self.candidate_block_size > 0,
+                 "candidate_topk_blocks and candidate_block_size must be positive with a candidate source")
+        if self.engram_layer_ids:
+            for f in ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
+                      "engram_compressed_vocab_size"):
+                need(getattr(self, f) > 0, f"{f} must be positive with Engram layers")
+            need(len(self.engram_num_embeddings) in (0, len(self.engram_layer_ids)),
+                 "engram_num_embeddings must list one table size per Engram layer")
+        if self.num_mtp_layers:
+            need(self.dspark_block_size > 0, "V4.1 draft stages need dspark_block_size > 0")
+            need(len(self.dspark_target_layer_ids) > 0 and all(0 <= i < n for i in self.dspark_target_layer_ids),
+                 f"dspark_target_layer_ids {list(self.dspark_target_layer_ids)} must be backbone layers")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -162,23 +242,36 @@ class ModelConfig:
             raise ValueError(f"layer index {index} out of range [0, {self.num_blocks})")
         ratio = self.compress_ratios[index]
         mtp = index >= self.num_layers
-        if ratio == 0:
-            kind = "swa"
-        elif ratio == self.csa_ratio:
-            kind = "csa"
+        common = dict(index=index, compress_ratio=ratio, mtp=mtp,
+                      rope_theta=self.compress_rope_theta if ratio > 0 else self.rope_theta,
+                      yarn=self.yarn if ratio > 0 else None,
+                      hash_routed=(not mtp) and index < self.num_hash_layers,
+                      n_experts=self.dspark_n_routed_experts if mtp and self.dspark_n_routed_experts
+                      else self.n_routed_experts,
+                      n_experts_per_tok=self.dspark_n_experts_per_tok if mtp and self.dspark_n_experts_per_tok
+                      else self.n_experts_per_tok)
+        if self.generation == "v4":
+            kind = "swa" if ratio == 0 else ("csa" if ratio == self.csa_ratio else "hca")
+            own = index if ratio > 0 else None
+            return LayerSpec(attention=kind, overlap=kind == "csa", indexer=kind == "csa", kv_source=own,
+                             topk_source=index if kind == "csa" else None, **common)
+        # V4.1, the generic rule of MODEL_SPEC 1.3
+        if ratio == 0 or mtp:
+            return LayerSpec(attention="swa", overlap=False, indexer=False, engram=index in self.engram_layer_ids,
+                             **common)
+        kv_src = max(s for s in self.kv_source_layer_ids if s <= index)
+        topk_src = max(s for s in self.index_source_layer_ids if s <= index)
+        if index == kv_src:
+            kind = "full"
+        elif index == topk_src:
+            kind = "reindex"
         else:
-            kind = "hca"
-        return LayerSpec(
-            index=index,
-            attention=kind,
-            compress_ratio=ratio,
-            overlap=kind == "csa",
-            indexer=kind == "csa",
-            hash_routed=(not mtp) and index < self.num_hash_layers,
-            rope_theta=self.compress_rope_theta if ratio > 0 else self.rope_theta,
-            yarn=self.yarn if ratio > 0 else None,
-            mtp=mtp,
-        )
+            kind = "reuse"
+        c = self.candidate_source_layer_id
+        return LayerSpec(attention=kind, overlap=False, indexer=kind in ("full", "reindex"), kv_source=kv_src,
+                         topk_source=topk_src, candidate_source=index == c,
+                         uses_candidates=kind == "reindex" and 0 <= c < index,
+                         engram=index in self.engram_layer_ids, **common)
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -188,13 +281,19 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        """A table of layer -> attention kind, ratio, routing, rope."""
-        rows = [f"{'layer':>5} {'attn':>4} {'ratio':>5} {'router':>6} {'rope':>9} yarn"]
+        """A table of layer -> attention mode, ratio, KV source, top-k source, routing, extras."""
+        rows = [f"{'layer':>5} {'mode':>7} {'ratio':>5} {'kv from':>7} {'topk from':>9} {'router':>6} "
+                f"{'rope':>7} extras"]
         for i in range(self.num_blocks):
             s = self.layer_spec(i)
             name = f"mtp.{i - self.num_layers}" if s.mtp else str(i)
-            rows.append(f"{name:>5} {s.attention:>4} {s.compress_ratio:>5} "
-                        f"{'hash' if s.hash_routed else 'score':>6} {s.rope_theta:>9g} {s.yarn is not None}")
+            extras = [e for e, on in (("yarn", s.yarn is not None), ("engram", s.engram),
+                                      ("candidate-source", s.candidate_source),
+                                      ("uses-candidates", s.uses_candidates)) if on]
+            dash = lambda v: "-" if v is None else str(v)  # noqa: E731
+            rows.append(f"{name:>5} {s.attention:>7} {s.compress_ratio:>5} {dash(s.kv_source):>7} "
+                        f"{dash(s.topk_source):>9} {'hash' if s.hash_routed else 'score':>6} "
+                        f"{s.rope_theta:>7g} {' '.join(extras)}")
         return "\n".join(rows)
 
     def to_official_dict(self) -> dict:
@@ -221,6 +320,14 @@ class ModelConfig:
         }
         if self.yarn is not None:
             d["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.yarn)}
+        if self.generation == "v41":
+            d.update(architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41", gate_temp=self.gate_temp)
+            del d["num_hash_layers"]
+            for f in dataclasses.fields(self):
+                if f.name.startswith(("kv_source", "index_source", "candidate_", "engram_", "dspark_")):
+                    v = getattr(self, f.name)
+                    d[f.name] = list(v) if isinstance(v, tuple) else v
+            d["dspark_num_experts_per_tok"] = d.pop("dspark_n_experts_per_tok")
         return d
 
     # ------------------------------------------------------------------ presets
@@ -255,6 +362,9 @@ def _config_from_dict(raw: dict, where: str) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported; expected one of "
                          f"{SUPPORTED_MODEL_TYPES}")
+    generation = "v4" if model_type == "deepseek_v4" else "v41"
+    if isinstance(raw.get("text_config"), dict):  # V4.1 release: text fields nested, quantization at top
+        raw = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"]}
 
     def get(*keys: str, default: Any = KeyError) -> Any:
         for k in keys:
@@ -336,6 +446,33 @@ def _config_from_dict(raw: dict, where: str) -> ModelConfig:
     else:
         rope_dim = head_dim * 64 // 512
 
+    v41 = {}
+    if generation == "v41":
+        v41 = dict(
+            kv_source_layer_ids=tuple(get("kv_source_layer_ids", "kv_source_layers")),
+            index_source_layer_ids=tuple(get("index_source_layer_ids", "index_source_layers")),
+            candidate_source_layer_id=int(get("candidate_source_layer_id", "candidate_source_layer", default=-1)),
+            candidate_topk_blocks=int(get("candidate_topk_blocks", default=0)),
+            candidate_block_size=int(get("candidate_block_size", default=0)),
+            engram_layer_ids=tuple(get("engram_layer_ids", default=())),
+            engram_max_ngram_size=int(get("engram_max_ngram_size", default=0)),
+            engram_vocab_size=int(get("engram_vocab_size", default=0)),
+            engram_n_heads=int(get("engram_n_heads", default=0)),
+            engram_head_dim=int(get("engram_head_dim", default=0)),
+            engram_pad_token_id=int(get("engram_pad_token_id", "engram_pad_id", default=2)),
+            engram_compressed_vocab_size=int(get("engram_compressed_vocab_size", default=0)),
+            engram_num_embeddings=tuple(get("engram_num_embeddings", default=())),
+            dspark_block_size=int(get("dspark_block_size", default=0)),
+            dspark_noise_token_id=int(get("dspark_noise_token_id", default=0)),
+            dspark_target_layer_ids=tuple(get("dspark_target_layer_ids", default=())),
+            dspark_markov_rank=int(get("dspark_markov_rank", default=0)),
+            dspark_n_routed_experts=int(get("dspark_n_routed_experts", default=0)),
+            dspark_n_experts_per_tok=int(get("dspark_num_experts_per_tok", "dspark_n_activated_experts", default=0)),
+            gate_temp=float(get("gate_temp", default=1.0)),
+        )
+        if raw.get("num_hash_layers") or raw.get("n_hash_layers"):
+            raise ValueError(f"{where}: V4.1 has no hash-routed layers, but num_hash_layers is set")
+        n_hash = 0
     if int(get("num_key_value_heads", default=1)) != 1:
         raise ValueError(f"{where}: num_key_value_heads must be 1 (shared-KV MQA)")
     eos = get("eos_token_id", default=1)
@@ -375,7 +512,9 @@ def _config_from_dict(raw: dict, where: str) -> ModelConfig:
         csa_ratio=csa_ratio,
         bos_token_id=int(get("bos_token_id", default=0)),
         eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+        generation=generation,
         name=str(raw.get("_name_or_path") or where),
+        **v41,
     )
 
 
@@ -405,7 +544,45 @@ def _v4_flash() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny-v4": _tiny_v4, "v4-flash": _v4_flash}
+def _tiny_v41() -> ModelConfig:
+    """MODEL_SPEC 1.4 TINY-V41: SWA, SWA+Engram, Full(r2)+Engram, Reuse, Reuse, Full(r1)+candidate source,
+    Reuse, Reindex with candidates; 3 DSpark stages."""
+    return ModelConfig(
+        vocab_size=96, hidden_size=128, num_layers=8, num_heads=4, head_dim=64, rope_head_dim=16,
+        q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=8,
+        compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0), rope_theta=10000.0, compress_rope_theta=40000.0,
+        yarn=Yarn(factor=4.0, original_max_position_embeddings=64), max_position_embeddings=512,
+        rms_norm_eps=1e-20, index_n_heads=8, index_head_dim=32, index_topk=4, n_routed_experts=8,
+        n_experts_per_tok=3, moe_intermediate_size=128, num_hash_layers=0, swiglu_limit=1.0,
+        num_mtp_layers=3, generation="v41", kv_source_layer_ids=(2, 5), index_source_layer_ids=(2, 5, 7),
+        candidate_source_layer_id=5, candidate_topk_blocks=3, candidate_block_size=2,
+        engram_layer_ids=(1, 2), engram_max_ngram_size=4, engram_vocab_size=50, engram_n_heads=2,
+        engram_head_dim=64, engram_pad_token_id=2, engram_compressed_vocab_size=96,
+        dspark_block_size=4, dspark_noise_token_id=95, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=32,
+        dspark_n_routed_experts=4, dspark_n_experts_per_tok=2, name="tiny-v41",
+    )
+
+
+def _v41_flash() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=129280, hidden_size=5120, num_layers=40, num_heads=64, head_dim=512, rope_head_dim=64,
+        q_lora_rank=1280, o_groups=8, o_lora_rank=1024, sliding_window=128,
+        compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0), rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        yarn=Yarn(factor=16.0, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1),
+        max_position_embeddings=1048576, rms_norm_eps=1e-20, index_n_heads=32, index_head_dim=128,
+        index_topk=512, n_routed_experts=384, n_experts_per_tok=6, moe_intermediate_size=2304,
+        num_hash_layers=0, num_mtp_layers=3, generation="v41", kv_source_layer_ids=(2, 8, 14, 20),
+        index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36), candidate_source_layer_id=20,
+        candidate_topk_blocks=2048, candidate_block_size=8, engram_layer_ids=(1, 14), engram_max_ngram_size=4,
+        engram_vocab_size=16000000, engram_n_heads=8, engram_head_dim=256, engram_pad_token_id=2,
+        engram_compressed_vocab_size=99092, engram_num_embeddings=(384006168, 384016682),
+        dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=(37, 38, 39),
+        dspark_markov_rank=256, dspark_n_routed_experts=128, dspark_n_experts_per_tok=3, name="v41-flash",
+    )
+
+
+PRESETS = {"tiny-v4": _tiny_v4, "v4-flash": _v4_flash, "tiny-v41": _tiny_v41, "v41-flash": _v41_flash}
 
 
 def _v4_flash_layers(num_layers: int) -> ModelConfig:

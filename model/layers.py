@@ -119,3 +119,54 @@ def hadamard(x: jax.Array) -> jax.Array:
         h = np.block([[h, h], [h, -h]])
     return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), jnp.asarray(h / math.sqrt(n), jnp.float32)
                       ).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- fake-quant (MODEL_SPEC 3.7)
+
+FP8_MAX = 448.0
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _pow2_ceil(x: jax.Array) -> jax.Array:
+    """2^ceil(log2 x) for x > 0, exact (frexp-based)."""
+    m, e = jnp.frexp(x)
+    return jnp.ldexp(jnp.ones_like(x), jnp.where(m == 0.5, e - 1, e))
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    if x.shape[-1] % block:
+        raise ValueError(f"fake-quant block {block} does not divide the last dim {x.shape[-1]}")
+    return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def fp8_fake_quant(x: jax.Array, block: int) -> jax.Array:
+    """Round to FP8 E4M3 with one power-of-two (UE8M0) scale per `block` values: scale =
+    2^ceil(log2(max(amax, 1e-4) / 448)). Returns x's dtype."""
+    b = _blocks(x, block)
+    scale = _pow2_ceil(jnp.maximum(jnp.max(jnp.abs(b), axis=-1, keepdims=True), 1e-4) / FP8_MAX)
+    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    return q.reshape(x.shape).astype(x.dtype)
+
+
+def _round_e2m1(v: jax.Array) -> jax.Array:
+    """Nearest E2M1 value of |v| <= 6, ties to the even code; sign kept."""
+    grid = jnp.asarray(_E2M1_GRID, jnp.float32)
+    d = jnp.abs(jnp.abs(v)[..., None] - grid)
+    idx = jnp.argmin(d, axis=-1)  # the lower code on a tie
+    nxt = jnp.minimum(idx + 1, len(_E2M1_GRID) - 1)
+    tie = jnp.take_along_axis(d, nxt[..., None], -1) == jnp.take_along_axis(d, idx[..., None], -1)
+    idx = jnp.where((idx % 2 == 1) & tie[..., 0], nxt, idx)
+    return jnp.sign(v) * grid[idx]
+
+
+def fp4_fake_quant(x: jax.Array, block: int, e4m3_scale: bool = False) -> jax.Array:
+    """Round to FP4 E2M1 per `block` values. UE8M0 scale 2^ceil(log2(max(amax, 6*2^-126) / 6)), or
+    (e4m3_scale) an E4M3-rounded scale max(amax, 6*2^-9) / 6 (V4.1 compressed KV, block 16)."""
+    b = _blocks(x, block)
+    amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+    if e4m3_scale:
+        scale = (jnp.maximum(amax, 6 * 2.0 ** -9) / 6).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    else:
+        scale = _pow2_ceil(jnp.maximum(amax, 6 * 2.0 ** -126) / 6)
+    q = _round_e2m1(jnp.clip(b / scale, -6.0, 6.0)) * scale
+    return q.reshape(x.shape).astype(x.dtype)

@@ -30,7 +30,7 @@ def score_function(name: str, logits: jax.Array) -> jax.Array:
 
 class Gate(nnx.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
-        e, k = cfg.n_routed_experts, cfg.n_experts_per_tok
+        e, k = spec.n_experts, spec.n_experts_per_tok
         self.weight = nnx.Param(normal_init(rngs, (e, cfg.hidden_size), cfg.hidden_size ** -0.5, dtype=dtype))
         if spec.hash_routed:
             # k distinct experts per token id, as the released table has.
@@ -41,27 +41,30 @@ class Gate(nnx.Module):
             self.tid2eid = None
             self.bias = nnx.Param(normal_init(rngs, (e,), 0.3))
         self.cfg = cfg
+        self.k = k
 
     def __call__(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
         cfg = self.cfg
         logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), self.weight[...].astype(jnp.float32))
-        scores = score_function(cfg.scoring_func, logits)
+        scores = score_function(cfg.scoring_func, logits / cfg.gate_temp)
         if self.tid2eid is not None:
             ids = jnp.take(self.tid2eid[...], tokens, axis=0).astype(jnp.int32)
         else:
-            _, ids = jax.lax.top_k(scores + self.bias[...], cfg.n_experts_per_tok)
+            _, ids = jax.lax.top_k(scores + self.bias[...], self.k)
         weights = jnp.take_along_axis(scores, ids, axis=-1)
-        if cfg.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if cfg.norm_topk_prob and (cfg.generation == "v4" or self.k > 1):
+            # V4 normalises without an epsilon; V4.1 adds 1e-20 (and skips k = 1), as trained
+            eps = 0.0 if cfg.generation == "v4" else 1e-20
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + eps)
         return ids, weights * cfg.routed_scaling_factor
 
 
 class Experts(nnx.Module):
     """Stacked routed experts: w1, w3 [E, I, D] (gate, up), w2 [E, D, I] (down)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype):
-        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    def __init__(self, cfg: ModelConfig, n_experts: int, *, rngs: nnx.Rngs, dtype):
+        e, i, d = n_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.w1 = nnx.Param(normal_init(rngs, (e, i, d), d ** -0.5, dtype=dtype))
         self.w2 = nnx.Param(normal_init(rngs, (e, d, i), i ** -0.5, dtype=dtype))
         self.w3 = nnx.Param(normal_init(rngs, (e, i, d), d ** -0.5, dtype=dtype))
@@ -85,7 +88,7 @@ class MLP(nnx.Module):
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
         self.gate = Gate(cfg, spec, rngs=rngs, dtype=dtype)
-        self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+        self.experts = Experts(cfg, spec.n_experts, rngs=rngs, dtype=dtype)
         self.shared_experts = MLP(cfg, rngs=rngs, dtype=dtype)
         self.limit = cfg.swiglu_limit
 

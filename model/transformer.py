@@ -1,9 +1,11 @@
-"""Block and Transformer (MODEL_SPEC 2.1, 2.2, 2.9, 2.11).
+"""Block and Transformer (MODEL_SPEC 2.1, 2.2, 2.9-2.12).
 
-tokens -> embed -> n residual streams -> per block:
-  mHC(attn) collapse -> attn_norm -> Attention -> expand; mHC(ffn) collapse -> ffn_norm -> MoE -> expand
--> hc_head collapse -> norm -> head -> float32 logits.
-The MTP block (`mtp.0`) is a full block fed with W_e RMSNorm(embed(x_{p+1})) + W_h RMSNorm(X_p).
+tokens -> ([V4.1] Engram hash ids) -> embed -> n residual streams -> per block:
+  ([V4.1] Engram) mHC(attn) collapse -> attn_norm -> Attention -> expand;
+  mHC(ffn) collapse -> ffn_norm -> MoE -> expand
+-> final collapse ([V4] hc_head; [V4.1] the last block's FFN pre vector) -> norm -> head -> fp32 logits.
+[V4] collapses each sublayer with its own pre vector; [V4.1] (single-pass mHC) with the previous
+sublayer's. Draft slots: [V4] the MTP-1 block `mtp.0`; [V4.1] three DSpark stages `mtp.0-2`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import Attention
-from .cache import Cache, LayerCache, Step, allocate, allocate_layer
+from .attention import Attention, Shared
+from .cache import Cache, LayerCache, Step, allocate, allocate_layer, ring_gather, ring_write
 from .config import LayerSpec, ModelConfig
+from .engram import Engram, EngramHasher
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
 from .moe import MoE
@@ -32,33 +35,43 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype,
+                 hasher: EngramHasher | None = None):
         self.hc_attn = HyperConnection(cfg.hc_mult, cfg.hidden_size, rngs=rngs)
         self.hc_ffn = HyperConnection(cfg.hc_mult, cfg.hidden_size, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
         self.attn = Attention(cfg, spec, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, spec, rngs=rngs, dtype=dtype)
+        self.engram = (Engram.from_hasher(hasher, spec.index, cfg.hidden_size, cfg.hc_mult, cfg.engram_head_dim,
+                                          cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
+                       if spec.engram else None)
         self.spec = spec
+        self.single_pass = cfg.generation == "v41"
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
 
     def _coefficients(self, hc: HyperConnection, x: jax.Array):
         return hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, norm_eps=self.norm_eps,
                                hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
 
-    def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache
-                 ) -> tuple[jax.Array, LayerCache]:
-        """x [B, S, n, D] residual streams of the chunk `step` -> (same shape, updated layer cache)."""
+    def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache, shared: Shared,
+                 pre_prev: jax.Array) -> tuple[jax.Array, LayerCache, Shared, jax.Array]:
+        """x [B, S, n, D] residual streams of the chunk `step` -> (x, layer cache, shared, pre vector).
+
+        `pre_prev` [B, S, n] is the previous sublayer's pre vector (used by V4.1's single-pass mHC).
+        """
         pre, post, comb = self._coefficients(self.hc_attn, x)
-        a, cache = self.attn(self.attn_norm(collapse(x, pre)), step, cache)
+        a, cache, shared = self.attn(self.attn_norm(collapse(x, pre_prev if self.single_pass else pre)),
+                                     step, cache, shared)
         x = expand(x, a, post, comb)
+        pre_attn = pre
         pre, post, comb = self._coefficients(self.hc_ffn, x)
-        f = self.ffn(self.ffn_norm(collapse(x, pre)), tokens)
-        return expand(x, f, post, comb), cache
+        f = self.ffn(self.ffn_norm(collapse(x, pre_attn if self.single_pass else pre)), tokens)
+        return expand(x, f, post, comb), cache, shared, pre
 
 
 class MTPBlock(Block):
-    """MTP-1 [V4]: input streams W_e RMSNorm(embed(next token)) + W_h RMSNorm(X_i), a full block,
+    """[V4] MTP-1: input streams W_e RMSNorm(embed(next token)) + W_h RMSNorm(X_i), a full block,
     then its own hc_head and norm before the shared head."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
@@ -76,25 +89,73 @@ class MTPBlock(Block):
         """residual [B, S, n, D] (backbone, before hc_head), next_embed [B, S, D] -> (normed [B, S, D], cache)."""
         e = self.e_proj(self.enorm(next_embed))
         x = self.h_proj(self.hnorm(residual)) + e[:, :, None, :]
-        x, cache = super().__call__(x.astype(residual.dtype), step, next_tokens, cache)
+        x, cache, _, _ = super().__call__(x.astype(residual.dtype), step, next_tokens, cache, Shared(), None)
         y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], x,
                              norm_eps=self.norm_eps, hc_eps=self.hc_eps)
         return self.norm(y), cache
 
 
-class Transformer(nnx.Module):
-    """The V4 model. `model(tokens)` -> float32 logits [B, T, vocab] (full sequence, no cache)."""
+class MarkovHead(nnx.Module):
+    """[V4.1 DSpark] rank-r bigram logit bias: embed [V, r], head [V, r]."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype="float32"):
+    def __init__(self, vocab: int, rank: int, *, rngs: nnx.Rngs, dtype):
+        self.embed = Embedding(vocab, rank, rngs=rngs, dtype=dtype)
+        self.head = Linear(rank, vocab, rngs=rngs, dtype=dtype, fp32=True)
+
+
+class ConfidenceHead(nnx.Module):
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, dtype):
+        self.proj = Linear(dim, 1, rngs=rngs, dtype=dtype, fp32=True)
+
+
+class DSparkBlock(Block):
+    """[V4.1] a DSpark draft stage (`mtp.{s}`): a full SWA block; stage 0 also projects the target hidden
+    rows (`main_proj`, `main_norm`), the last stage carries `norm`, the Markov and confidence heads.
+    (Drafting itself comes with speculative decoding.)"""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, stage: int, *, rngs: nnx.Rngs, dtype):
+        super().__init__(cfg, spec, rngs=rngs, dtype=dtype)
+        d = cfg.hidden_size
+        first, last = stage == 0, stage == cfg.num_mtp_layers - 1
+        self.main_proj = Linear(d * len(cfg.dspark_target_layer_ids), d, rngs=rngs, dtype=dtype) if first else None
+        self.main_norm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs) if first else None
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs) if last else None
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, rngs=rngs, dtype=dtype) if last else None
+        self.confidence_head = (ConfidenceHead(d + cfg.dspark_markov_rank, rngs=rngs, dtype=dtype)
+                                if last else None)
+
+
+def engram_hasher(cfg: ModelConfig, token_map: np.ndarray | None = None) -> EngramHasher | None:
+    """The host-side n-gram hasher of a V4.1 config (identity token map unless one is given)."""
+    if not cfg.engram_layer_ids:
+        return None
+    raw = {f: getattr(cfg, f) for f in ("engram_layer_ids", "engram_max_ngram_size", "engram_n_heads",
+                                        "engram_vocab_size", "engram_pad_token_id",
+                                        "engram_compressed_vocab_size", "vocab_size")}
+    if cfg.engram_num_embeddings:
+        raw["engram_num_embeddings"] = cfg.engram_num_embeddings
+    return EngramHasher.from_config(raw, token_map)
+
+
+class Transformer(nnx.Module):
+    """The V4 / V4.1 model. `model(tokens)` -> float32 logits [B, T, vocab] (full sequence, no cache)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype="float32", token_map: np.ndarray | None = None):
         dtype = resolve_dtype(dtype)
         self.config = cfg
         self.dtype = dtype
+        self.hasher = engram_hasher(cfg, token_map)
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
-        self.layers = nnx.List([Block(cfg, cfg.layer_spec(i), rngs=rngs, dtype=dtype)
+        self.layers = nnx.List([Block(cfg, cfg.layer_spec(i), rngs=rngs, dtype=dtype, hasher=self.hasher)
                                 for i in range(cfg.num_layers)])
-        self.mtp = nnx.List([MTPBlock(cfg, cfg.layer_spec(cfg.num_layers + j), rngs=rngs, dtype=dtype)
-                             for j in range(cfg.num_mtp_layers)])
-        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, rngs=rngs)
+        if cfg.generation == "v4":
+            self.mtp = nnx.List([MTPBlock(cfg, cfg.layer_spec(cfg.num_layers + j), rngs=rngs, dtype=dtype)
+                                 for j in range(cfg.num_mtp_layers)])
+            self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, rngs=rngs)
+        else:
+            self.mtp = nnx.List([DSparkBlock(cfg, cfg.layer_spec(cfg.num_layers + j), j, rngs=rngs, dtype=dtype)
+                                 for j in range(cfg.num_mtp_layers)])
+            self.hc_head = None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype, fp32=True)
 
@@ -107,36 +168,73 @@ class Transformer(nnx.Module):
         e = self.embed(tokens)
         return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
 
-    def final_hidden(self, residual: jax.Array) -> jax.Array:
+    def final_hidden(self, residual: jax.Array, pre: jax.Array) -> jax.Array:
+        """Residual streams [.., n, D] (+ the last FFN pre vector [.., n]) -> normed hidden [.., D]."""
         cfg = self.config
-        y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], residual,
-                             norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+        if self.hc_head is None:
+            y = collapse(residual, pre)
+        else:
+            y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], residual,
+                                 norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
         return self.norm(y)
 
+    def engram_ids(self, tokens: jax.Array, step: Step, cache: Cache) -> tuple[jax.Array, Cache]:
+        """[V4.1] hash ids [B, S, L, C] int32 for the chunk (host callback) and the token-history ring."""
+        hasher = self.hasher
+        hist_len = hasher.history_len
+        before = step.start[:, None] - hist_len + jnp.arange(hist_len, dtype=jnp.int32)[None, :]
+        history = jnp.where(before >= 0, ring_gather(cache.tokens[..., None], before)[..., 0], -1)
+
+        def host_hash(tok, hist):
+            tok, hist = np.asarray(tok), np.asarray(hist)
+            comp = np.where(hist >= 0, hasher.token_map[np.maximum(hist, 0)], hasher.pad_id)
+            return hasher.hash_ids(tok, comp).astype(np.int32)
+
+        shape = jax.ShapeDtypeStruct((*tokens.shape, hasher.n_layers, hasher.n_columns), jnp.int32)
+        ids = jax.pure_callback(host_hash, shape, tokens, history)
+        return ids, cache.replace(tokens=ring_write(cache.tokens[..., None], tokens[..., None], step)[..., 0])
+
     def step(self, tokens: jax.Array, cache: Cache, n_new: jax.Array, last_only: bool = False
-             ) -> tuple[jax.Array, Cache, jax.Array]:
+             ) -> tuple[jax.Array, Cache, dict]:
         """Run a chunk: tokens [B, S] at positions lengths[b] + i, valid for i < n_new[b].
 
         -> (logits [B, S, V] float32 — or [B, 1, V] of each sequence's last valid row if `last_only` —,
-        cache advanced by n_new, residual [B, S, n, D] before hc_head).
+        cache advanced by n_new, extras: `residual` [B, S, n, D] final streams before the collapse,
+        `pre` [B, S, n] the last FFN pre vector, [V4.1] `main_hidden` [B, S, len(targets)*D] DSpark inputs).
         Rows i >= n_new[b] are padding: computed, never written to the cache, outputs meaningless.
         """
+        cfg = self.config
         step = Step.make(cache.lengths, n_new, tokens.shape[1])
+        ids = None
+        if self.hasher is not None:
+            ids, cache = self.engram_ids(tokens, step, cache)
         x = self.embed_streams(tokens)
-        layers = []
-        for block, layer_cache in zip(self.layers, cache.layers):
-            x, layer_cache = block(x, step, tokens, layer_cache)
+        pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)  # one-hot: streams start equal
+        shared = Shared()
+        layers, main_hidden = [], []
+        for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers)):
+            if block.engram is not None:
+                x = block.engram(x, ids[:, :, self.hasher.layer_index(i)])
+            if i in cfg.dspark_target_layer_ids:
+                main_hidden.append(jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype))
+            x, layer_cache, shared, pre = block(x, step, tokens, layer_cache, shared, pre)
             layers.append(layer_cache)
         cache = cache.replace(lengths=step.end, layers=tuple(layers))
-        rows = x
+        extras = {"residual": x, "pre": pre}
+        if main_hidden:
+            extras["main_hidden"] = jnp.concatenate(main_hidden, axis=-1)
+        rows, rows_pre = x, pre
         if last_only:
-            last = jnp.maximum(step.n_new - 1, 0)[:, None, None, None]
-            rows = jnp.take_along_axis(x, last, axis=1)
-        return self.logits(self.final_hidden(rows)), cache, x
+            last = jnp.maximum(step.n_new - 1, 0)[:, None]
+            rows = jnp.take_along_axis(x, last[:, :, None, None], axis=1)
+            rows_pre = jnp.take_along_axis(pre, last[:, :, None], axis=1)
+        return self.logits(self.final_hidden(rows, rows_pre)), cache, extras
 
     def mtp_logits(self, residual: jax.Array, next_tokens: jax.Array, stage: int = 0) -> jax.Array:
-        """MTP-1 over a full sequence from position 0: row t of `residual` with token x_{t+1} predicts
-        x_{t+2}. -> [B, T, vocab] float32."""
+        """[V4] MTP-1 over a full sequence from position 0: row t of `residual` with token x_{t+1}
+        predicts x_{t+2}. -> [B, T, vocab] float32."""
+        if self.config.generation != "v4":
+            raise ValueError("mtp_logits is the V4 MTP-1 module; V4.1 drafts with DSpark")
         if stage >= len(self.mtp):
             raise ValueError(f"model has {len(self.mtp)} MTP stages; stage {stage} requested")
         b, t = next_tokens.shape
@@ -161,12 +259,12 @@ class Transformer(nnx.Module):
                 raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got range [{lo}, {hi}]")
         return tokens.astype(jnp.int32)
 
-    def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens [B, T] from position 0 -> (logits [B, T, V] float32, residual [B, T, n, D])."""
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
+        """tokens [B, T] from position 0 -> (logits [B, T, V] float32, extras of `step`)."""
         b, t = tokens.shape
         cache = allocate(self.config, b, t, self.dtype)
-        logits, _, residual = self.step(tokens, cache, jnp.full((b,), t, jnp.int32))
-        return logits, residual
+        logits, _, extras = self.step(tokens, cache, jnp.full((b,), t, jnp.int32))
+        return logits, extras
 
     def __call__(self, tokens) -> jax.Array:
         tokens = self.check_tokens(tokens)

@@ -38,7 +38,7 @@ def test_prefill_and_one_shot_logits(golden):
 
 def test_mtp_logits(golden):
     model, prompts, cont, out = golden
-    _, residual = model.forward(jnp.asarray(prompts))
+    residual = model.forward(jnp.asarray(prompts))[1]["residual"]
     nxt = jnp.concatenate([prompts[:, 1:], cont[:, :1]], axis=1)
     assert rel_err(model.mtp_logits(residual, nxt), out["mtp_prefill_logits"]) < 1e-4
 

@@ -23,6 +23,7 @@ Parameter names mirror the official checkpoint: `engram.embed.weight` (stored de
 from __future__ import annotations
 
 import functools
+import unicodedata
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -123,6 +124,36 @@ def hash_multipliers(layer_ids: Sequence[int], max_ngram_size: int, compressed_v
 
 
 # ----------------------------------------------------------------------------- hashing
+
+
+def normalize_token_text(text: str) -> str:
+    """The compressed-vocabulary key of a decoded token: NFKC -> NFD -> strip accents -> lowercase ->
+    collapse whitespace -> strip (MODEL_SPEC 2.10)."""
+    t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    t = "".join(c for c in t if unicodedata.category(c) != "Mn").lower()
+    return " ".join(t.split())
+
+
+def token_map_from_texts(texts: Sequence[str | bytes]) -> np.ndarray:
+    """Raw id -> compressed id from each token's decoded text (ids in order of first appearance).
+
+    Equal normalised strings share an id; a token whose bytes are not valid UTF-8 (pass `bytes`)
+    keeps its raw form as its own key. For a tokenizer: `[tok.decode([i]) for i in range(vocab)]`.
+    """
+    keys: dict[Any, int] = {}
+    out = np.empty(len(texts), np.int64)
+    for i, t in enumerate(texts):
+        if isinstance(t, bytes):
+            try:
+                t = t.decode("utf-8")
+            except UnicodeDecodeError:
+                key = ("raw", t)
+            else:
+                key = normalize_token_text(t)
+        else:
+            key = normalize_token_text(t)
+        out[i] = keys.setdefault(key, len(keys))
+    return out
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:

@@ -101,7 +101,9 @@ class MoE(nnx.Module):
         """h [B, T, D], tokens [B, T] -> [B, T, D]."""
         ids, w = self.route(h, tokens)
         x = h.reshape(-1, h.shape[-1])
-        routed = ref.moe_experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1),
-                                 self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], self.limit)
+        # sharding.expert_parallel.attach sets a static ExpertParallel (experts over the `ep` mesh axis).
+        experts = getattr(self, "expert_parallel", None) or ref.moe_experts
+        routed = experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1),
+                         self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], self.limit)
         out = routed + self.shared_experts(x).astype(jnp.float32)
         return out.astype(h.dtype).reshape(h.shape)

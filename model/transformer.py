@@ -10,6 +10,8 @@ sublayer's. Draft slots: [V4] the MTP-1 block `mtp.0`; [V4.1] three DSpark stage
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,10 +127,22 @@ class DSparkBlock(Block):
                                 if last else None)
 
 
-def engram_hasher(cfg: ModelConfig, token_map: np.ndarray | None = None) -> EngramHasher | None:
-    """The host-side n-gram hasher of a V4.1 config (identity token map unless one is given)."""
+def engram_hasher(cfg: ModelConfig, token_map: np.ndarray | None = None,
+                  placeholder_map: bool = False) -> EngramHasher | None:
+    """The host-side n-gram hasher of a V4.1 config.
+
+    token_map: raw id -> compressed id (`engram.token_map_from_texts` of the tokenizer). Without one,
+    the identity map serves configs whose compressed vocab equals the vocab (random tiny models);
+    `placeholder_map=True` allows `id mod compressed_vocab` for random-weight full-size models only.
+    """
     if not cfg.engram_layer_ids:
         return None
+    vc = cfg.engram_compressed_vocab_size
+    if token_map is None and vc != cfg.vocab_size:
+        if not placeholder_map:
+            raise ValueError(f"{cfg.name}: Engram needs the tokenizer's compressed-token map (compressed vocab "
+                             f"{vc} != vocab {cfg.vocab_size}); pass token_map=engram.token_map_from_texts(...)")
+        token_map = np.arange(cfg.vocab_size, dtype=np.int64) % vc
     raw = {f: getattr(cfg, f) for f in ("engram_layer_ids", "engram_max_ngram_size", "engram_n_heads",
                                         "engram_vocab_size", "engram_pad_token_id",
                                         "engram_compressed_vocab_size", "vocab_size")}
@@ -140,11 +154,12 @@ def engram_hasher(cfg: ModelConfig, token_map: np.ndarray | None = None) -> Engr
 class Transformer(nnx.Module):
     """The V4 / V4.1 model. `model(tokens)` -> float32 logits [B, T, vocab] (full sequence, no cache)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype="float32", token_map: np.ndarray | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype="float32", token_map: np.ndarray | None = None,
+                 placeholder_map: bool = False):
         dtype = resolve_dtype(dtype)
         self.config = cfg
         self.dtype = dtype
-        self.hasher = engram_hasher(cfg, token_map)
+        self.hasher = engram_hasher(cfg, token_map, placeholder_map)
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
         self.layers = nnx.List([Block(cfg, cfg.layer_spec(i), rngs=rngs, dtype=dtype, hasher=self.hasher)
                                 for i in range(cfg.num_layers)])
@@ -200,7 +215,9 @@ class Transformer(nnx.Module):
 
         -> (logits [B, S, V] float32 — or [B, 1, V] of each sequence's last valid row if `last_only` —,
         cache advanced by n_new, extras: `residual` [B, S, n, D] final streams before the collapse,
-        `pre` [B, S, n] the last FFN pre vector, [V4.1] `main_hidden` [B, S, len(targets)*D] DSpark inputs).
+        `pre` [B, S, n] the last FFN pre vector, `topk` {layer: [B, S, K]} entry indices each indexer chose
+        (-1 = none), [V4.1] `candidates` [B, S, N] the candidate mask, `main_hidden` [B, S, len(targets)*D]
+        the DSpark inputs). Unused extras cost nothing under jit.
         Rows i >= n_new[b] are padding: computed, never written to the cache, outputs meaningless.
         """
         cfg = self.config
@@ -211,7 +228,7 @@ class Transformer(nnx.Module):
         x = self.embed_streams(tokens)
         pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)  # one-hot: streams start equal
         shared = Shared()
-        layers, main_hidden = [], []
+        layers, main_hidden, topk = [], [], {}
         for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             if block.engram is not None:
                 x = block.engram(x, ids[:, :, self.hasher.layer_index(i)])
@@ -219,8 +236,12 @@ class Transformer(nnx.Module):
                 main_hidden.append(jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype))
             x, layer_cache, shared, pre = block(x, step, tokens, layer_cache, shared, pre)
             layers.append(layer_cache)
+            if block.spec.indexer:
+                topk[i] = shared.topk
         cache = cache.replace(lengths=step.end, layers=tuple(layers))
-        extras = {"residual": x, "pre": pre}
+        extras = {"residual": x, "pre": pre, "topk": topk}
+        if shared.candidates is not None:
+            extras["candidates"] = shared.candidates
         if main_hidden:
             extras["main_hidden"] = jnp.concatenate(main_hidden, axis=-1)
         rows, rows_pre = x, pre
@@ -321,15 +342,51 @@ def _check_room(cache: Cache, n_new: jax.Array) -> None:
                          "allocate a longer cache")
 
 
-def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32") -> Transformer:
-    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...)."""
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype)
+def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh=None,
+                token_map: np.ndarray | None = None) -> Transformer:
+    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...).
+
+    With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by
+    sharding/rules.py and the MoE layers run expert parallel (sharding.init_sharded).
+    """
+    if mesh is not None:
+        from sharding.apply import init_sharded
+
+        return init_sharded(cfg, seed, dtype, mesh)
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
 
 
-def abstract_model(cfg: ModelConfig, dtype="bfloat16") -> Transformer:
+@contextlib.contextmanager
+def _fast_tracing():
+    """jax builds an error-message string (walking every traced op) each time flax reads a tracer's
+    sharding while advancing the RNG counter, which makes tracing the model's construction quadratic in
+    its size (v4-flash: 48 s -> 2 s without it; jax-ml/jax PR 40041). The message is never shown."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+        cls = pe.DynamicJaxprTracer
+        original = cls.__dict__.get("_origin_msg")
+    except (ImportError, AttributeError):  # internals moved: just slower
+        original = None
+    if original is None:
+        yield
+        return
+    cls._origin_msg = lambda self: ""
+    try:
+        yield
+    finally:
+        cls._origin_msg = original
+
+
+def abstract_model(cfg: ModelConfig, dtype="bfloat16", token_map: np.ndarray | None = None) -> Transformer:
     """Shapes only (no memory): `nnx.eval_shape` of the model."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0), dtype=dtype))
+    with _fast_tracing():
+        return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0), dtype=dtype, token_map=token_map,
+                                                  placeholder_map=True))
 
 
-def parameter_count(model: Transformer) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+def parameter_count(model: Transformer, include_drafts: bool = True) -> int:
+    """Parameters of the model; `include_drafts=False` leaves out the MTP / DSpark stages."""
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if not include_drafts:
+        total -= sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model.mtp, nnx.Param)))
+    return total

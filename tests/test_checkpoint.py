@@ -213,8 +213,12 @@ def test_orbax_round_trip(model, tokens, logits, tmp_path):
                                   np.asarray(model.layers[1].ffn.experts.w1[...]).astype(BF16))
     with pytest.raises(ValueError, match="exists and is not empty"):
         save_orbax(model, path)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match=r"'layers\.0\.ffn\.experts\.w1' has shape \(8, 128, 128\), "
+                                         r"expected \(8, 64, 128\)"):
         restore_orbax(path, TINY.replace(moe_intermediate_size=64), dtype="float32")
+    no_mtp = TINY.replace(num_mtp_layers=0, compress_ratios=TINY.compress_ratios[:-1])
+    with pytest.raises(ValueError, match=r"unexpected \['mtp\.0\."):
+        restore_orbax(path, no_mtp, dtype="float32")
     with pytest.raises(FileNotFoundError, match="no orbax state"):
         restore_orbax(tmp_path / "absent", TINY)
 

@@ -23,8 +23,6 @@ from model import LayerSpec, ModelConfig  # noqa: E402
 from model.config import Yarn  # noqa: E402
 from model.layers import apply_rope, rope_frequencies  # noqa: E402
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"  # <repo>/../shared/golden
-
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
@@ -140,9 +138,8 @@ def test_configs_are_hashable_and_static():
 # ------------------------------------------------------------------------------------ from_hf
 
 
-@pytest.mark.skipif(not (GOLDEN / "v4" / "config.json").is_file(), reason="golden data not present")
-def test_from_hf_official_golden():
-    path = GOLDEN / "v4" / "config.json"
+def test_from_hf_official_golden(golden_dir):
+    path = golden_dir / "v4" / "config.json"
     cfg = ModelConfig.from_hf(path)
     assert ModelConfig.from_hf(path.parent) == cfg  # a directory works too
     assert ModelConfig.from_hf(json.loads(path.read_text())) == cfg  # and a dict

@@ -58,6 +58,7 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window
         self.eps = cfg.rms_norm_eps
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
+        self.impl = cfg.attention_impl  # "reference" | "pallas" (_attention_kernel, _topk_kernel)
 
     def queries(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D] -> (q [B, T, H, Dh] rotated, c_q [B, T, q_lora])."""
@@ -134,15 +135,40 @@ class Attention(nnx.Module):
             visible = visible_entries(pos, entries.shape[1], self.spec.compress_ratio)
             if self.indexer is not None:
                 iq, iw = self.indexer.queries(h, c_q, pos)
-                topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates)
+                if self.impl == "pallas" and not (self.indexer.candidate_source or self.indexer.uses_candidates):
+                    topk, cand = self._topk_kernel(iq, iw, shared.keys, pos), shared.candidates
+                else:
+                    topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates)
                 shared = shared.replace(topk=topk, candidates=cand)
             if self.spec.topk_source is not None:
                 visible = visible & ref.indices_to_mask(shared.topk, entries.shape[1])
             keys.append(entries)
             masks.append(visible)
+        if self.impl == "pallas":
+            return self.output(self._attention_kernel(q, step, keys, ring_pos, shared), pos), cache, shared
         o = ref.sink_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(masks, axis=2),
                                self.attn_sink[...], self.head_dim ** -0.5)
         return self.output(o, pos), cache, shared
+
+    # ------------------------------------------------------------ attention_impl == "pallas"
+    def _topk_kernel(self, iq: jax.Array, iw: jax.Array, keys: jax.Array, pos: jax.Array) -> jax.Array:
+        """Fused indexer scores + top-k (pallas_kernels.indexer); V4.1 candidate layers use `select`."""
+        from pallas_kernels import indexer as pk_indexer
+
+        return pk_indexer.indexer_topk(iq, iw, keys, pos, ratio=self.indexer.ratio, k=self.indexer.topk)
+
+    def _attention_kernel(self, q: jax.Array, step: Step, keys: list, ring_pos: jax.Array, shared: Shared
+                          ) -> jax.Array:
+        """The sparse window kernel on the same keys as the dense path: keys = [ring, own rows(, entries)];
+        selected entries by index (topk layers) or all visible ones, no [B, S, R+S+N] mask."""
+        from pallas_kernels import attention as pk_attention
+
+        comp = keys[2] if len(keys) > 2 else None
+        idx = shared.topk if comp is not None and self.spec.topk_source is not None else None
+        return pk_attention.sparse_attention(
+            q, step.positions, keys[1], jnp.where(step.valid, step.positions, -1), self.attn_sink[...],
+            scale=self.head_dim ** -0.5, window=self.window, ring_kv=keys[0], ring_pos=ring_pos,
+            comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1))
 
     def _window(self, q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
         """[B, S] query positions x [B, N] key positions -> [B, S, N]: 0 <= q - k < W and key valid."""

@@ -138,16 +138,21 @@ def _dequantised(items: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str,
 
 # ----------------------------------------------------------------------------- loading
 
-def load_checkpoint(directory, dtype="bfloat16", mesh=None) -> Transformer:
+def load_checkpoint(directory, dtype="bfloat16", mesh=None, token_map: np.ndarray | None = None,
+                    **config_overrides) -> Transformer:
     """config.json + *.safetensors (official or HF layout) -> Transformer with weights in `dtype`.
 
     A checkpoint without any `mtp.*` tensors (HF `save_pretrained` drops MTP) loads with
-    `num_mtp_layers = 0`.
+    `num_mtp_layers = 0`. `config_overrides` set runtime options of the config (e.g.
+    `engram_placement="host"`, `quant_sim=True`, `attention_impl="pallas"`). `token_map`: the V4.1
+    Engram compressed-token map (required when the compressed vocab differs from the vocab).
     """
     if mesh is not None:
         raise NotImplementedError("sharded loading arrives with the sharding issue; pass mesh=None")
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
+    if config_overrides:
+        cfg = cfg.replace(**config_overrides)
     names = [n for f in quant_io.list_checkpoint_files(directory) for n in quant_io.read_safetensors_header(f)[0]]
     if not names:
         raise ValueError(f"{directory}: checkpoint holds no tensors")
@@ -157,12 +162,16 @@ def load_checkpoint(directory, dtype="bfloat16", mesh=None) -> Transformer:
     items = quant_io.iter_checkpoint_tensors(directory)
     if layout == "hf":
         items = _hf_tensors(items)
-    return build_from_tensors(cfg, _dequantised(items), dtype=dtype, source=str(directory))
+    return build_from_tensors(cfg, _dequantised(items), dtype=dtype, source=str(directory), token_map=token_map)
 
 
-def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str = "<tensors>") -> Transformer:
+def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str = "<tensors>",
+                       token_map: np.ndarray | None = None) -> Transformer:
     """Official-named logical tensors (iterable of (name, array) or a dict) -> Transformer."""
-    abstract = abstract_model(cfg, dtype)
+    if token_map is None and cfg.engram_layer_ids and cfg.engram_compressed_vocab_size != cfg.vocab_size:
+        raise ValueError(f"{source}: this V4.1 checkpoint needs the tokenizer's Engram token map: pass "
+                         "token_map=model.engram.token_map_from_texts([tokenizer.decode([i]) for i in ...])")
+    abstract = abstract_model(cfg, dtype, token_map=token_map)
     graphdef, state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(state))
     expected: dict[str, tuple[int, int | None]] = {}  # name -> (leaf index, expert index)
@@ -176,10 +185,20 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
             filled[i] = np.zeros(var.shape[0], bool)
         else:
             expected[name] = (i, None)
+    host_tables = {f"layers.{i}.engram.embed.weight": block.engram.embed.host
+                   for i, block in enumerate(abstract.layers)
+                   if block.engram is not None and block.engram.embed.host is not None}
     seen: set[str] = set()
     unexpected: list[str] = []
     items = tensors.items() if isinstance(tensors, dict) else tensors
     for name, arr in items:
+        if name in host_tables:  # host-resident Engram table: filled in place, never on the device
+            table = host_tables[name]
+            if tuple(arr.shape) != table.shape:
+                raise ValueError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {table.shape}")
+            table.array = np.asarray(arr).astype(table.dtype)
+            seen.add(name)
+            continue
         if name not in expected:
             unexpected.append(name)
             continue
@@ -202,7 +221,7 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
     if unexpected:
         raise ValueError(f"{source}: unexpected tensors (not in a {cfg.name} model): "
                          f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}")
-    missing = sorted(set(expected) - seen)
+    missing = sorted((set(expected) | set(host_tables)) - seen)
     if missing:
         raise ValueError(f"{source}: missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     leaves = [(path, var.replace(jnp.asarray(buf))) for (path, var), buf in zip(flat, buffers)]
@@ -222,6 +241,9 @@ def official_tensors(model: Transformer) -> dict[str, np.ndarray]:
                 out[name.format(e=e)] = arr[e]
         else:
             out[name] = arr
+    for i, block in enumerate(model.layers):
+        if block.engram is not None and block.engram.embed.host is not None:
+            out[f"layers.{i}.engram.embed.weight"] = block.engram.embed.host.array
     return out
 
 

@@ -134,6 +134,7 @@ class ModelConfig:
     dspark_n_routed_experts: int = 0
     dspark_n_experts_per_tok: int = 0
     gate_temp: float = 1.0
+    engram_placement: str = "device"  # "device" (HBM, shardable) or "host" (numpy, rows gathered per step)
     # Fake-quant steps of the official model (FP8 window KV, FP4 compressed KV / indexer q,k): on for
     # fidelity to the trained model, off for exactness tests.
     quant_sim: bool = False
@@ -216,6 +217,8 @@ class ModelConfig:
             need(c in srcs, f"candidate_source_layer_id {c} must be a KV source layer")
             need(self.candidate_topk_blocks > 0 and self.candidate_block_size > 0,
                  "candidate_topk_blocks and candidate_block_size must be positive with a candidate source")
+        need(self.engram_placement in ("device", "host"),
+             f"engram_placement must be 'device' or 'host', got {self.engram_placement!r}")
         if self.engram_layer_ids:
             for f in ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
                       "engram_compressed_vocab_size"):
@@ -324,7 +327,8 @@ class ModelConfig:
             d.update(architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41", gate_temp=self.gate_temp)
             del d["num_hash_layers"]
             for f in dataclasses.fields(self):
-                if f.name.startswith(("kv_source", "index_source", "candidate_", "engram_", "dspark_")):
+                if (f.name.startswith(("kv_source", "index_source", "candidate_", "engram_", "dspark_"))
+                        and f.name != "engram_placement"):
                     v = getattr(self, f.name)
                     d[f.name] = list(v) if isinstance(v, tuple) else v
             d["dspark_num_experts_per_tok"] = d.pop("dspark_n_experts_per_tok")

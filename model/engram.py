@@ -350,14 +350,42 @@ class EngramHasher:
 # ----------------------------------------------------------------------------- module
 
 
+class HostTable:
+    """A host-resident (numpy) table; static to jit, so it is never copied to the device.
+    Compared by identity (it is a handle, not data). `array` is None until filled (abstract models,
+    or before a checkpoint is loaded into it)."""
+
+    def __init__(self, shape: tuple[int, int], dtype, array: np.ndarray | None = None):
+        self.shape, self.dtype, self.array = tuple(shape), np.dtype(dtype), array
+
+    def gather(self, ids: jax.Array) -> jax.Array:
+        """Rows for ids [...] -> [..., head_dim], fetched by a host callback (only the rows needed)."""
+        if self.array is None:
+            raise ValueError("host-resident Engram table was never filled (load a checkpoint into it)")
+        out = jax.ShapeDtypeStruct((*ids.shape, self.shape[1]), self.dtype)
+        return jax.pure_callback(lambda i: np.asarray(self.array[np.asarray(i)], dtype=self.dtype), out, ids)
+
+
 class EngramEmbedding(nnx.Module):
     """The n-gram table `embed.weight` [rows, head_dim], kept dequantised (FP8 x E8M0 rows are exact
-    in bf16). Lookups gather rows by the hasher's ids."""
+    in bf16). Lookups gather rows by the hasher's ids. placement "device": an nnx.Param in device memory
+    (shardable by rows or columns); "host": a numpy table in host memory, rows gathered per step."""
 
-    def __init__(self, rows: int, head_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.weight = nnx.Param(normal_init(rngs, (rows, head_dim), 1.0, dtype=dtype))
+    def __init__(self, rows: int, head_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32, placement: str = "device"):
+        if placement not in ("device", "host"):
+            raise ValueError(f"Engram table placement must be 'device' or 'host', got {placement!r}")
+        init = normal_init(rngs, (rows, head_dim), 1.0, dtype=dtype)
+        if placement == "device":
+            self.weight = nnx.Param(init)
+            self.host = None
+        else:
+            self.weight = None
+            concrete = not isinstance(init, jax.core.Tracer)
+            self.host = HostTable((rows, head_dim), dtype, np.asarray(init) if concrete else None)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        if self.host is not None:
+            return self.host.gather(ids)
         return jnp.take(self.weight[...], ids, axis=0)
 
 
@@ -381,23 +409,25 @@ class Engram(nnx.Module):
     """
 
     def __init__(self, dim: int, hc_mult: int, n_columns: int, head_dim: int, rows: int, norm_eps: float, *,
-                 rngs: nnx.Rngs, dtype=jnp.float32, embed_dtype=None):
+                 rngs: nnx.Rngs, dtype=jnp.float32, embed_dtype=None, placement: str = "device"):
         self.dim = int(dim)
         self.hc_mult = int(hc_mult)
         self.n_columns = int(n_columns)
         self.head_dim = int(head_dim)
         self.eps = float(norm_eps)
         self.clamp_value = 1e-6
-        self.embed = EngramEmbedding(rows, head_dim, rngs=rngs, dtype=dtype if embed_dtype is None else embed_dtype)
+        self.embed = EngramEmbedding(rows, head_dim, rngs=rngs, dtype=dtype if embed_dtype is None else embed_dtype,
+                                     placement=placement)
         self.wkv = Linear(self.n_columns * self.head_dim, self.dim * (self.hc_mult + 1), rngs=rngs, dtype=dtype)
         self.q_weight = nnx.Param(normal_init(rngs, (self.hc_mult, self.dim), 0.3, mean=1.0))
         self.k_weight = nnx.Param(normal_init(rngs, (self.hc_mult, self.dim), 0.3, mean=1.0))
 
     @classmethod
     def from_hasher(cls, hasher: EngramHasher, layer_id: int, dim: int, hc_mult: int, head_dim: int,
-                    norm_eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32, embed_dtype=None) -> "Engram":
+                    norm_eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32, embed_dtype=None,
+                    placement: str = "device") -> "Engram":
         return cls(dim, hc_mult, hasher.n_columns, head_dim, hasher.table_rows(layer_id), norm_eps,
-                   rngs=rngs, dtype=dtype, embed_dtype=embed_dtype)
+                   rngs=rngs, dtype=dtype, embed_dtype=embed_dtype, placement=placement)
 
     def key_value(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """ids [..., C] -> keys [..., n, D] (fp32), value [..., D] (fp32)."""

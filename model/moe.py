@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import moe as pallas_moe
 from pallas_kernels import reference as ref
 
 from .config import LayerSpec, ModelConfig
@@ -91,6 +92,7 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, spec.n_experts, rngs=rngs, dtype=dtype)
         self.shared_experts = MLP(cfg, rngs=rngs, dtype=dtype)
         self.limit = cfg.swiglu_limit
+        self.impl = cfg.moe_impl
 
     def route(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D], tokens [B, T] -> expert ids, weights [B, T, k]."""
@@ -102,7 +104,8 @@ class MoE(nnx.Module):
         ids, w = self.route(h, tokens)
         x = h.reshape(-1, h.shape[-1])
         # sharding.expert_parallel.attach sets a static ExpertParallel (experts over the `ep` mesh axis).
-        experts = getattr(self, "expert_parallel", None) or ref.moe_experts
+        local = pallas_moe.moe_experts if self.impl == "pallas" else ref.moe_experts
+        experts = getattr(self, "expert_parallel", None) or local
         routed = experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1),
                          self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], self.limit)
         out = routed + self.shared_experts(x).astype(jnp.float32)

@@ -46,7 +46,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, spec, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, spec, rngs=rngs, dtype=dtype)
         self.engram = (Engram.from_hasher(hasher, spec.index, cfg.hidden_size, cfg.hc_mult, cfg.engram_head_dim,
-                                          cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
+                                          cfg.rms_norm_eps, rngs=rngs, dtype=dtype, placement=cfg.engram_placement)
                        if spec.engram else None)
         self.spec = spec
         self.single_pass = cfg.generation == "v41"

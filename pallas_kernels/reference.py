@@ -13,6 +13,15 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 
 
+def f32_dot_operands(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """Operands for a dot with float32 accumulation (`preferred_element_type=float32`). XLA:CPU has
+    no BF16 x BF16 -> F32 dot, so there bf16 operands are upcast (the same products); other backends
+    keep them as they are."""
+    if jax.default_backend() != "cpu":
+        return xs
+    return tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in xs)
+
+
 def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
     """Shared-KV MQA with a per-head sink in the softmax denominator.
 
@@ -20,14 +29,14 @@ def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sink: jax.Array
     P[h, t, s] = exp(z) / (exp(sink_h) + sum_{s' valid} exp(z')), z = scale * q.k (float32).
     Returns o [B, T, H, Dh] in q's dtype; rows with no valid key return 0.
     """
-    z = jnp.einsum("bthd,bnd->bhtn", q, kv, preferred_element_type=jnp.float32) * scale
+    z = jnp.einsum("bthd,bnd->bhtn", *f32_dot_operands(q, kv), preferred_element_type=jnp.float32) * scale
     z = jnp.where(mask[:, None], z, NEG_INF)
     sink = sink.astype(jnp.float32)[None, :, None, None]
     m = jnp.maximum(jnp.max(z, axis=-1, keepdims=True), sink)
     p = jnp.exp(z - m)
     denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
     p = p / denom
-    o = jnp.einsum("bhtn,bnd->bthd", p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bhtn,bnd->bthd", *f32_dot_operands(p.astype(kv.dtype), kv), preferred_element_type=jnp.float32)
     return o.astype(q.dtype)
 
 
@@ -85,9 +94,207 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     token_of = order // k
     xs = jnp.take(x, token_of, axis=0).astype(w1.dtype)
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), group_sizes, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), group_sizes, preferred_element_type=jnp.float32)
-    z = clamped_swiglu(gate, up, limit) * jnp.take(weights.reshape(-1), order)[:, None]
-    y = jax.lax.ragged_dot(z.astype(w2.dtype), jnp.swapaxes(w2, 1, 2), group_sizes,
-                           preferred_element_type=jnp.float32)
+    def grouped(lhs, w):  # [rows, K] x [E, out, K] -> [rows, out] float32
+        lhs, w = f32_dot_operands(lhs, w)
+        return jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), group_sizes, preferred_element_type=jnp.float32)
+
+    z = clamped_swiglu(grouped(xs, w1), grouped(xs, w3), limit) * jnp.take(weights.reshape(-1), order)[:, None]
+    y = grouped(z.astype(w2.dtype), w2)
     return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+# ------------------------------------------------------------------ quantised expert weights
+# Layouts match model/quant_io.py (MODEL_SPEC 3.7), stacked over experts:
+#   FP8: w float8_e4m3fn [E, out, in], scale [E, ceil(out/B), ceil(in/B)] (UE8M0: float8_e8m0fnu or the
+#        uint8 exponent byte b, value 2^(b-127)); W[e,i,j] = w[e,i,j] * s[e, i//B, j//B].
+#   FP4: w int8/uint8 [E, out, in/2] (E2M1 codes, low nibble = even column), scale [E, out, in/32] UE8M0;
+#        W[e,i,j] = e2m1(code[e,i,j]) * s[e, i, j//32].
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e8m0_to_f32(scale: jax.Array) -> jax.Array:
+    """UE8M0 scales (float8_e8m0fnu or uint8 exponent bytes b) -> float32 2^(b-127); b=255 -> NaN."""
+    if scale.dtype == jnp.float8_e8m0fnu:
+        scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+    if scale.dtype != jnp.uint8:
+        raise ValueError(f"UE8M0 scales must be float8_e8m0fnu or uint8 exponent bytes, got {scale.dtype}")
+    b = scale.astype(jnp.int32)
+    v = jnp.ldexp(jnp.ones(b.shape, jnp.float32), b - 127)
+    return jnp.where(b == 255, jnp.nan, v)
+
+
+def dequant_fp8_experts(w: jax.Array, scale: jax.Array) -> jax.Array:
+    """FP8 E4M3 [E, out, in] + UE8M0 block scales [E, ceil(out/B), ceil(in/B)] -> float32 [E, out, in].
+
+    The block size B is inferred from the shapes (square blocks, as quant_io.infer_fp8_block)."""
+    e, n, k = w.shape
+    block = fp8_block_size(w.shape, scale.shape)
+    s = e8m0_to_f32(scale)
+    s = jnp.repeat(jnp.repeat(s, block, axis=1), block, axis=2)[:, :n, :k]
+    return w.astype(jnp.float32) * s
+
+
+def fp8_block_size(w_shape, s_shape) -> int:
+    """Smallest power-of-two square block B with s_shape == (E, ceil(out/B), ceil(in/B))."""
+    e, n, k = w_shape
+    b = 1
+    while b <= max(n, k, 1) * 2:
+        if tuple(s_shape) == (e, -(-n // b), -(-k // b)):
+            return b
+        b *= 2
+    raise ValueError(f"FP8 expert scale {tuple(s_shape)} matches no square block grid of weight {tuple(w_shape)}")
+
+
+def dequant_fp4_experts(packed: jax.Array, scale: jax.Array, block: int = 32) -> jax.Array:
+    """Packed E2M1 [E, out, in/2] (int8/uint8, low nibble first) + UE8M0 [E, out, in/block] -> f32 [E, out, in]."""
+    if packed.dtype not in (jnp.int8, jnp.uint8):
+        raise ValueError(f"packed FP4 weights must be int8/uint8, got {packed.dtype}")
+    e, n, kp = packed.shape
+    if scale.shape != (e, n, -(-2 * kp // block)):
+        raise ValueError(f"FP4 scale {scale.shape} does not match packed weight {packed.shape} "
+                         f"({block} values per scale)")
+    b = packed.astype(jnp.int32) & 0xFF
+    codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(e, n, 2 * kp)
+    mag = jnp.asarray(E2M1_MAGNITUDES, jnp.float32)[codes & 7]
+    vals = jnp.where(codes >= 8, -mag, mag)
+    s = jnp.repeat(e8m0_to_f32(scale), block, axis=-1)[..., : 2 * kp]
+    return vals * s
+
+
+def dequant_experts(w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """Any expert weight format -> float32: dense (scale None), FP8 E4M3 (+ block scales), FP4 packed (+ /32)."""
+    if scale is None:
+        return w.astype(jnp.float32)
+    if w.dtype == jnp.float8_e4m3fn:
+        return dequant_fp8_experts(w, scale)
+    if w.dtype in (jnp.int8, jnp.uint8):
+        return dequant_fp4_experts(w, scale)
+    raise ValueError(f"scaled expert weights must be float8_e4m3fn or packed int8/uint8 FP4, got {w.dtype}")
+
+
+def moe_experts_quantized(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
+                          w3: jax.Array, limit: float, scales=None) -> jax.Array:
+    """`moe_experts` with quantised weights, as the float32 math of the dequantised weights.
+
+    scales: None (dense) or (s1, s2, s3) matching w1, w2, w3 (FP8 block scales or FP4 per-32 scales).
+    x is taken as float32 too, so this is the exact target the kernels are measured against.
+    Returns [M, D] float32.
+    """
+    s1, s2, s3 = (None, None, None) if scales is None else scales
+    return moe_experts(x.astype(jnp.float32), expert_ids, weights, dequant_experts(w1, s1),
+                       dequant_experts(w2, s2), dequant_experts(w3, s3), limit)
+
+
+# ----------------------------------------------------------------------------- sparse window attention
+# The interface of `pallas_kernels.attention.sparse_attention`: keys are named by where they live
+# (SWA ring with explicit positions, the chunk's own rows, the compressed store) instead of one dense
+# [B, S, R_w + S + N] mask. `window_sparse_dense` builds that dense formulation for `sink_attention`;
+# `window_sparse_attention` is the gather formulation (what XLA would run without a kernel). Both are
+# equal (tests/test_kernels_attention.py); the kernel is tested against the latter.
+
+def window_key_mask(q_pos: jax.Array, k_pos: jax.Array, window: int, floor: jax.Array | None) -> jax.Array:
+    """[B, S] query positions x [B, N] key positions (-1 = no key) -> [B, S, N] bool:
+    max(floor, q - W + 1) <= k <= q (MODEL_SPEC 2.4; floor = bounded-replay start, 0 when None)."""
+    delta = q_pos[:, :, None] - k_pos[:, None, :]
+    ok = (delta >= 0) & (delta < window) & (k_pos >= 0)[:, None, :]
+    if floor is not None:
+        ok = ok & (k_pos[:, None, :] >= floor[:, None, None])
+    return ok
+
+
+def compressed_mask(q_pos: jax.Array, n: int, ratio: int, comp_idx: jax.Array | None) -> jax.Array:
+    """Entries a row may use: visible (j < (p+1)//ratio) and, for CSA, selected. -> [B, S, n] bool."""
+    visible = jnp.arange(n)[None, None, :] < ((q_pos + 1) // ratio)[..., None]
+    return visible if comp_idx is None else visible & indices_to_mask(comp_idx, n)
+
+
+def _window_keys(self_kv, self_pos, ring_kv, ring_pos):
+    if ring_kv is None:
+        return self_kv, self_pos
+    return jnp.concatenate([ring_kv, self_kv.astype(ring_kv.dtype)], 1), jnp.concatenate([ring_pos, self_pos], 1)
+
+
+def window_sparse_dense(q_pos, self_kv, self_pos, *, window: int, ring_kv=None, ring_pos=None, comp_kv=None,
+                        comp_idx=None, ratio: int = 0, window_floor=None) -> tuple[jax.Array, jax.Array]:
+    """The dense formulation the model's reference path uses: (keys [B, R+S(+N), Dh], mask [B, S, R+S(+N)])
+    for `sink_attention` (keys = concat(ring, own rows, compressed store))."""
+    kv, kpos = _window_keys(self_kv, self_pos, ring_kv, ring_pos)
+    mask = window_key_mask(q_pos, kpos, window, window_floor)
+    if comp_kv is None:
+        return kv, mask
+    cmask = compressed_mask(q_pos, comp_kv.shape[1], ratio, comp_idx)
+    return jnp.concatenate([kv, comp_kv.astype(kv.dtype)], 1), jnp.concatenate([mask, cmask], 2)
+
+
+def window_sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window: int, ring_kv=None,
+                            ring_pos=None, comp_kv=None, comp_idx=None, ratio: int = 0,
+                            window_floor=None) -> jax.Array:
+    """Reference for `pallas_kernels.attention.sparse_attention` (same arguments; shapes there).
+
+    CSA (comp_idx [B, S, K], -1 = empty, no duplicates per row): the K selected entries are gathered
+    per row ([B, S, K, Dh]) and masked by visibility; HCA (comp_idx None): every visible entry.
+    One softmax over window + compressed keys with the per-head sink, fp32 logits and accumulation,
+    probabilities cast to the KV dtype before the value product (as `sink_attention`).
+    Returns [B, S, H, Dh] in q's dtype; rows without a valid key return 0.
+    """
+    kv, kpos = _window_keys(self_kv, self_pos, ring_kv, ring_pos)
+    kv = kv.astype(q.dtype)
+    z = [jnp.einsum("bshd,bnd->bhsn", q, kv, preferred_element_type=jnp.float32)]
+    m = [window_key_mask(q_pos, kpos, window, window_floor)]
+    comp = None
+    if comp_kv is not None:
+        n = comp_kv.shape[1]
+        comp_kv = comp_kv.astype(q.dtype)
+        visible_count = jnp.clip((q_pos + 1) // ratio, 0, n)  # [B, S]
+        if comp_idx is None:
+            comp = comp_kv
+            z.append(jnp.einsum("bshd,bnd->bhsn", q, comp, preferred_element_type=jnp.float32))
+            m.append(jnp.arange(n)[None, None, :] < visible_count[..., None])
+        else:
+            idx = comp_idx.astype(jnp.int32)
+            comp = jax.vmap(lambda c, i: c[jnp.clip(i, 0, n - 1)])(comp_kv, idx)  # [B, S, K, Dh]
+            z.append(jnp.einsum("bshd,bskd->bhsk", q, comp, preferred_element_type=jnp.float32))
+            m.append((idx >= 0) & (idx < visible_count[..., None]))
+    z = jnp.concatenate(z, -1) * scale
+    z = jnp.where(jnp.concatenate(m, -1)[:, None], z, NEG_INF)
+    sink = sink.astype(jnp.float32)[None, :, None, None]
+    mx = jnp.maximum(jnp.max(z, axis=-1, keepdims=True), sink)
+    p = jnp.exp(z - mx)
+    p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - mx))).astype(q.dtype)
+    nw = kv.shape[1]
+    o = jnp.einsum("bhsn,bnd->bshd", p[..., :nw], kv, preferred_element_type=jnp.float32)
+    if comp is not None:
+        eq = "bhsn,bnd->bshd" if comp_idx is None else "bhsk,bskd->bshd"
+        o = o + jnp.einsum(eq, p[..., nw:], comp, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- indexer + top-k
+def dequantize_rows(keys: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """Keys stored low-precision with one scale per row: keys [B, N, DI] (e.g. float8_e4m3fn),
+    scale [B, N] float32 -> float32 keys * scale. scale None: keys as float32."""
+    k = keys.astype(jnp.float32)
+    return k if scale is None else k * scale.astype(jnp.float32)[..., None]
+
+
+def quantize_rows_fp8(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, N, DI] -> (float8_e4m3fn keys, float32 scale [B, N]) with a power-of-two scale per row
+    (amax / scale <= 448), so dequantisation is exact up to the fp8 rounding of the values."""
+    k = keys.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(k), axis=-1), 1e-30)
+    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / 448.0)))
+    return (k / scale[..., None]).astype(jnp.float8_e4m3fn), scale
+
+
+def indexer_topk(q: jax.Array, weights: jax.Array, keys: jax.Array, positions: jax.Array, *, ratio: int,
+                 k: int, key_scale: jax.Array | None = None) -> jax.Array:
+    """Reference for `pallas_kernels.indexer.indexer_topk`: scores over the entries visible to each row
+    (j < (p+1)//ratio) then the k best (ties -> lower index), -1 where fewer are visible.
+
+    q [B, T, HI, DI], weights [B, T, HI], keys [B, N, DI] (bf16/f32, or fp8 with key_scale [B, N]),
+    positions [B, T] -> [B, T, min(k, N)] int32.
+    """
+    n = keys.shape[1]
+    visible = jnp.arange(n)[None, None, :] < ((positions + 1) // ratio)[..., None]
+    return topk_indices(indexer_scores(q, weights, dequantize_rows(keys, key_scale), visible), k)

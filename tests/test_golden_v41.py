@@ -77,3 +77,46 @@ def test_teacher_forced_decode(golden):
 def test_greedy_tokens(golden):
     model, prompts, _, out = golden
     np.testing.assert_array_equal(generate(model, prompts, max_new_tokens=8).tokens, out["greedy_tokens"])
+
+
+def test_engram_host_placement_equals_device(golden, golden_dir):
+    model, prompts, _, _ = golden
+    host = load_checkpoint(golden_dir / "v41", dtype="float32", engram_placement="host")
+    assert host.layers[1].engram.embed.weight is None and host.layers[1].engram.embed.host.array.shape == (384, 64)
+    np.testing.assert_array_equal(np.asarray(host(prompts)), np.asarray(model(prompts)))
+
+
+def test_quant_sim_and_bf16_run(golden, golden_dir):
+    """The fake-quant steps (FP8 window KV, FP4 global KV and indexer q/k) are a switch; bf16 weights and
+    activations run too. (The official quantised run also quantises every GEMM input, which we do not
+    emulate, so it is no bitwise target: see the golden README section 7.)"""
+    model, prompts, _, out = golden
+    for dtype in ("float32", "bfloat16"):
+        sim = load_checkpoint(golden_dir / "v41", dtype=dtype, quant_sim=True)
+        got = np.asarray(sim(prompts))
+        assert np.isfinite(got).all()
+        assert rel_err(got, out["prefill_logits"]) > 1e-3  # the sims change the numbers
+        assert (got.argmax(-1) == out["prefill_logits"].argmax(-1)).mean() > 0.5
+
+
+def test_bad_v41_inputs(golden_dir, tmp_path):
+    import shutil
+
+    from model import ModelConfig
+    from model import quant_io
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    shutil.copy(golden_dir / "v41" / "config.json", d / "config.json")
+    tensors = quant_io.read_safetensors(golden_dir / "v41" / "model.safetensors")
+    del tensors["layers.2.engram.embed.weight"], tensors["layers.2.engram.embed.scale"]
+    quant_io.write_safetensors(d / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match="missing tensors.*layers.2.engram.embed.weight"):
+        load_checkpoint(d, dtype="float32")
+    cfg = ModelConfig.preset("tiny-v41")
+    with pytest.raises(ValueError, match="KV source layer 3 has compress ratio 0"):
+        cfg.replace(kv_source_layer_ids=(2, 3, 5), compress_ratios=(0, 0, 2, 0, 2, 1, 1, 1, 0, 0, 0))
+    with pytest.raises(ValueError, match="has ratio 1 but its KV source 2 has ratio 2"):
+        cfg.replace(kv_source_layer_ids=(2,), index_source_layer_ids=(2, 7))
+    with pytest.raises(ValueError, match="needs the tokenizer's compressed-token map"):
+        from model.transformer import engram_hasher
+        engram_hasher(cfg.replace(engram_compressed_vocab_size=50))

@@ -1,8 +1,8 @@
 """Incremental inference is exact: prefill + decodes, chunked prefill in any (ragged) split and
-multi-token decode with rollback all equal the full forward (float32, tiny-v4 random weights).
-
-Ratios in tiny-v4 are 4 (CSA) and 16 (HCA); the prefill lengths straddle both block boundaries.
-All chunks share one padded width, so each jitted shape compiles once.
+multi-token decode with rollback all equal the full forward (float32, random weights), for V4
+(tiny-v4: CSA r=4, HCA r=16) and V4.1 (tiny-v41: Full/Reuse/Reindex at r=2 and r=1, candidate pool,
+Engram history). The prefill lengths straddle the block boundaries. All chunks share one padded
+width, so each jitted shape compiles once per preset.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
-@pytest.fixture(scope="module")
-def setup():
-    cfg = ModelConfig.preset("tiny-v4")
+@pytest.fixture(scope="module", params=["tiny-v4", "tiny-v41"])
+def setup(request):
+    cfg = ModelConfig.preset(request.param)
     model = init_random(cfg, seed=3)
     tokens = np.random.default_rng(7).integers(2, cfg.vocab_size, (4, TOTAL))
     full = np.asarray(model(tokens))  # [4, 48, V]: causal, so position p depends on tokens <= p only
@@ -94,9 +94,15 @@ def test_multi_token_decode_and_rollback(setup):
             break
 
 
-def test_memory_estimate_real_config():
+def test_memory_estimate_real_configs():
     cfg = ModelConfig.preset("v4-flash")
     m = memory_estimate(cfg, 1 << 16, jnp.bfloat16)
     # bf16 entries: 21 CSA layers x (512 + 128) x 2 B / 4 tokens + 20 HCA x 512 x 2 B / 128 tokens
     assert m["bytes_per_token"] == pytest.approx(21 * 640 * 2 / 4 + 20 * 1024 / 128)
     assert m["fixed_bytes_per_sequence"] > 0
+    # trained storage formats (MODEL_SPEC 2.7): V4 3514 B/token, V4.1 890 B/token (global KV only in
+    # the four KV sources: 3 x (288 + 68) / 2 + (288 + 68))
+    assert memory_estimate(cfg, 1 << 16, packed=True)["bytes_per_token"] == pytest.approx(3514.25)
+    v41 = ModelConfig.preset("v41-flash")
+    assert memory_estimate(v41, 1 << 16, packed=True)["bytes_per_token"] == pytest.approx(890)
+    assert memory_estimate(v41, 1 << 16, jnp.bfloat16)["bytes_per_token"] == pytest.approx(3200)

@@ -170,6 +170,18 @@ class Attention(nnx.Module):
             scale=self.head_dim ** -0.5, window=self.window, ring_kv=keys[0], ring_pos=ring_pos,
             comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1))
 
+    def draft_block(self, h: jax.Array, positions: jax.Array, ctx_kv: jax.Array, ctx_visible: jax.Array) -> jax.Array:
+        """[DSpark] non-causal attention of a draft block: h [B, beta, D] at positions [B, beta] attends to
+        the context keys ctx_kv [B, R, Dh] where ctx_visible [B, R], and to all beta block rows."""
+        q, _ = self.queries(h, positions)
+        kv = self.keys(h, positions)
+        beta = h.shape[1]
+        mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (h.shape[0], beta, ctx_kv.shape[1])),
+                                jnp.ones((h.shape[0], beta, beta), bool)], axis=2)
+        o = ref.sink_attention(q, jnp.concatenate([ctx_kv, kv], axis=1), mask, self.attn_sink[...],
+                               self.head_dim ** -0.5)
+        return self.output(o, positions)
+
     def _window(self, q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
         """[B, S] query positions x [B, N] key positions -> [B, S, N]: 0 <= q - k < W and key valid."""
         delta = q_pos[:, :, None] - k_pos[:, None, :]

@@ -56,20 +56,30 @@ class Block(nnx.Module):
         return hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, norm_eps=self.norm_eps,
                                hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
 
-    def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache, shared: Shared,
-                 pre_prev: jax.Array) -> tuple[jax.Array, LayerCache, Shared, jax.Array]:
-        """x [B, S, n, D] residual streams of the chunk `step` -> (x, layer cache, shared, pre vector).
+    def sublayers(self, x: jax.Array, pre_prev: jax.Array | None, attend, tokens: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+        """mHC + attention sublayer (`attend`: normed input [B, S, D] -> output) + mHC + MoE sublayer.
 
-        `pre_prev` [B, S, n] is the previous sublayer's pre vector (used by V4.1's single-pass mHC).
-        """
+        x [B, S, n, D]; `pre_prev` [B, S, n] is the previous sublayer's pre vector (V4.1 single-pass
+        mHC collapses with it). -> (x, this block's FFN pre vector)."""
         pre, post, comb = self._coefficients(self.hc_attn, x)
-        a, cache, shared = self.attn(self.attn_norm(collapse(x, pre_prev if self.single_pass else pre)),
-                                     step, cache, shared)
-        x = expand(x, a, post, comb)
+        x = expand(x, attend(self.attn_norm(collapse(x, pre_prev if self.single_pass else pre))), post, comb)
         pre_attn = pre
         pre, post, comb = self._coefficients(self.hc_ffn, x)
         f = self.ffn(self.ffn_norm(collapse(x, pre_attn if self.single_pass else pre)), tokens)
-        return expand(x, f, post, comb), cache, shared, pre
+        return expand(x, f, post, comb), pre
+
+    def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache, shared: Shared,
+                 pre_prev: jax.Array | None) -> tuple[jax.Array, LayerCache, Shared, jax.Array]:
+        """x [B, S, n, D] residual streams of the chunk `step` -> (x, layer cache, shared, pre vector)."""
+        out = {}
+
+        def attend(h):
+            a, out["cache"], out["shared"] = self.attn(h, step, cache, shared)
+            return a
+
+        x, pre = self.sublayers(x, pre_prev, attend, tokens)
+        return x, out["cache"], out["shared"], pre
 
 
 class MTPBlock(Block):
@@ -87,14 +97,15 @@ class MTPBlock(Block):
         self.hc_head = HyperHead(cfg.hc_mult, d, rngs=rngs)
 
     def hidden(self, residual: jax.Array, next_embed: jax.Array, step: Step, next_tokens: jax.Array,
-               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
-        """residual [B, S, n, D] (backbone, before hc_head), next_embed [B, S, D] -> (normed [B, S, D], cache)."""
+               cache: LayerCache) -> tuple[jax.Array, jax.Array, LayerCache]:
+        """residual [B, S, n, D] (backbone streams before hc_head, or this block's own output streams when
+        drafting recursively), next_embed [B, S, D] -> (normed hidden [B, S, D], output streams, cache)."""
         e = self.e_proj(self.enorm(next_embed))
         x = self.h_proj(self.hnorm(residual)) + e[:, :, None, :]
         x, cache, _, _ = super().__call__(x.astype(residual.dtype), step, next_tokens, cache, Shared(), None)
         y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], x,
                              norm_eps=self.norm_eps, hc_eps=self.hc_eps)
-        return self.norm(y), cache
+        return self.norm(y), x, cache
 
 
 class MarkovHead(nnx.Module):
@@ -262,7 +273,7 @@ class Transformer(nnx.Module):
         cfg = self.config
         layer_cache = allocate_layer(cfg, cfg.num_layers + stage, b, t, residual.dtype)
         step = Step.make(jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32), t)
-        y, _ = self.mtp[stage].hidden(residual, self.embed(next_tokens), step, next_tokens, layer_cache)
+        y, _, _ = self.mtp[stage].hidden(residual, self.embed(next_tokens), step, next_tokens, layer_cache)
         return self.logits(y)
 
     # ---------------------------------------------------------------- full forward

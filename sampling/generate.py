@@ -7,6 +7,7 @@ prefill and decode can be timed (and their compile times reported) separately.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -18,9 +19,11 @@ import numpy as np
 from flax import nnx
 
 from model.cache import Cache, allocate
+from model.draft import allocate_draft
 from model.transformer import Transformer
 
 from .sampler import sample
+from .speculative import SpecParams, check_spec, default_cost, run_loop, summarize
 
 
 @dataclasses.dataclass
@@ -107,7 +110,7 @@ def _decode_phase(model: Transformer, cache: Cache, first, key, stop_tokens, par
 # The decode phase returns no cache, so XLA cannot reuse every donated buffer; that is expected.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
-_TRACES = {"fused": 0, "prefill": 0, "decode": 0}  # trace counters (tests check the loop never retraces)
+_TRACES = {"fused": 0, "prefill": 0, "decode": 0, "speculative": 0}  # trace counters (tests check the loop never retraces)
 
 
 @nnx.jit(static_argnames=("params", "max_new_tokens"), donate_argnames="cache")
@@ -116,6 +119,12 @@ def _generate_fused(model, cache, tokens, lengths, key, stop_tokens, params, max
     first, cache = _prefill_phase(model, cache, tokens, lengths, key, params)
     out, n_gen, steps, _ = _decode_phase(model, cache, first, key, stop_tokens, params, max_new_tokens)
     return out, n_gen, steps
+
+
+@nnx.jit(static_argnames=("sp", "max_new_tokens"), donate_argnames=("cache", "dc"))
+def _speculative_fused(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens):
+    _TRACES["speculative"] += 1
+    return run_loop(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens)
 
 
 @nnx.jit(static_argnames="params", donate_argnames="cache")
@@ -133,22 +142,37 @@ def _decode_jit(model, cache, first, key, stop_tokens, params, max_new_tokens):
 
 def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None, lengths=None,
-             timing: bool = False, speculative=None, bounded_replay: bool = False, mesh=None) -> GenerateOutput:
+             timing: bool = False, speculative: str | None = None, num_draft: int = 3, policy: str = "fixed",
+             verify_cost: Sequence[float] | None = None, bounded_replay: bool = False, mesh=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt. Prompts: a list of token sequences (any lengths) or
     a padded [B, S] array with `lengths`. Greedy when temperature == 0.
 
-    stats: prompt lengths, steps run, and with `timing=True` prefill/decode compile and run times
-    and tokens/s (the two phases then run as two jitted calls; results are identical).
+    speculative: None, "mtp" (V4) or "dspark" (V4.1) with `num_draft` drafts per step and `policy`
+    "fixed" or "confidence" (DSpark; `verify_cost[w-1]` = cost of a verify step of width w, e.g. measured
+    by experiments/bench.py; default nearly flat). Lossless: greedy output equals plain greedy output,
+    sampled output has the target's distribution.
+
+    stats: prompt lengths, steps run; speculative: mean accepted length per step and per-position
+    acceptance rates; with `timing=True` compile and run times and tokens/s (plain decoding times
+    prefill and decode separately: the two phases then run as two jitted calls; results are identical).
+
+    mesh: a (dp, ep, tp) mesh (sharding.ParallelConfig.make_mesh): the batch (a multiple of dp*ep),
+    the cache and the activations are split over dp x ep, experts over ep; a model not yet on the mesh
+    is laid out there first (sharding.shard_model). stats["parallel"] records the mesh and the expert
+    parallel strategy of each phase.
     """
-    if speculative is not None or bounded_replay or mesh is not None:
-        raise NotImplementedError("speculative decoding, bounded replay and meshes arrive with their issues")
+    if bounded_replay:
+        raise NotImplementedError("bounded replay arrives with its issue")
+    if speculative is not None:
+        check_spec(model, speculative, num_draft, policy)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     cfg = model.config
     tokens, lens = prepare_prompts(prompts, lengths)
     if tokens.max() >= cfg.vocab_size or tokens.min() < 0:
         raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
-    need = int(lens.max()) + max_new_tokens
+    room = num_draft + 2 if speculative is not None else 0  # verify rows past the last emitted token
+    need = int(lens.max()) + max_new_tokens + room
     if need > cfg.max_position_embeddings:
         raise ValueError(f"prompt length {int(lens.max())} + max_new_tokens {max_new_tokens} = {need} exceeds "
                          f"the model's context of {cfg.max_position_embeddings} positions")
@@ -156,19 +180,57 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     width = min(_round_up(tokens.shape[1], 16), cfg.max_position_embeddings)
     max_len = min(_round_up(need, 64), cfg.max_position_embeddings)
     tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1]))).astype(np.int32)
-    cache = allocate(cfg, tokens.shape[0], max_len, model.dtype)
     params = SamplingParams(float(temperature), int(top_k), float(top_p))
     key = jax.random.PRNGKey(seed)
     stops = jnp.asarray(list(stop_tokens) if stop_tokens else [-2], jnp.int32)
-    args = (jnp.asarray(tokens), jnp.asarray(lens), key)
     stats: dict[str, Any] = {"prompt_lengths": lens.tolist(), "max_len": max_len}
+    spec_room = max(8, num_draft + 2)
+    if mesh is None:
+        new_cache = lambda: allocate(cfg, tokens.shape[0], max_len, model.dtype, spec_room)  # noqa: E731
+        args = (jnp.asarray(tokens), jnp.asarray(lens), key)
+        context, to_host = contextlib.nullcontext(), np.asarray
+    else:
+        from sharding import apply, expert_parallel, mesh as mesh_lib
+
+        mesh_lib.check_batch(tokens.shape[0], mesh, "prompt batch")
+        if not apply.on_mesh(model, mesh):
+            model = apply.shard_model(model, mesh)
+        new_cache = lambda: apply.allocate_cache(cfg, tokens.shape[0], max_len, model.dtype, mesh)  # noqa: E731
+        args = (apply.shard_batch(tokens, mesh), apply.shard_batch(lens, mesh), key)
+        context, to_host = jax.set_mesh(mesh), apply.to_host
+        plan = expert_parallel.plan_of(model)
+        stats["parallel"] = {**mesh_lib.describe(mesh), "expert_parallel": {
+            "config": dataclasses.asdict(plan.config), "prefill": plan.describe(tokens.size),
+            "decode": plan.describe(tokens.shape[0])}}
+    if speculative is not None:
+        sp = SpecParams(speculative, int(num_draft), policy, tuple(verify_cost or default_cost(num_draft)),
+                        float(temperature), int(top_k), float(top_p))
+        if len(sp.cost) < num_draft + 1:
+            raise ValueError(f"verify_cost needs {num_draft + 1} entries (widths 1..num_draft+1)")
+        with context:
+            dc = allocate_draft(model, tokens.shape[0], max_len, spec_room)
+            t0 = time.perf_counter()
+            out, n_gen, spec_stats = _speculative_fused(model, new_cache(), dc, *args, stops, sp, max_new_tokens)
+            out.block_until_ready()
+        stats.update(summarize(spec_stats), speculative=speculative, num_draft=num_draft, policy=policy,
+                     wall_s=time.perf_counter() - t0)
+        return GenerateOutput(tokens=to_host(out), lengths=to_host(n_gen), stats=stats)
+    with context:
+        out, n_gen, steps = _run(model, new_cache, args, key, stops, params, max_new_tokens, timing, lens, stats,
+                                  to_host)
+    stats["steps"] = int(to_host(steps))
+    return GenerateOutput(tokens=to_host(out), lengths=to_host(n_gen), stats=stats)
+
+
+def _run(model, new_cache, args, key, stops, params, max_new_tokens, timing, lens, stats, to_host):
+    cache = new_cache()
     if not timing:
         out, n_gen, steps = _generate_fused(model, cache, *args, stops, params, max_new_tokens)
     else:
         times = []
         for run in range(2):  # the first run compiles; the second is timed
             if run:
-                cache = allocate(cfg, tokens.shape[0], max_len, model.dtype)
+                cache = new_cache()
             t0 = time.perf_counter()
             first, cache = _prefill_jit(model, cache, *args, params)
             first.block_until_ready()
@@ -177,10 +239,9 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
             out.block_until_ready()
             times.append((t1 - t0, time.perf_counter() - t1))
         (p_first, d_first), (p_run, d_run) = times
-        decoded = int(np.asarray(n_gen).sum()) - len(lens)
+        decoded = int(to_host(n_gen).sum()) - len(lens)
         stats.update(prefill_s=p_run, decode_s=d_run, prefill_compile_s=max(p_first - p_run, 0.0),
                      decode_compile_s=max(d_first - d_run, 0.0),
                      prefill_tokens_per_s=int(lens.sum()) / max(p_run, 1e-9),
-                     decode_tokens_per_s=decoded / max(d_run, 1e-9), decode_steps=int(steps) - 1)
-    stats["steps"] = int(steps)
-    return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(n_gen), stats=stats)
+                     decode_tokens_per_s=decoded / max(d_run, 1e-9), decode_steps=int(to_host(steps)) - 1)
+    return out, n_gen, steps

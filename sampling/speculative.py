@@ -1,0 +1,244 @@
+"""Speculative decoding inside the jitted loop: propose -> verify -> accept -> rollback (MODEL_SPEC 3.6).
+
+Each iteration the target verifies [pending, d_1..d_m] as one causal chunk. Greedy: accept the longest
+prefix with d_j equal to the target's argmax, then the target's own token (correction or bonus).
+Sampling (temperature > 0): accept d_j with probability min(1, p_t(d_j) / p_d(d_j)); on the first
+rejection draw from normalise(max(0, p_t - p_d)); if all are accepted draw a bonus from p_t. Both
+keep the output distribution exactly the target's. Caches roll back by length; the drafter commits
+the accepted rows (MTP rows or DSpark context keys) and proposes again from the new pending token.
+
+Policies: "fixed" verifies every proposed draft; "confidence" (DSpark) chooses per sequence how many
+to verify from the confidence head's survival products a_j = prod_{i<=j} sigmoid(c_i) and a
+cost-per-verified-width curve of this engine: m_b = argmax_m (1 + sum_{j<=m} a_j) / cost(m + 1);
+the batch verifies max_b m_b drafts (a `lax.switch` over widths, so fewer drafts cost less).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import draft as D
+from model.cache import Cache
+from model.transformer import Transformer
+
+from .sampler import filter_logits, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecParams:
+    kind: str  # "mtp" | "dspark"
+    num_draft: int
+    policy: str = "fixed"  # "fixed" | "confidence"
+    cost: tuple[float, ...] = ()  # cost of a verify step of width w = 1..num_draft+1 (relative units)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def check_spec(model: Transformer, kind: str, num_draft: int, policy: str) -> None:
+    cfg = model.config
+    if kind not in ("mtp", "dspark"):
+        raise ValueError(f"speculative must be 'mtp' or 'dspark', got {kind!r}")
+    if num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    if policy not in ("fixed", "confidence"):
+        raise ValueError(f"policy must be 'fixed' or 'confidence', got {policy!r}")
+    if not len(model.mtp):
+        raise ValueError(f"{cfg.name} has no draft weights (no mtp.* tensors were loaded): cannot use {kind!r}")
+    if kind == "mtp" and cfg.generation != "v4":
+        raise ValueError("MTP-1 drafting is V4's; V4.1 drafts with speculative='dspark'")
+    if kind == "dspark":
+        if cfg.generation != "v41":
+            raise ValueError("DSpark drafting needs a V4.1 model")
+        if num_draft > cfg.dspark_block_size:
+            raise ValueError(f"num_draft {num_draft} exceeds the DSpark block size {cfg.dspark_block_size}")
+    if policy == "confidence" and kind != "dspark":
+        raise ValueError("the confidence policy needs DSpark's confidence head")
+
+
+def default_cost(num_draft: int) -> tuple[float, ...]:
+    """A verify step's cost vs its width w (1..k+1) when no measured curve is given: weight-bound decode,
+    so the step costs about the same whatever its width, plus a little per extra row."""
+    return tuple(1.0 + 0.05 * (w - 1) for w in range(1, num_draft + 2))
+
+
+# ----------------------------------------------------------------------------- drafter glue
+
+def _propose(model, dc, pending, commit_out, key, sp: SpecParams) -> D.Proposal:
+    if sp.kind == "mtp":
+        logits, streams = commit_out
+        return D.mtp_propose(model, dc, logits, streams, sp.num_draft, key, sp.temperature, sp.top_k, sp.top_p)
+    p = D.dspark_propose(model, dc, pending, key, sp.temperature, sp.top_k, sp.top_p)
+    conf = None if p.confidence is None else p.confidence[:, :sp.num_draft]
+    return D.Proposal(tokens=p.tokens[:, :sp.num_draft], logits=p.logits[:, :sp.num_draft], confidence=conf)
+
+
+def _commit(model, dc, extras, next_tokens, n_new, sp: SpecParams):
+    """Drafter state for the rows the target just committed (first n_new rows of `extras`).
+
+    -> (cache, what `_propose` needs: MTP's logits and streams of the last committed row)."""
+    if sp.kind == "mtp":
+        logits, streams, dc = D.mtp_commit(model, dc, extras["residual"], next_tokens, n_new)
+        last = jnp.maximum(n_new - 1, 0)[:, None]
+        return dc, (jnp.take_along_axis(logits, last[..., None], 1)[:, 0],
+                    jnp.take_along_axis(streams, last[..., None, None], 1)[:, 0])
+    return D.dspark_commit(model, dc, extras["main_hidden"], n_new), None
+
+
+def _next_tokens(tokens: jax.Array, n_new: jax.Array, after: jax.Array) -> jax.Array:
+    """x_{p+1} for each committed row p: the chunk shifted left, with `after` [B] at row n_new-1."""
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+    rows = jnp.arange(tokens.shape[1])[None, :]
+    return jnp.where(rows == (n_new - 1)[:, None], after[:, None], shifted)
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+def accept(target_logits: jax.Array, proposal: D.Proposal, n_verify: jax.Array, key, sp: SpecParams
+           ) -> tuple[jax.Array, jax.Array]:
+    """target_logits [B, w+1, V] for [pending, d_1..d_w]; n_verify [B] <= w drafts checked per sequence.
+
+    -> (accepted count a [B], the target's next token [B] (correction, or bonus after all accepted))."""
+    drafts = proposal.tokens[:, :target_logits.shape[1] - 1]
+    w = drafts.shape[1]
+    j = jnp.arange(w)[None, :]
+    if sp.temperature <= 0:
+        target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, w+1]
+        ok = (drafts == target[:, :w]) & (j < n_verify[:, None])
+        a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        return a, jnp.take_along_axis(target, a[:, None], 1)[:, 0]
+    b, _, v = target_logits.shape
+    p_t = jax.nn.softmax(filter_logits(target_logits.reshape(-1, v), sp.temperature, sp.top_k, sp.top_p),
+                         -1).reshape(b, w + 1, v)
+    p_d = D.draft_probs(D.Proposal(drafts, proposal.logits[:, :w]), sp.temperature, sp.top_k, sp.top_p)
+    pt_d = jnp.take_along_axis(p_t[:, :w], drafts[..., None], -1)[..., 0]
+    pd_d = jnp.take_along_axis(p_d, drafts[..., None], -1)[..., 0]
+    k_u, k_s = jax.random.split(key)
+    u = jax.random.uniform(k_u, (b, w))
+    ok = (u * pd_d < pt_d) & (j < n_verify[:, None])
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_a = jnp.take_along_axis(p_t, a[:, None, None], 1)[:, 0]  # target distribution at row a
+    q_a = jnp.take_along_axis(jnp.pad(p_d, ((0, 0), (0, 1), (0, 0))), a[:, None, None], 1)[:, 0]
+    rejected = a < n_verify
+    residual = jnp.maximum(p_a - jnp.where(rejected[:, None], q_a, 0.0), 0.0)
+    mass = jnp.sum(residual, -1, keepdims=True)
+    residual = jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), p_a)  # empty residual: fall back
+    nxt = jax.random.categorical(k_s, jnp.log(jnp.maximum(residual, 1e-38)), axis=-1).astype(jnp.int32)
+    nxt = jnp.where(residual.max(-1) > 0, nxt, jnp.argmax(p_a, -1).astype(jnp.int32))
+    return a, nxt
+
+
+def choose_width(proposal: D.Proposal, sp: SpecParams) -> jax.Array:
+    """Drafts to verify per sequence [B] (1..k)."""
+    b, k = proposal.tokens.shape
+    if sp.policy == "fixed":
+        return jnp.full((b,), k, jnp.int32)
+    survival = jnp.cumprod(jax.nn.sigmoid(proposal.confidence.astype(jnp.float32)), axis=1)  # [B, k]
+    expected = 1.0 + jnp.cumsum(survival, axis=1)  # tokens per step when verifying m = 1..k drafts
+    cost = jnp.asarray(sp.cost[1:k + 1], jnp.float32)  # widths m + 1
+    return (jnp.argmax(expected / cost[None, :], axis=1) + 1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- one iteration
+
+def spec_step(model: Transformer, cache: Cache, dc, pending, proposal: D.Proposal, key, sp: SpecParams):
+    """Verify the proposal, accept, roll back, commit the drafter, propose again.
+
+    -> (cache, dc, emitted tokens [B, k+1] (first a+1 valid), a [B], n_verify [B], next pending, proposal)."""
+    k = sp.num_draft
+    n_verify = choose_width(proposal, sp)
+    start = cache.lengths
+    chunk = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)  # [B, k+1]
+    k_acc, k_prop = jax.random.split(key)
+
+    def verify(width):
+        def run(cache):
+            logits, cache, extras = model.step(chunk[:, :width + 1], cache, 1 + jnp.minimum(n_verify, width))
+            a, nxt = accept(logits, proposal, jnp.minimum(n_verify, width), k_acc, sp)
+            pad = k - width
+            extras = {name: jnp.pad(extras[name], ((0, 0), (0, pad)) + ((0, 0),) * (extras[name].ndim - 2))
+                      for name in ("residual", "main_hidden") if name in extras}
+            return cache, extras, a, nxt
+        return run
+
+    if sp.policy == "fixed":
+        cache, extras, a, nxt = verify(k)(cache)
+    else:
+        cache, extras, a, nxt = jax.lax.switch(jnp.max(n_verify) - 1, [verify(w) for w in range(1, k + 1)], cache)
+    cache = cache.rollback(start + 1 + a)
+    emitted = jnp.concatenate([proposal.tokens, jnp.zeros_like(pending)[:, None]], axis=1)
+    emitted = jnp.where(jnp.arange(k + 1)[None, :] == a[:, None], nxt[:, None], emitted)
+    # committed rows are [pending, d_1..d_a]; row r's next token is chunk[r+1], and nxt after row a
+    dc, commit_out = _commit(model, dc.replace(lengths=start), extras, _next_tokens(chunk, 1 + a, nxt), 1 + a, sp)
+    proposal = _propose(model, dc, nxt, commit_out, k_prop, sp)
+    return cache, dc, emitted, a, n_verify, nxt, proposal
+
+
+def prefill_and_propose(model: Transformer, cache: Cache, dc, tokens, lengths, key, sp: SpecParams):
+    """Prompt prefill + the first token + the drafter's state and first proposal."""
+    logits, cache, extras = model.step(tokens, cache, lengths, last_only=True)
+    k_first, k_prop = jax.random.split(key)
+    first = sample(logits[:, 0], k_first, sp.temperature, sp.top_k, sp.top_p)
+    dc, commit_out = _commit(model, dc, extras, _next_tokens(tokens, lengths, first), lengths, sp)
+    return cache, dc, first, _propose(model, dc, first, commit_out, k_prop, sp)
+
+
+def run_loop(model: Transformer, cache: Cache, dc, tokens, lengths, key, stop_tokens, sp: SpecParams,
+             max_new_tokens: int):
+    """The whole speculative generation (traceable): -> (tokens [B, max_new], n_gen [B], stats arrays)."""
+    b = tokens.shape[0]
+    k = sp.num_draft
+    cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, jax.random.fold_in(key, 0), sp)
+    width = max_new_tokens + k + 1
+    out = jnp.full((b, width), -1, jnp.int32).at[:, 0].set(first)
+    n_out = jnp.ones((b,), jnp.int32)
+    done = jnp.isin(first, stop_tokens) | (n_out >= max_new_tokens)
+    zeros = jnp.zeros((k,), jnp.int32)
+    state = dict(i=jnp.int32(1), cache=cache, dc=dc, pending=first, proposal=proposal, out=out, n_out=n_out,
+                 done=done, verified=zeros, accepted=zeros, steps_active=jnp.int32(0), tokens_active=jnp.int32(0))
+
+    def cond(s):
+        return ~jnp.all(s["done"])
+
+    def body(s):
+        cache, dc, emitted, a, n_verify, nxt, proposal = spec_step(
+            model, s["cache"], s["dc"], s["pending"], s["proposal"], jax.random.fold_in(key, s["i"]), sp)
+        active = ~s["done"]
+        j = jnp.arange(k + 1)[None, :]
+        valid = j <= a[:, None]
+        is_stop = jnp.isin(emitted, stop_tokens) & valid
+        first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), k + 1)
+        keep = valid & (j <= first_stop[:, None]) & active[:, None]
+        slot = jnp.where(keep, s["n_out"][:, None] + j, width)
+        out = s["out"].at[jnp.arange(b)[:, None], slot].set(emitted, mode="drop")
+        n_out = s["n_out"] + jnp.sum(keep, 1)
+        done = s["done"] | (first_stop <= k) | (n_out >= max_new_tokens)
+        jj = jnp.arange(k)[None, :]
+        verified = s["verified"] + jnp.sum((jj < n_verify[:, None]) & active[:, None], 0)
+        accepted = s["accepted"] + jnp.sum((jj < a[:, None]) & active[:, None], 0)
+        return dict(i=s["i"] + 1, cache=cache, dc=dc, pending=nxt, proposal=proposal, out=out, n_out=n_out,
+                    done=done, verified=verified, accepted=accepted,
+                    steps_active=s["steps_active"] + jnp.sum(active),
+                    tokens_active=s["tokens_active"] + jnp.sum(jnp.where(active, 1 + a, 0)))
+
+    s = jax.lax.while_loop(cond, body, state)
+    out = jnp.where(jnp.arange(width)[None, :] < jnp.minimum(s["n_out"], max_new_tokens)[:, None], s["out"], -1)
+    stats = dict(steps=s["i"] - 1, verified=s["verified"], accepted=s["accepted"], steps_active=s["steps_active"],
+                 tokens_active=s["tokens_active"])
+    return out[:, :max_new_tokens], jnp.minimum(s["n_out"], max_new_tokens), stats
+
+
+def summarize(stats: dict[str, Any]) -> dict[str, Any]:
+    """Host-side statistics: mean accepted length per verify step and per-position acceptance rates."""
+    verified = np.asarray(stats["verified"])
+    accepted = np.asarray(stats["accepted"])
+    steps = int(stats["steps_active"])
+    return {"spec_steps": int(stats["steps"]),
+            "mean_accepted_length": float(stats["tokens_active"]) / max(steps, 1),
+            "acceptance_per_position": (accepted / np.maximum(verified, 1)).tolist(),
+            "verified_per_position": verified.tolist()}

@@ -122,13 +122,17 @@ class Attention(nnx.Module):
         pos = step.positions
         q, c_q = self.queries(h, pos)
         kv = self.keys(h, pos)
+        floor = step.floor[:, None]
         ring_pos = ring_positions(step.start, cache.kv.shape[1])
+        ring_pos = jnp.where(ring_pos >= floor, ring_pos, -1)  # -1: not attended (empty or below the floor)
+        own_pos = jnp.where(step.valid & (pos >= floor), pos, -1)
         keys = [cache.kv, kv]
-        masks = [self._window(pos, ring_pos, ring_pos >= 0), self._window(pos, pos, step.valid)]
+        masks = [self._window(pos, ring_pos, ring_pos >= 0), self._window(pos, own_pos, own_pos >= 0)]
         cache = cache.replace(kv=ring_write(cache.kv, kv, step))
         if self.spec.compress_ratio > 0:
             if self.compressor is not None:
-                cache = self.compress(h, step, cache)
+                if step.write_global:  # (replay over a cached prefix reads the stores, never rewrites them)
+                    cache = self.compress(h, step, cache)
                 shared = shared.replace(kv=cache.comp.entries,
                                         keys=cache.index.entries if cache.index is not None else None)
             entries = shared.kv
@@ -145,7 +149,7 @@ class Attention(nnx.Module):
             keys.append(entries)
             masks.append(visible)
         if self.impl == "pallas":
-            return self.output(self._attention_kernel(q, step, keys, ring_pos, shared), pos), cache, shared
+            return self.output(self._attention_kernel(q, step, keys, ring_pos, own_pos, shared), pos), cache, shared
         o = ref.sink_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(masks, axis=2),
                                self.attn_sink[...], self.head_dim ** -0.5)
         return self.output(o, pos), cache, shared
@@ -157,8 +161,8 @@ class Attention(nnx.Module):
 
         return pk_indexer.indexer_topk(iq, iw, keys, pos, ratio=self.indexer.ratio, k=self.indexer.topk)
 
-    def _attention_kernel(self, q: jax.Array, step: Step, keys: list, ring_pos: jax.Array, shared: Shared
-                          ) -> jax.Array:
+    def _attention_kernel(self, q: jax.Array, step: Step, keys: list, ring_pos: jax.Array, own_pos: jax.Array,
+                          shared: Shared) -> jax.Array:
         """The sparse window kernel on the same keys as the dense path: keys = [ring, own rows(, entries)];
         selected entries by index (topk layers) or all visible ones, no [B, S, R+S+N] mask."""
         from pallas_kernels import attention as pk_attention
@@ -166,7 +170,7 @@ class Attention(nnx.Module):
         comp = keys[2] if len(keys) > 2 else None
         idx = shared.topk if comp is not None and self.spec.topk_source is not None else None
         return pk_attention.sparse_attention(
-            q, step.positions, keys[1], jnp.where(step.valid, step.positions, -1), self.attn_sink[...],
+            q, step.positions, keys[1], own_pos, self.attn_sink[...],
             scale=self.head_dim ** -0.5, window=self.window, ring_kv=keys[0], ring_pos=ring_pos,
             comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1))
 

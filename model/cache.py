@@ -58,19 +58,28 @@ class Cache:
 
 @struct.dataclass
 class Step:
-    """Where a chunk of S rows lands: row i of sequence b is position start[b] + i, valid iff i < n_new[b]."""
+    """Where a chunk of S rows lands: row i of sequence b is position start[b] + i, valid iff i < n_new[b].
+
+    floor [B]: window keys below it are not attended (bounded replay; 0 = exact). write_global=False
+    leaves the global KV / index-key stores untouched (encoder-side replay over a cached prefix).
+    """
 
     start: jax.Array  # [B] int32
     n_new: jax.Array  # [B] int32
     positions: jax.Array  # [B, S] int32
     valid: jax.Array  # [B, S] bool
+    floor: jax.Array  # [B] int32
+    write_global: bool = struct.field(pytree_node=False, default=True)
 
     @staticmethod
-    def make(start: jax.Array, n_new: jax.Array, width: int) -> "Step":
+    def make(start: jax.Array, n_new: jax.Array, width: int, floor: jax.Array | None = None,
+             write_global: bool = True) -> "Step":
         start = jnp.asarray(start, jnp.int32)
         n_new = jnp.asarray(n_new, jnp.int32)
         i = jnp.arange(width, dtype=jnp.int32)[None, :]
-        return Step(start=start, n_new=n_new, positions=start[:, None] + i, valid=i < n_new[:, None])
+        floor = jnp.zeros_like(start) if floor is None else jnp.asarray(floor, jnp.int32)
+        return Step(start=start, n_new=n_new, positions=start[:, None] + i, valid=i < n_new[:, None], floor=floor,
+                    write_global=write_global)
 
     @property
     def end(self) -> jax.Array:
@@ -218,3 +227,213 @@ def describe_memory(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bf
     return (f"cache for {cfg.name} ({np.dtype(dtype).name} KV): {m['bytes_per_token']:.1f} B/token growing + "
             f"{m['fixed_bytes_per_sequence'] / 1024 ** 2:.2f} MiB/sequence fixed; "
             f"{batch} x {max_len} tokens = {batch * m['bytes_per_sequence_at_max_len'] / gib:.3f} GiB")
+
+
+# ----------------------------------------------------------------------------- prefix export / import
+# MODEL_SPEC 3.5, V41_NOTES 3.1/3.3: what resuming a sequence at position `length` needs, copied to
+# the host. Every ring segment is "the rows of positions [length - n, length)" (n = its first axis),
+# every entry store "entries [0, n)", so a state carries no slot numbers and imports into a cache of
+# any ring size or max_len.
+
+@dataclass(frozen=True)
+class CompressorPrefix:
+    """One compressor's share of a prefix: entries [n, d] (entry j at row j, n = length // r) and, when
+    the resume point needs them, the raw float32 projections proj_a / proj_g [m, c*d] of positions
+    [length - m, length) (m = 0 when `length` ends a block and no overlap lends A halves; None where
+    the layer keeps no projection ring, e.g. V4.1 index keys)."""
+
+    entries: np.ndarray
+    proj_a: np.ndarray | None = None
+    proj_g: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.entries, self.proj_a, self.proj_g) if x is not None)
+
+
+@dataclass(frozen=True)
+class LayerPrefix:
+    """One backbone layer's share: SWA rows kv [n, Dh] of positions [length - n, length) (None when the
+    window was not exported) and the compressor / indexer stores of KV-owning layers."""
+
+    kv: np.ndarray | None = None
+    comp: CompressorPrefix | None = None
+    index: CompressorPrefix | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.kv, self.comp, self.index) if x is not None)
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """Host (numpy) copy of everything needed to resume one sequence at position `length`.
+
+    layers: one LayerPrefix per backbone layer. tokens: [V4.1 Engram] the ids of positions
+    [length - len(tokens), length) (the n-gram history; None without Engram). window: whether the SWA
+    rows were exported (then the resume is exact; without them the window must be rebuilt, e.g. by
+    encoder-side replay, which takes tokens before its replay start from the token list).
+    """
+
+    length: int
+    layers: tuple
+    tokens: np.ndarray | None = None
+    window: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(l.nbytes for l in self.layers) + (0 if self.tokens is None else self.tokens.nbytes)
+
+
+def _ring_rows(ring: jax.Array, row: int, first: int, length: int, cur: int, what: str) -> np.ndarray:
+    """Host copy of ring rows of positions [first, length) of sequence `row` (cache length `cur`)."""
+    size = ring.shape[1]
+    if first < cur - size:
+        raise ValueError(f"{what}: positions [{first}, {length}) are no longer in its ring of {size} slots "
+                         f"(sequence {row} is at length {cur}); export at most {size - (length - first)} "
+                         f"positions behind the current length")
+    slots = np.arange(first, length) % size
+    return np.asarray(ring[row, slots])
+
+
+def _export_compressor(comp: CompressorCache, ratio: int, overlap: bool, row: int, length: int, cur: int,
+                       what: str) -> CompressorPrefix:
+    entries = np.asarray(comp.entries[row, : length // ratio])
+    if comp.proj_a is None:
+        return CompressorPrefix(entries=entries)
+    # the next chunk pools from the first open block, or (overlap) the block before it: see
+    # Compressor.latents, which reads ring rows [base, start) with base = (start // r) * r - r*overlap
+    first = max(0, (length // ratio) * ratio - (ratio if overlap else 0))
+    return CompressorPrefix(entries=entries,
+                            proj_a=_ring_rows(comp.proj_a, row, first, length, cur, f"{what}.proj_a"),
+                            proj_g=_ring_rows(comp.proj_g, row, first, length, cur, f"{what}.proj_g"))
+
+
+def export_prefix(cache: Cache, cfg: ModelConfig, row: int, length: int, include_window: bool) -> PrefixState:
+    """Copy to the host what resuming sequence `row` at position `length` needs (MODEL_SPEC 3.5).
+
+    For every KV-owning layer: entries [0, length // r) of the global KV (and of the V4 indexer keys /
+    V4.1 index keys), plus the projection rows a later block still pools ([V4] `length` may end inside
+    a block: its partial block's rows, and with overlap the previous block's, are exported; [V4.1]
+    `length` must be a multiple of every source ratio, since the persistent cache stores no carry).
+    With `include_window`: the SWA rows of positions [length - W, length) of every layer (exact resume).
+    [V4.1 Engram] the last max_ngram - 1 token ids are always exported (a few bytes).
+
+    `length` may lie behind the sequence's current length as long as the rows it needs are still in
+    the rings (and nothing was written speculatively past the current length since).
+    """
+    if not 0 <= row < cache.batch:
+        raise ValueError(f"row {row} out of range for a cache of {cache.batch} sequences")
+    cur = int(np.asarray(cache.lengths)[row])
+    if not 0 < length <= cur:
+        raise ValueError(f"cannot export sequence {row} at length {length}: it holds {cur} positions")
+    if len(cache.layers) != cfg.num_layers:
+        raise ValueError(f"cache has {len(cache.layers)} layers, config {cfg.name} has {cfg.num_layers}")
+    layers = []
+    for i, lc in enumerate(cache.layers):
+        spec = cfg.layer_spec(i)
+        kv = None
+        if include_window:
+            kv = _ring_rows(lc.kv, row, max(0, length - cfg.sliding_window), length, cur, f"layer {i} kv")
+        comp = index = None
+        if spec.owns_kv:
+            r = spec.compress_ratio
+            if cfg.generation == "v41" and length % r:
+                raise ValueError(f"{cfg.name}: a V4.1 prefix must end on a block of every KV source; length "
+                                 f"{length} is not a multiple of layer {i}'s ratio {r}")
+            comp = _export_compressor(lc.comp, r, spec.overlap, row, length, cur, f"layer {i} comp")
+            if lc.index is not None:
+                index = _export_compressor(lc.index, r, spec.overlap, row, length, cur, f"layer {i} index")
+        layers.append(LayerPrefix(kv=kv, comp=comp, index=index))
+    tokens = None
+    if cfg.engram_layer_ids and cache.tokens is not None:
+        first = max(0, length - (cfg.engram_max_ngram_size - 1))
+        tokens = _ring_rows(cache.tokens, row, first, length, cur, "Engram token history")
+    return PrefixState(length=length, layers=tuple(layers), tokens=tokens, window=include_window)
+
+
+def _put_ring(ring: jax.Array, row: int, rows: np.ndarray, length: int, what: str) -> jax.Array:
+    """Write rows of positions [length - n, length) into ring slots position mod size of sequence `row`."""
+    n, size = rows.shape[0], ring.shape[1]
+    if n > size:
+        raise ValueError(f"{what}: {n} rows do not fit its ring of {size} slots")
+    _check_rows(ring, rows, what)
+    if n == 0:
+        return ring
+    slots = np.arange(length - n, length) % size
+    return ring.at[row, slots].set(jnp.asarray(rows))
+
+
+def _check_rows(target: jax.Array, rows: np.ndarray, what: str) -> None:
+    if rows.shape[1:] != target.shape[2:]:
+        raise ValueError(f"{what}: rows of shape {rows.shape[1:]} do not match the cache's {target.shape[2:]}")
+    if np.dtype(rows.dtype) != np.dtype(target.dtype):
+        raise ValueError(f"{what}: exported as {rows.dtype}, the cache holds {target.dtype}")
+
+
+def _import_compressor(comp: CompressorCache | None, state: CompressorPrefix, row: int, length: int,
+                       what: str) -> CompressorCache:
+    if comp is None:
+        raise ValueError(f"{what}: the prefix has a compressor store the cache lacks")
+    n = state.entries.shape[0]
+    if n > comp.entries.shape[1]:
+        raise ValueError(f"{what}: {n} entries do not fit the cache's store of {comp.entries.shape[1]}")
+    _check_rows(comp.entries, state.entries, f"{what}.entries")
+    entries = comp.entries.at[row, :n].set(jnp.asarray(state.entries)) if n else comp.entries
+    proj_a, proj_g = comp.proj_a, comp.proj_g
+    if state.proj_a is not None:
+        if proj_a is None:
+            raise ValueError(f"{what}: the prefix has projection rows but the cache keeps no projection ring")
+        proj_a = _put_ring(proj_a, row, state.proj_a, length, f"{what}.proj_a")
+        proj_g = _put_ring(proj_g, row, state.proj_g, length, f"{what}.proj_g")
+    return comp.replace(proj_a=proj_a, proj_g=proj_g, entries=entries)
+
+
+def import_prefix(cache: Cache, cfg: ModelConfig, row: int, state: PrefixState) -> Cache:
+    """Write `state` into sequence `row` of `cache` at the same absolute positions (ring slot = position
+    mod ring size, entry j at index j) and set lengths[row] = state.length. Rows the state does not
+    carry (e.g. the window when `state.window` is False) keep whatever the cache held; the caller
+    rebuilds them. Raises ValueError if the cache cannot hold the state (max_len, ring or store
+    sizes, layer layout, dtypes)."""
+    if not 0 <= row < cache.batch:
+        raise ValueError(f"row {row} out of range for a cache of {cache.batch} sequences")
+    length = state.length
+    if length > cache.max_len:
+        raise ValueError(f"a prefix of {length} positions does not fit a cache of max_len {cache.max_len}")
+    if len(state.layers) != len(cache.layers) or len(cache.layers) != cfg.num_layers:
+        raise ValueError(f"prefix has {len(state.layers)} layers, cache {len(cache.layers)}, "
+                         f"config {cfg.name} {cfg.num_layers}")
+    layers = []
+    for i, (lc, lp) in enumerate(zip(cache.layers, state.layers)):
+        kv = lc.kv if lp.kv is None else _put_ring(lc.kv, row, lp.kv, length, f"layer {i} kv")
+        comp = lc.comp if lp.comp is None else _import_compressor(lc.comp, lp.comp, row, length, f"layer {i} comp")
+        index = (lc.index if lp.index is None
+                 else _import_compressor(lc.index, lp.index, row, length, f"layer {i} index"))
+        if cfg.layer_spec(i).owns_kv and lp.comp is None:
+            raise ValueError(f"layer {i} owns global KV but the prefix carries none for it")
+        layers.append(lc.replace(kv=kv, comp=comp, index=index))
+    tokens = cache.tokens
+    if state.tokens is not None:
+        if tokens is None:
+            raise ValueError("the prefix carries an Engram token history but the cache has no token ring")
+        tokens = _put_ring(tokens[..., None], row, state.tokens[:, None], length, "Engram token history")[..., 0]
+    return cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens)
+
+
+def set_token_history(cache: Cache, tokens: np.ndarray, before: np.ndarray) -> Cache:
+    """[Engram] Put each row's raw tokens at positions before[b]-h .. before[b]-1 (h = ring history the
+    n-gram hash reads) into the token ring, so a chunk starting at `before` hashes with the right history.
+    tokens [B, >= before] are the rows' full token sequences (positions = indices)."""
+    if cache.tokens is None:
+        return cache
+    hist = cache.tokens.shape[1]
+    before = np.asarray(before, np.int32)
+    first = np.maximum(before - hist, 0)
+    n = before - first
+    width = max(int(n.max()), 1)
+    rows = np.zeros((len(before), width), np.int32)
+    for b in range(len(before)):
+        rows[b, :n[b]] = np.asarray(tokens[b])[first[b]:before[b]]
+    step = Step.make(jnp.asarray(first), jnp.asarray(n), width)
+    ring = ring_write(cache.tokens[..., None], jnp.asarray(rows)[..., None], step)[..., 0]
+    return cache.replace(tokens=ring)

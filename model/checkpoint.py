@@ -147,8 +147,8 @@ def load_checkpoint(directory, dtype="bfloat16", mesh=None, token_map: np.ndarra
     `engram_placement="host"`, `quant_sim=True`, `attention_impl="pallas"`). `token_map`: the V4.1
     Engram compressed-token map (required when the compressed vocab differs from the vocab).
     """
-    if mesh is not None:
-        raise NotImplementedError("sharded loading arrives with the sharding issue; pass mesh=None")
+    # mesh: a (dp, ep, tp) mesh -> arrays born sharded (sharding/rules.py); each process reads only the
+    # routed experts its devices hold and hands each device only its slice of the rest.
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     if config_overrides:
@@ -162,12 +162,21 @@ def load_checkpoint(directory, dtype="bfloat16", mesh=None, token_map: np.ndarra
     items = quant_io.iter_checkpoint_tensors(directory)
     if layout == "hf":
         items = _hf_tensors(items)
-    return build_from_tensors(cfg, _dequantised(items), dtype=dtype, source=str(directory), token_map=token_map)
+    if mesh is not None:  # before dequantisation: other processes' experts are never read
+        from sharding.apply import local_expert_tensors
+
+        items = local_expert_tensors(items, cfg, mesh)
+    return build_from_tensors(cfg, _dequantised(items), dtype=dtype, source=str(directory), token_map=token_map,
+                              mesh=mesh)
 
 
 def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str = "<tensors>",
-                       token_map: np.ndarray | None = None) -> Transformer:
-    """Official-named logical tensors (iterable of (name, array) or a dict) -> Transformer."""
+                       token_map: np.ndarray | None = None, mesh=None) -> Transformer:
+    """Official-named logical tensors (iterable of (name, array) or a dict) -> Transformer.
+
+    With a `mesh`, routed experts held by other processes' devices need not be given, and the arrays
+    are created sharded (sharding.apply.place_loaded).
+    """
     if token_map is None and cfg.engram_layer_ids and cfg.engram_compressed_vocab_size != cfg.vocab_size:
         raise ValueError(f"{source}: this V4.1 checkpoint needs the tokenizer's Engram token map: pass "
                          "token_map=model.engram.token_map_from_texts([tokenizer.decode([i]) for i in ...])")
@@ -221,9 +230,18 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
     if unexpected:
         raise ValueError(f"{source}: unexpected tensors (not in a {cfg.name} model): "
                          f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}")
-    missing = sorted((set(expected) | set(host_tables)) - seen)
+    elsewhere = set()
+    if mesh is not None:
+        from sharding.apply import skipped_expert_names
+
+        elsewhere = skipped_expert_names(expected, mesh)
+    missing = sorted((set(expected) | set(host_tables)) - seen - elsewhere)
     if missing:
         raise ValueError(f"{source}: missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    if mesh is not None:
+        from sharding.apply import place_loaded
+
+        return place_loaded(graphdef, flat, buffers, mesh)
     leaves = [(path, var.replace(jnp.asarray(buf))) for (path, var), buf in zip(flat, buffers)]
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 

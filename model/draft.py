@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from sampling.sampler import filter_logits, sample
-
 from .cache import LayerCache, Step, allocate_layer, ring_positions, ring_write
 from .transformer import Transformer
 
@@ -62,13 +60,14 @@ def mtp_commit(model: Transformer, dc: DraftCache, residual: jax.Array, next_tok
     return model.logits(y), streams, DraftCache(lengths=step.end, layers=(layer,))
 
 
-def mtp_propose(model: Transformer, dc: DraftCache, logits: jax.Array, streams: jax.Array, k: int, key,
-                temperature, top_k, top_p) -> Proposal:
+def mtp_propose(model: Transformer, dc: DraftCache, logits: jax.Array, streams: jax.Array, k: int, choose
+                ) -> Proposal:
     """k drafts from the last committed MTP row (logits [B, V], streams [B, n, D]); recursive rows go to
-    positions dc.lengths, dc.lengths+1, ... and are forgotten (the cache passed in is not modified)."""
+    positions dc.lengths, dc.lengths+1, ... and are forgotten (the cache passed in is not modified).
+    `choose(logits [B, V], j) -> tokens [B]` picks draft j (greedy or sampled)."""
     tokens, dists = [], []
     for j in range(k):
-        tok = sample(logits, jax.random.fold_in(key, j), temperature, top_k, top_p)
+        tok = choose(logits, j)
         tokens.append(tok)
         dists.append(logits)
         if j + 1 < k:
@@ -91,9 +90,9 @@ def dspark_commit(model: Transformer, dc: DraftCache, main_hidden: jax.Array, n_
     return DraftCache(lengths=step.end, layers=layers)
 
 
-def dspark_propose(model: Transformer, dc: DraftCache, anchor: jax.Array, key, temperature, top_k, top_p
-                   ) -> Proposal:
-    """beta drafts after the pending token `anchor` [B] (at position C = dc.lengths)."""
+def dspark_propose(model: Transformer, dc: DraftCache, anchor: jax.Array, choose) -> Proposal:
+    """beta drafts after the pending token `anchor` [B] (at position C = dc.lengths); `choose(logits [B, V],
+    i) -> tokens [B]` picks slot i from its Markov-corrected logits."""
     cfg = model.config
     beta = cfg.dspark_block_size
     b = anchor.shape[0]
@@ -117,7 +116,7 @@ def dspark_propose(model: Transformer, dc: DraftCache, anchor: jax.Array, key, t
     for i in range(beta):
         e = last.markov_head.embed(tok)
         logits = base[:, i] + last.markov_head.head(e)
-        tok = sample(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
+        tok = choose(logits, i)
         tokens.append(tok)
         dists.append(logits)
         embeds.append(e)
@@ -126,9 +125,3 @@ def dspark_propose(model: Transformer, dc: DraftCache, anchor: jax.Array, key, t
                                                            axis=-1))[..., 0]
     return Proposal(tokens=jnp.stack(tokens, 1), logits=jnp.stack(dists, 1), confidence=confidence)
 
-
-def draft_probs(proposal: Proposal, temperature, top_k, top_p) -> jax.Array:
-    """The draft distributions [B, k, V] the proposal's tokens were sampled from (filtered, tempered)."""
-    b, k, v = proposal.logits.shape
-    filtered = filter_logits(proposal.logits.reshape(b * k, v), temperature, top_k, top_p)
-    return jax.nn.softmax(filtered, axis=-1).reshape(b, k, v)

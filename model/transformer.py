@@ -220,7 +220,8 @@ class Transformer(nnx.Module):
         ids = jax.pure_callback(host_hash, shape, tokens, history)
         return ids, cache.replace(tokens=ring_write(cache.tokens[..., None], tokens[..., None], step)[..., 0])
 
-    def step(self, tokens: jax.Array, cache: Cache, n_new: jax.Array, last_only: bool = False
+    def step(self, tokens: jax.Array, cache: Cache, n_new: jax.Array, last_only: bool = False,
+             replay_tail: int | None = None, floor: jax.Array | None = None, write_global: bool = True
              ) -> tuple[jax.Array, Cache, dict]:
         """Run a chunk: tokens [B, S] at positions lengths[b] + i, valid for i < n_new[b].
 
@@ -228,11 +229,17 @@ class Transformer(nnx.Module):
         cache advanced by n_new, extras: `residual` [B, S, n, D] final streams before the collapse,
         `pre` [B, S, n] the last FFN pre vector, `topk` {layer: [B, S, K]} entry indices each indexer chose
         (-1 = none), [V4.1] `candidates` [B, S, N] the candidate mask, `main_hidden` [B, S, len(targets)*D]
-        the DSpark inputs). Unused extras cost nothing under jit.
+        the DSpark inputs, `row_start` / `rows` [B] the position of the first returned row and how many are
+        valid). Unused extras cost nothing under jit.
         Rows i >= n_new[b] are padding: computed, never written to the cache, outputs meaningless.
+
+        [V4.1] replay_tail (decoder-side bounded replay, MODEL_SPEC 3.4): layers after the last KV source
+        run only on each sequence's last min(tail, n_new) rows, whose window is floored at the first kept
+        position when rows were dropped; the returned rows (logits, extras) are those kept rows.
+        floor [B] / write_global: see `Step` (encoder-side replay).
         """
         cfg = self.config
-        step = Step.make(cache.lengths, n_new, tokens.shape[1])
+        step = Step.make(cache.lengths, n_new, tokens.shape[1], floor, write_global)
         ids = None
         if self.hasher is not None:
             ids, cache = self.engram_ids(tokens, step, cache)
@@ -240,7 +247,13 @@ class Transformer(nnx.Module):
         pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)  # one-hot: streams start equal
         shared = Shared()
         layers, main_hidden, topk = [], [], {}
+        cut = max(cfg.kv_source_layer_ids) + 1 if replay_tail is not None and cfg.kv_source_layer_ids else None
+        if replay_tail is not None and cut is None:
+            raise ValueError("decoder-side bounded replay needs a V4.1 config (KV-source layers)")
         for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers)):
+            if i == cut:
+                step, (x, pre, tokens), shared, main_hidden = self._narrow(step, replay_tail, (x, pre, tokens),
+                                                                           shared, main_hidden)
             if block.engram is not None:
                 x = block.engram(x, ids[:, :, self.hasher.layer_index(i)])
             if i in cfg.dspark_target_layer_ids:
@@ -250,7 +263,7 @@ class Transformer(nnx.Module):
             if block.spec.indexer:
                 topk[i] = shared.topk
         cache = cache.replace(lengths=step.end, layers=tuple(layers))
-        extras = {"residual": x, "pre": pre, "topk": topk}
+        extras = {"residual": x, "pre": pre, "topk": topk, "row_start": step.start, "rows": step.n_new}
         if shared.candidates is not None:
             extras["candidates"] = shared.candidates
         if main_hidden:
@@ -261,6 +274,22 @@ class Transformer(nnx.Module):
             rows = jnp.take_along_axis(x, last[:, :, None, None], axis=1)
             rows_pre = jnp.take_along_axis(pre, last[:, :, None], axis=1)
         return self.logits(self.final_hidden(rows, rows_pre)), cache, extras
+
+    @staticmethod
+    def _narrow(step: Step, tail: int, rows: tuple, shared: Shared, taps: list):
+        """Keep each sequence's last min(tail, n_new) rows (decoder-side bounded replay)."""
+        width = min(tail, step.positions.shape[1])
+        keep = jnp.minimum(step.n_new, tail)
+        first = step.n_new - keep  # rows dropped from the front
+        idx = jnp.minimum(first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], step.positions.shape[1] - 1)
+
+        def take(a):
+            return None if a is None else jnp.take_along_axis(a, idx.reshape(*idx.shape, *[1] * (a.ndim - 2)), 1)
+
+        floor = jnp.where(first > 0, step.start + first, step.floor)
+        narrowed = Step.make(step.start + first, keep, width, jnp.maximum(floor, step.floor), step.write_global)
+        shared = shared.replace(topk=take(shared.topk), candidates=take(shared.candidates))
+        return narrowed, tuple(take(a) for a in rows), shared, [take(t) for t in taps]
 
     def mtp_logits(self, residual: jax.Array, next_tokens: jax.Array, stage: int = 0) -> jax.Array:
         """[V4] MTP-1 over a full sequence from position 0: row t of `residual` with token x_{t+1}
@@ -363,7 +392,7 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh=None,
     if mesh is not None:
         from sharding.apply import init_sharded
 
-        return init_sharded(cfg, seed, dtype, mesh)
+        return init_sharded(cfg, seed, dtype, mesh, token_map=token_map)
     return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
 
 

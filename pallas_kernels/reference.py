@@ -263,10 +263,15 @@ def window_sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, 
     p = jnp.exp(z - mx)
     p = (p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - mx))).astype(q.dtype)
     nw = kv.shape[1]
-    o = jnp.einsum("bhsn,bnd->bshd", p[..., :nw], kv, preferred_element_type=jnp.float32)
+    # Batch dims lead every product: CPU XLA has no bf16 x bf16 -> f32 dot otherwise (GPU does not care).
+    o = jnp.einsum("bhsn,bnd->bhsd", p[..., :nw], kv, preferred_element_type=jnp.float32).transpose(0, 2, 1, 3)
     if comp is not None:
-        eq = "bhsn,bnd->bshd" if comp_idx is None else "bhsk,bskd->bshd"
-        o = o + jnp.einsum(eq, p[..., nw:], comp, preferred_element_type=jnp.float32)
+        if comp_idx is None:
+            oc = jnp.einsum("bhsn,bnd->bhsd", p[..., nw:], comp, preferred_element_type=jnp.float32)
+            o = o + oc.transpose(0, 2, 1, 3)
+        else:
+            pc = p[..., nw:].transpose(0, 2, 1, 3)  # [B, S, H, K]
+            o = o + jnp.einsum("bshk,bskd->bshd", pc, comp, preferred_element_type=jnp.float32)
     return o.astype(q.dtype)
 
 

@@ -23,6 +23,7 @@ from model.draft import allocate_draft
 from model.transformer import Transformer
 
 from .sampler import sample
+from .replay import prefill_with_store
 from .speculative import SpecParams, check_spec, default_cost, run_loop, summarize
 
 
@@ -38,6 +39,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    replay_tail: int | None = None  # [V4.1] decoder-side bounded replay in prefill (None = exact)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -76,7 +78,7 @@ def prepare_prompts(prompts, lengths=None) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- the two phases
 
 def _prefill_phase(model: Transformer, cache: Cache, tokens, lengths, key, params: SamplingParams):
-    logits, cache, _ = model.step(tokens, cache, lengths, last_only=True)
+    logits, cache, _ = model.step(tokens, cache, lengths, last_only=True, replay_tail=params.replay_tail)
     first = sample(logits[:, 0], jax.random.fold_in(key, 0), params.temperature, params.top_k, params.top_p)
     return first, cache
 
@@ -143,7 +145,8 @@ def _decode_jit(model, cache, first, key, stop_tokens, params, max_new_tokens):
 def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None, lengths=None,
              timing: bool = False, speculative: str | None = None, num_draft: int = 3, policy: str = "fixed",
-             verify_cost: Sequence[float] | None = None, bounded_replay: bool = False, mesh=None) -> GenerateOutput:
+             verify_cost: Sequence[float] | None = None, bounded_replay: bool | int = False, mesh=None,
+             prefix_store=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt. Prompts: a list of token sequences (any lengths) or
     a padded [B, S] array with `lengths`. Greedy when temperature == 0.
 
@@ -151,6 +154,13 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     "fixed" or "confidence" (DSpark; `verify_cost[w-1]` = cost of a verify step of width w, e.g. measured
     by experiments/bench.py; default nearly flat). Lossless: greedy output equals plain greedy output,
     sampled output has the target's distribution.
+
+    bounded_replay [V4.1]: decoder-side SWA bounded replay in prefill (MODEL_SPEC 3.4): True keeps the last
+    window (+ num_draft with speculative decoding) rows per prompt after the last KV-source layer; an int
+    sets that tail. An approximation (measured by experiments/replay_error.py); False is exact.
+
+    prefix_store (sampling.replay.PrefixStore): reuse the longest cached prefix of each prompt and store
+    new ones ([V4] exact resume; [V4.1] encoder-side replay of the last window before the hit).
 
     stats: prompt lengths, steps run; speculative: mean accepted length per step and per-position
     acceptance rates; with `timing=True` compile and run times and tokens/s (plain decoding times
@@ -161,8 +171,14 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     is laid out there first (sharding.shard_model). stats["parallel"] records the mesh and the expert
     parallel strategy of each phase.
     """
-    if bounded_replay:
-        raise NotImplementedError("bounded replay arrives with its issue")
+    replay_tail = None
+    if bounded_replay is not False and bounded_replay is not None:
+        if model.config.generation != "v41":
+            raise ValueError("decoder-side bounded replay is a V4.1 mechanism (it needs KV-source layers)")
+        replay_tail = (model.config.sliding_window + (num_draft if speculative else 0)
+                       if bounded_replay is True else int(bounded_replay))
+        if replay_tail < 1:
+            raise ValueError(f"bounded_replay tail must be >= 1, got {replay_tail}")
     if speculative is not None:
         check_spec(model, speculative, num_draft, policy)
     if max_new_tokens < 1:
@@ -180,7 +196,7 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     width = min(_round_up(tokens.shape[1], 16), cfg.max_position_embeddings)
     max_len = min(_round_up(need, 64), cfg.max_position_embeddings)
     tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1]))).astype(np.int32)
-    params = SamplingParams(float(temperature), int(top_k), float(top_p))
+    params = SamplingParams(float(temperature), int(top_k), float(top_p), replay_tail)
     key = jax.random.PRNGKey(seed)
     stops = jnp.asarray(list(stop_tokens) if stop_tokens else [-2], jnp.int32)
     stats: dict[str, Any] = {"prompt_lengths": lens.tolist(), "max_len": max_len}
@@ -195,16 +211,25 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
         mesh_lib.check_batch(tokens.shape[0], mesh, "prompt batch")
         if not apply.on_mesh(model, mesh):
             model = apply.shard_model(model, mesh)
-        new_cache = lambda: apply.allocate_cache(cfg, tokens.shape[0], max_len, model.dtype, mesh)  # noqa: E731
+        new_cache = lambda: apply.allocate_cache(cfg, tokens.shape[0], max_len, model.dtype, mesh,  # noqa: E731
+                                                  spec_room)
         args = (apply.shard_batch(tokens, mesh), apply.shard_batch(lens, mesh), key)
         context, to_host = jax.set_mesh(mesh), apply.to_host
         plan = expert_parallel.plan_of(model)
         stats["parallel"] = {**mesh_lib.describe(mesh), "expert_parallel": {
             "config": dataclasses.asdict(plan.config), "prefill": plan.describe(tokens.size),
             "decode": plan.describe(tokens.shape[0])}}
+    if prefix_store is not None:
+        if speculative is not None or mesh is not None:
+            raise NotImplementedError("prefix reuse is not combined with speculative decoding or meshes yet")
+        logits, cache, hits = prefill_with_store(model, new_cache(), tokens, lens, prefix_store, replay_tail)
+        first = sample(logits, jax.random.fold_in(key, 0), params.temperature, params.top_k, params.top_p)
+        out, n_gen, steps = _decode_jit(model, cache, first, key, stops, params, max_new_tokens)
+        stats.update(prefix_hits=hits.tolist(), prefix_store=prefix_store.stats, steps=int(steps))
+        return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(n_gen), stats=stats)
     if speculative is not None:
         sp = SpecParams(speculative, int(num_draft), policy, tuple(verify_cost or default_cost(num_draft)),
-                        float(temperature), int(top_k), float(top_p))
+                        float(temperature), int(top_k), float(top_p), replay_tail)
         if len(sp.cost) < num_draft + 1:
             raise ValueError(f"verify_cost needs {num_draft + 1} entries (widths 1..num_draft+1)")
         with context:

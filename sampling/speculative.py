@@ -38,6 +38,7 @@ class SpecParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    replay_tail: int | None = None  # [V4.1] decoder-side bounded replay in prefill
 
 
 def check_spec(model: Transformer, kind: str, num_draft: int, policy: str) -> None:
@@ -70,10 +71,13 @@ def default_cost(num_draft: int) -> tuple[float, ...]:
 # ----------------------------------------------------------------------------- drafter glue
 
 def _propose(model, dc, pending, commit_out, key, sp: SpecParams) -> D.Proposal:
+    def choose(logits, j):
+        return sample(logits, jax.random.fold_in(key, j), sp.temperature, sp.top_k, sp.top_p)
+
     if sp.kind == "mtp":
         logits, streams = commit_out
-        return D.mtp_propose(model, dc, logits, streams, sp.num_draft, key, sp.temperature, sp.top_k, sp.top_p)
-    p = D.dspark_propose(model, dc, pending, key, sp.temperature, sp.top_k, sp.top_p)
+        return D.mtp_propose(model, dc, logits, streams, sp.num_draft, choose)
+    p = D.dspark_propose(model, dc, pending, choose)
     conf = None if p.confidence is None else p.confidence[:, :sp.num_draft]
     return D.Proposal(tokens=p.tokens[:, :sp.num_draft], logits=p.logits[:, :sp.num_draft], confidence=conf)
 
@@ -115,7 +119,8 @@ def accept(target_logits: jax.Array, proposal: D.Proposal, n_verify: jax.Array, 
     b, _, v = target_logits.shape
     p_t = jax.nn.softmax(filter_logits(target_logits.reshape(-1, v), sp.temperature, sp.top_k, sp.top_p),
                          -1).reshape(b, w + 1, v)
-    p_d = D.draft_probs(D.Proposal(drafts, proposal.logits[:, :w]), sp.temperature, sp.top_k, sp.top_p)
+    p_d = jax.nn.softmax(filter_logits(proposal.logits[:, :w].reshape(-1, v), sp.temperature, sp.top_k, sp.top_p),
+                         -1).reshape(b, w, v)  # the distributions the drafts were sampled from
     pt_d = jnp.take_along_axis(p_t[:, :w], drafts[..., None], -1)[..., 0]
     pd_d = jnp.take_along_axis(p_d, drafts[..., None], -1)[..., 0]
     k_u, k_s = jax.random.split(key)
@@ -181,10 +186,16 @@ def spec_step(model: Transformer, cache: Cache, dc, pending, proposal: D.Proposa
 
 def prefill_and_propose(model: Transformer, cache: Cache, dc, tokens, lengths, key, sp: SpecParams):
     """Prompt prefill + the first token + the drafter's state and first proposal."""
-    logits, cache, extras = model.step(tokens, cache, lengths, last_only=True)
+    start = cache.lengths
+    logits, cache, extras = model.step(tokens, cache, lengths, last_only=True, replay_tail=sp.replay_tail)
     k_first, k_prop = jax.random.split(key)
     first = sample(logits[:, 0], k_first, sp.temperature, sp.top_k, sp.top_p)
-    dc, commit_out = _commit(model, dc, extras, _next_tokens(tokens, lengths, first), lengths, sp)
+    # under bounded replay the returned rows are each prompt's kept tail: the drafter starts there
+    rows = extras["rows"]
+    offset = (extras["row_start"] - start)[:, None] + jnp.arange(extras["residual"].shape[1])[None, :]
+    row_tokens = jnp.take_along_axis(tokens, jnp.minimum(offset, tokens.shape[1] - 1), 1)
+    dc = dc.replace(lengths=extras["row_start"])
+    dc, commit_out = _commit(model, dc, extras, _next_tokens(row_tokens, rows, first), rows, sp)
     return cache, dc, first, _propose(model, dc, first, commit_out, k_prop, sp)
 
 

@@ -1,0 +1,746 @@
+"""Roofline accounting for one forward step: bytes and FLOPs by component, the floor on the H200 ceilings,
+and per-device memory (BENCHMARKS.md sections 1 and 4; MODEL_SPEC 2.4-2.8, 2.10, 2.13, 3.1-3.3;
+V41_NOTES 3.1).
+
+  python -m experiments.roofline --preset v4-flash --phase decode --batch 64 --context 131072 \\
+      --num-draft 3 --weights fp4-experts [--json out.json]
+  python -m experiments.roofline --preset v4-flash --layers 4 --phase prefill --batch 2 --new-tokens 4096 \\
+      --context 126976 --weights bf16
+  python -m experiments.roofline --preset v41-flash --phase decode --batch 64 --context 131072 --num-draft 3
+
+API: `roofline(cfg, phase, batch, context, new_tokens, weight_dtype, kv_dtype, mesh, forced_balance, ceilings)`
+returns a dict (JSON-ready) with per-device `components` (bytes split into weights / KV read / KV write /
+other, FLOPs, time at each ceiling), `totals` (floor = max(bytes / HBM, sum of FLOPs / GEMM peak), bound),
+`memory` (weights + cache per device) and `params`. `scale_layers(cfg, n)` builds the same model with n
+layers keeping the layer pattern (`--layers n`).
+
+What a step is
+  * prefill: `batch` sequences each append `new_tokens` rows after `context` cached positions; logits
+    only for each sequence's last row.
+  * decode / verify: `new_tokens` = 1 + num_draft rows per sequence after `context` cached positions;
+    logits for every row. The drafter's own cost is left out unless `drafter=True` (`--drafter`).
+
+Model of the bytes (a floor: what a perfect kernel must move through HBM)
+  * Weights: every dense tensor once per step (re-read per sequential drafter pass); routed experts:
+    the expected number of *distinct* experts hit times one expert's bytes: forced balance
+    min(E, picks), uniform random routing E * (1 - (1 - 1/E)^picks), picks = batch*rows*k of the EP
+    group (batch/dp sequences). Formats as released (MODEL_SPEC 3.7, V41_NOTES 4): "bf16" = all 2 B;
+    "fp8" = FP8 E4M3 + UE8M0 block scales (128x128 V4, 32x32 V4.1) for wq_a, wq_b, wkv, wo_a, wo_b,
+    indexer wq_b, shared and routed experts, Engram wkv, MTP/DSpark projections; "fp4-experts" = the
+    same with routed experts in packed E2M1 + UE8M0 per 32 (0.53 B/param). Tensors the release keeps in
+    BF16 stay BF16 in every mode (embed, head, compressors, router gate, indexer weights_proj, V4.1 wk,
+    Markov heads), fp32 ones fp32 (mHC, ape, attn_sink, gate bias). wo_a counts as FP8 (the official
+    code dequantises it to BF16 at load: +0.03 GB/layer if an engine does the same). Engram tables are
+    FP8 rows (256 B + 8 scale bytes) in every mode (BF16 tables would not fit anywhere).
+  * KV read per sequence (rows of one sequence share reads): its window union min(W - 1 + T, ctx + T)
+    rows per layer, the selected compressed entries min(T * topk, visible) on CSA/Full/Reindex/Reuse
+    layers (each query row has its own top-k; they may overlap, so this over-counts a little), all
+    visible entries on HCA layers, all visible index keys per indexer layer (V4.1 Reindex layers with a
+    candidate pool: at most T * candidate_topk_blocks * candidate_block_size). Our Pallas attention
+    kernel today runs one program per query row and so reads window and HCA keys T times per sequence;
+    the floor assumes a kernel that shares them across the rows of a sequence. Formats by `kv_dtype`:
+    "bf16" (our cache today: 1024 B rows, 256 B index keys), "fp8" (FP8 rows + scales: V4 584 B
+    FlashMLA row, V4.1 528 B; FP8 index keys 132 B), "packed" (the trained formats of MODEL_SPEC 2.7:
+    V4 584 B rows and 68 B MXFP4 keys; V4.1 528 B window rows, 288 B FP4 entries, 68 B keys).
+  * KV written: each layer's own window rows (last min(T, W)), emitted compressed entries and index
+    keys (decode: T / r per sequence on average; prefill: exact), and the fp32 compressor carry rows
+    (MODEL_SPEC 3.2; under "compressor").
+  * Draft-stage weights count in the per-device memory when the step verifies drafts (or with
+    `drafter=True`); the MTP / DSpark stages share the backbone's embedding and head.
+  * Activations are assumed to stay on chip / be fused (not counted); so are indexer scores (a fused
+    top-k) and the EP all-to-all (NVLink, not HBM).
+
+Model of the FLOPs
+  * 2 * params per row for every GEMM (rows: all new rows; head: last row per sequence in prefill,
+    every row in decode); routed experts 6 * D * I per routed row; attention core 4 * H * Dh per key per
+    query with keys = min(W, p + 1) + min(topk, visible(p)) (CSA / Full / Reindex / Reuse) or
+    + visible(p) (HCA); indexer scores 2 * HI * DI per key per query over all visible keys (candidates
+    only on V4.1 Reindex layers); mHC coefficient GEMM, collapse and expand; Engram wkv.
+  * Compute time = sum over components of FLOPs / peak of that GEMM: FP8 peak for tensors stored in
+    FP8/FP4 when `weight_dtype` is not "bf16" (FP4 experts run FP8 MMA: Hopper has no FP4 tensor
+    cores), BF16 peak for BF16 tensors, the attention core (FlashMLA dequantises FP8 KV to BF16 on
+    Hopper) and fp32 extras (mHC, compressor pooling: counted at the BF16 peak, a floor); indexer
+    scores at the FP8 peak when the KV is FP8/packed, else BF16.
+
+Ceilings (BENCHMARKS.md section 1, measured on our H200): HBM read 3.40 TB/s (datasheet 4.8);
+fp8 GEMM 1116 TFLOP/s; bf16 GEMM: the table gives 635 (wall clock, one call) to 816 (CUPTI kernel
+time) TFLOP/s and jax's hopper_matmul_mgpu 791; we use 700 TFLOP/s, between the wall-clock and the
+kernel-time figures (what a long run of back-to-back GEMMs sustains; experiments/bench_moe.py uses 816
+for kernel-time comparisons, which lowers compute floors by 14%). `--bf16-tflops` etc. override them.
+
+Mesh (dp, ep, tp): attention runs data-parallel over dp*ep devices (batch / (dp*ep) sequences per
+device; `batch` is the global number of sequences), experts are sharded over ep (E / ep per device;
+each EP group serves batch / dp sequences), tp splits heads (wq_b, wo_a, wo_b, attention core,
+indexer heads and wq_b), the shared expert, the routed experts' intermediate dim and the head's vocab;
+the single MQA KV head is replicated over tp (every tp rank reads all KV). Everything is per device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections import defaultdict
+
+# ----------------------------------------------------------------------------------------------- ceilings
+
+H200_MEASURED = {
+    "name": "H200 measured (BENCHMARKS.md 1)",
+    "hbm_Bps": 3.40e12,             # jnp.sum over 4 GiB bf16
+    "bf16_flops": 700e12,           # between 635 (wall clock) and 816 (CUPTI), see the module docstring
+    "fp8_flops": 1116e12,           # lax.dot_general e4m3, bf16 out, 8192^3
+    "hbm_capacity_bytes": 139 * 2 ** 30,  # what jax reports on the H200 we use
+}
+H200_DATASHEET = {
+    "name": "H200 datasheet",
+    "hbm_Bps": 4.8e12,
+    "bf16_flops": 989e12,
+    "fp8_flops": 1979e12,
+    "hbm_capacity_bytes": 141e9,
+}
+
+PHASES = ("prefill", "decode")
+WEIGHT_DTYPES = ("bf16", "fp8", "fp4-experts")
+KV_DTYPES = ("bf16", "fp8", "packed")
+COMPONENTS = ("attn_proj", "attn_core", "indexer", "compressor", "moe_experts", "shared_expert", "router",
+              "mhc", "head", "engram", "kv_write", "drafter")
+BYTE_KINDS = ("weight_bytes", "kv_read_bytes", "kv_write_bytes", "other_bytes")
+
+
+# ----------------------------------------------------------------------------------------------- formats
+
+def fp8_block(cfg) -> int:
+    """Block edge of the FP8 weight scales: 128x128 (V4) or 32x32 (V4.1) (MODEL_SPEC 3.7)."""
+    return 128 if cfg.generation == "v4" else 32
+
+
+def bytes_per_param(cfg, cls: str, weight_dtype: str) -> float:
+    """HBM bytes per logical parameter of a tensor class in a weight format (scales included).
+
+    cls: "dense" (FP8 in the release), "expert" (routed; FP4 in the release), "bf16" (BF16 in the
+    release), "fp32", "int" (tid2eid, int32), "table" (Engram rows: FP8 + one UE8M0 per 32).
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+    fixed = {"bf16": 2.0, "fp32": 4.0, "int": 4.0, "table": 1.0 + 1.0 / 32}
+    if cls in fixed:
+        return fixed[cls]
+    if cls not in ("dense", "expert"):
+        raise ValueError(f"unknown tensor class {cls!r}")
+    if weight_dtype == "bf16":
+        return 2.0
+    fp8 = 1.0 + 1.0 / fp8_block(cfg) ** 2
+    if cls == "dense" or weight_dtype == "fp8":
+        return fp8
+    return 0.5 + 1.0 / 32
+
+
+def gemm_peak(cls: str, weight_dtype: str, ceilings: dict) -> float:
+    if cls in ("dense", "expert", "table") and weight_dtype != "bf16":
+        return ceilings["fp8_flops"]
+    return ceilings["bf16_flops"]
+
+
+def kv_entry_bytes(cfg, kv_dtype: str) -> dict:
+    """Bytes of one window row, one compressed (global) entry and one index key in a KV format."""
+    from model.cache import packed_entry_bytes
+
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    dh, di = cfg.head_dim, cfg.index_head_dim
+    if kv_dtype == "bf16":
+        return {"window": 2.0 * dh, "comp": 2.0 * dh, "index": 2.0 * di}
+    # FP8 rows: V4 keeps the RoPE dims in BF16 (FlashMLA 584 B row), V4.1 quantises all dims per 32.
+    fp8_row = packed_entry_bytes(cfg, "comp") if cfg.generation == "v4" else dh + dh / 32
+    if kv_dtype == "fp8":
+        return {"window": fp8_row, "comp": fp8_row, "index": di + di / 32}
+    return {"window": fp8_row, "comp": packed_entry_bytes(cfg, "comp"), "index": packed_entry_bytes(cfg, "index")}
+
+
+def _memory_estimate_args(kv_dtype: str):
+    import jax.numpy as jnp
+
+    return {"bf16": (jnp.bfloat16, False), "fp8": (jnp.float8_e4m3fn, False), "packed": (jnp.bfloat16, True)}[kv_dtype]
+
+
+# ----------------------------------------------------------------------------------------------- configs
+
+def _min_period(seq) -> int:
+    for p in range(1, len(seq) + 1):
+        if all(seq[i] == seq[i % p] for i in range(len(seq))):
+            return p
+    return max(len(seq), 1)
+
+
+def scale_layers(cfg, num_layers: int):
+    """`cfg` with `num_layers` backbone layers, keeping its layer pattern (draft slots unchanged).
+
+    [V4] the leading SWA layers, then the preset's compressed ratios cycled with their period
+    (v4-flash: CSA/HCA alternating; 4 layers = SWA, SWA, CSA, HCA as in the `v4-flash-4l` preset);
+    hash layers min(num_hash_layers, n).
+    [V4.1] encoder = first max(3, n // 2) layers (n // 2 for n < 4): the leading SWA layers, then ratio-2
+    layers with a KV source every 6 layers (2, 8, 14, ...); decoder = the rest at ratio 1, its first
+    layer the Full candidate source, an index source every 4 layers; Engram layers kept if inside the
+    encoder; DSpark taps = the last 3 layers. n = 40 gives back the v41-flash preset.
+    """
+    n = int(num_layers)
+    if n <= 0:
+        raise ValueError(f"--layers must be positive, got {n}")
+    m = cfg.num_mtp_layers
+    ratios = list(cfg.compress_ratios[:cfg.num_layers])
+    lead = next((i for i, r in enumerate(ratios) if r > 0), len(ratios))
+    if cfg.generation == "v4":
+        body = ratios[lead:] or [0]
+        p = _min_period(body)
+        new = [0 if i < lead else body[(i - lead) % p] for i in range(n)]
+        return cfg.replace(num_layers=n, compress_ratios=tuple(new) + (0,) * m,
+                           num_hash_layers=min(cfg.num_hash_layers, n), name=f"{cfg.name}-{n}l")
+    # V4.1
+    srcs = cfg.kv_source_layer_ids
+    cand = cfg.candidate_source_layer_id
+    enc_ratio = next((r for r in ratios if r > 1), 2)
+    dec_ratio = ratios[cand] if cand >= 0 else 1
+    enc_stride = (srcs[1] - srcs[0]) if len(srcs) >= 2 and srcs[1] < (cand if cand >= 0 else 10 ** 9) else 6
+    dec_idx = [i for i in cfg.index_source_layer_ids if cand >= 0 and i > cand]
+    dec_stride = (dec_idx[0] - cand) if dec_idx else 4
+    n_enc = n // 2 if n < 4 else max(3, n // 2)
+    new = [0 if i < min(lead, n_enc) else (enc_ratio if i < n_enc else dec_ratio) for i in range(n)]
+    kv_src = [i for i in range(lead, n_enc, enc_stride)]
+    idx_src = list(kv_src)
+    cand_new = -1
+    if n_enc < n:
+        cand_new = n_enc
+        kv_src.append(n_enc)
+        idx_src += list(range(n_enc, n, dec_stride))
+    eng = [(i, rows) for i, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings or [None] * len(cfg.engram_layer_ids))
+           if i < n_enc]
+    taps = tuple(range(max(0, n - len(cfg.dspark_target_layer_ids)), n)) if cfg.dspark_target_layer_ids else ()
+    return cfg.replace(
+        num_layers=n, compress_ratios=tuple(new) + (0,) * m, kv_source_layer_ids=tuple(kv_src),
+        index_source_layer_ids=tuple(idx_src), candidate_source_layer_id=cand_new,
+        engram_layer_ids=tuple(i for i, _ in eng),
+        engram_num_embeddings=tuple(r for _, r in eng) if cfg.engram_num_embeddings else (),
+        dspark_target_layer_ids=taps, name=f"{cfg.name}-{n}l")
+
+
+# ----------------------------------------------------------------------------------------------- accounting
+
+class _Acc:
+    """Per-device accumulator: components -> parts -> {bytes by kind, flops, compute seconds}; resident
+    weights (memory) and parameter counts."""
+
+    def __init__(self, cfg, weight_dtype, ceilings, tp):
+        self.cfg, self.wd, self.ceil, self.tp = cfg, weight_dtype, ceilings, tp
+        self.comp = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+        self.resident = defaultdict(float)      # bytes per device, by component
+        self.params = defaultdict(float)        # logical parameters (whole model), by component
+        self.active = 0.0                       # parameters used per token (MODEL_SPEC-style "active")
+        self.group = None                       # when set ("drafter"), every add goes to that component
+        self.count_resident = True
+
+    def add(self, component, part, *, weight_bytes=0.0, kv_read_bytes=0.0, kv_write_bytes=0.0, other_bytes=0.0,
+            flops=0.0, peak=None):
+        if self.group:
+            component, part = self.group, f"{component}.{part}"
+        d = self.comp[component][part]
+        d["weight_bytes"] += weight_bytes
+        d["kv_read_bytes"] += kv_read_bytes
+        d["kv_write_bytes"] += kv_write_bytes
+        d["other_bytes"] += other_bytes
+        d["flops"] += flops
+        if flops:
+            d["compute_s"] += flops / (peak or self.ceil["bf16_flops"])
+
+    def tensor(self, component, part, params, cls, rows=0.0, *, shard=1, touched=True, active=True,
+               resident=True, flops_per_param_row=2.0):
+        """A weight tensor of `params` logical parameters applied to `rows` rows (per device)."""
+        bpp = bytes_per_param(self.cfg, cls, self.wd)
+        if resident and self.count_resident:
+            self.resident[component if not self.group else self.group] += params * bpp / shard
+            self.params[component if not self.group else self.group] += params
+            if active:
+                self.active += params
+        self.add(component, part, weight_bytes=params * bpp / shard if touched else 0.0,
+                 flops=flops_per_param_row * params * rows / shard, peak=gemm_peak(cls, self.wd, self.ceil))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    phase: str
+    batch: float            # global sequences
+    seq_dev: float          # sequences per device (attention)
+    seq_group: float        # sequences per EP group (batch / dp)
+    T: int                  # new rows per sequence
+    ctx: int                # cached positions before the step
+    dp: int
+    ep: int
+    tp: int
+    forced_balance: bool
+    kv: dict                # entry bytes
+    kv_dtype: str
+
+
+def _visible(p, r):
+    """Compressed entries visible to a query at position p (MODEL_SPEC 2.5): j < (p + 1) // r."""
+    return (p + 1) // r
+
+
+def _sum_over_rows(step: _Step, f) -> float:
+    """Sum of f(p) over the new rows' positions p = ctx .. ctx + T - 1 (one sequence)."""
+    import numpy as np
+
+    p = np.arange(step.ctx, step.ctx + step.T, dtype=np.int64)
+    return float(np.sum(f(p)))
+
+
+def _emitted(step: _Step, r: int) -> float:
+    """Compressed entries completed in this step per sequence: exact in prefill, T / r on average in decode."""
+    if step.phase == "decode":
+        return step.T / r
+    return float((step.ctx + step.T) // r - step.ctx // r)
+
+
+def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write: bool = True):
+    """One block (attention + MoE + mHC) for `step`; `window_extra` adds keys per query (DSpark block keys)."""
+    import numpy as np
+
+    D, H, Dh, qr = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    G, orank, W = cfg.o_groups, cfg.o_lora_rank, cfg.sliding_window
+    HI, DI, K = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    n, tp = cfg.hc_mult, step.tp
+    T, ctx, S = step.T, step.ctx, step.seq_dev
+    rows = S * T
+    kvb = step.kv
+
+    # ---- mHC (two sublayers) and the block's norms
+    for sub in ("attn", "ffn"):
+        acc.tensor("mhc", f"hc_{sub}_fn", (2 + n) * n * n * D + (2 + n) * n + 3, "fp32", rows)
+        acc.add("mhc", f"hc_{sub}_mix", flops=rows * (4 * n * D + 2 * n * n * D))
+        acc.tensor("mhc", f"{sub}_norm", D, "bf16", rows, flops_per_param_row=4.0)
+
+    # ---- attention projections (every layer, all modes)
+    acc.tensor("attn_proj", "wq_a", qr * D, "dense", rows)
+    acc.tensor("attn_proj", "wq_b", H * Dh * qr, "dense", rows, shard=tp)
+    acc.tensor("attn_proj", "wkv", Dh * D, "dense", rows)
+    acc.tensor("attn_proj", "wo_a", G * orank * (H * Dh // G), "dense", rows, shard=tp)
+    acc.tensor("attn_proj", "wo_b", D * G * orank, "dense", rows, shard=tp)
+    acc.tensor("attn_proj", "norms_sink", qr + Dh, "bf16", rows, flops_per_param_row=4.0)
+    acc.tensor("attn_proj", "attn_sink", H, "fp32", 0)
+
+    # ---- attention core: window + compressed candidates (MODEL_SPEC 2.4-2.6, 3.3)
+    r = spec.compress_ratio
+    kind = spec.attention
+    end = ctx + T
+    win_keys = _sum_over_rows(step, lambda p: np.minimum(W, p + 1)) + window_extra * T
+    win_read = min(W - 1 + T, end) + window_extra
+    comp_keys, comp_read = 0.0, 0.0
+    if r > 0:
+        if kind == "hca":
+            comp_keys = _sum_over_rows(step, lambda p: _visible(p, r))
+            comp_read = _visible(end - 1, r)
+        else:  # csa / full / reindex / reuse: top-k of the visible entries
+            comp_keys = _sum_over_rows(step, lambda p: np.minimum(K, _visible(p, r)))
+            comp_read = min(T * K, _visible(end - 1, r))
+    acc.add("attn_core", f"window.{kind}", flops=4.0 * H * Dh * win_keys * S / tp,
+            kv_read_bytes=win_read * kvb["window"] * S)
+    if r > 0:
+        acc.add("attn_core", f"compressed.{kind}", flops=4.0 * H * Dh * comp_keys * S / tp,
+                kv_read_bytes=comp_read * kvb["comp"] * S)
+    if kv_write:
+        acc.add("kv_write", "window", kv_write_bytes=min(T, W) * kvb["window"] * S)
+
+    # ---- indexer (V4 CSA; V4.1 Full and Reindex)
+    if spec.indexer:
+        acc.tensor("indexer", "wq_b", HI * DI * qr, "dense", rows, shard=tp)
+        acc.tensor("indexer", "weights_proj", HI * D, "bf16", rows)
+        cap = None
+        if spec.uses_candidates:
+            cap = cfg.candidate_topk_blocks * cfg.candidate_block_size
+        keys = _sum_over_rows(step, (lambda p: _visible(p, r)) if cap is None
+                              else (lambda p: np.minimum(cap, _visible(p, r))))
+        read = _visible(end - 1, r) if cap is None else min(T * cap, _visible(end - 1, r))
+        peak = acc.ceil["bf16_flops"] if step.kv_dtype == "bf16" else acc.ceil["fp8_flops"]
+        acc.add("indexer", "scores", flops=2.0 * HI * DI * keys * S / tp, peak=peak,
+                kv_read_bytes=read * kvb["index"] * S)
+
+    # ---- compressors (the layers that own global KV) and the cache entries they emit
+    if spec.owns_kv:
+        emitted = _emitted(step, r)
+        parts = [("main", Dh, True)]
+        if cfg.generation == "v4" and spec.indexer:
+            parts.append(("index", DI, True))
+        for name, d, gated in parts:
+            c = 2 if spec.overlap else 1
+            if cfg.generation == "v41" and r == 1:
+                acc.tensor("compressor", f"{name}.wkv", d * D, "bf16", rows)        # no gate, no state
+            else:
+                acc.tensor("compressor", f"{name}.wkv", c * d * D, "bf16", rows)
+                acc.tensor("compressor", f"{name}.wgate", c * d * D, "bf16", rows)
+                if cfg.generation == "v4":
+                    acc.tensor("compressor", f"{name}.ape", r * c * d, "fp32", 0)
+                # fp32 carry: raw (a, g) rows of unfinished blocks written, pooled when a block closes
+                row_bytes = 2 * c * d * 4
+                carry_rows = (2 if spec.overlap else 1) * r
+                # decode pools every closing block from the stored rows; prefill pools on chip and reads
+                # only the rows left over from before the chunk
+                carry_read = (emitted * carry_rows if step.phase == "decode" else min(carry_rows, ctx)) * row_bytes
+                acc.add("compressor", f"{name}.carry", kv_write_bytes=min(T, carry_rows) * row_bytes * S,
+                        kv_read_bytes=carry_read * S, flops=emitted * carry_rows * c * d * 6 * S)
+            acc.tensor("compressor", f"{name}.norm", d, "bf16", 0)
+        if cfg.generation == "v41" and spec.indexer:
+            acc.tensor("compressor", "index.wk", DI * Dh, "bf16", 0)
+            acc.tensor("compressor", "index.k_norm", DI, "bf16", 0)
+            acc.add("compressor", "index.wk_apply", flops=2.0 * DI * Dh * emitted * S)
+        if kv_write:
+            acc.add("kv_write", "compressed", kv_write_bytes=emitted * kvb["comp"] * S)
+            if spec.indexer:
+                acc.add("kv_write", "index_keys", kv_write_bytes=emitted * kvb["index"] * S)
+
+    # ---- Engram (V4.1, before the block; V41_NOTES 2.5)
+    if spec.engram:
+        cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        hd = cfg.engram_head_dim
+        row_bytes = hd * bytes_per_param(cfg, "table", acc.wd)
+        acc.add("engram", "table_rows", other_bytes=rows * cols * row_bytes)
+        acc.tensor("engram", "wkv", (n + 1) * D * cols * hd, "dense", rows)
+        acc.tensor("engram", "q_k_weight", 2 * n * D, "bf16", rows)
+        acc.add("engram", "gate", flops=rows * n * D * 10)
+        if acc.count_resident and not acc.group:
+            idx = list(cfg.engram_layer_ids).index(spec.index)
+            tab_rows = (cfg.engram_num_embeddings[idx] if cfg.engram_num_embeddings
+                        else cols * cfg.engram_vocab_size)
+            devices = step.dp * step.ep * step.tp
+            acc.resident["engram"] += tab_rows * row_bytes / devices
+            acc.params["engram"] += tab_rows * hd
+
+    # ---- MoE: router, routed experts (distinct experts touched), shared expert (MODEL_SPEC 2.8)
+    E, k, I = spec.n_experts, spec.n_experts_per_tok, cfg.moe_intermediate_size
+    acc.tensor("router", "gate", E * D, "bf16", rows)
+    if not spec.hash_routed:  # aux-loss-free selection bias ([V4.1] + the image bias_vl)
+        acc.tensor("router", "bias", E * (2 if cfg.generation == "v41" else 1), "fp32", 0)
+    if spec.hash_routed:
+        acc.tensor("router", "tid2eid", cfg.vocab_size * k, "int", 0, touched=False, active=False)
+        acc.add("router", "tid2eid_rows", other_bytes=rows * k * 4)
+    picks = step.seq_group * T * k                      # routed rows of one EP group
+    hit = min(E, picks) if step.forced_balance else E * (1.0 - (1.0 - 1.0 / E) ** picks)
+    ebytes = 3 * D * I * bytes_per_param(cfg, "expert", acc.wd)
+    acc.add("moe_experts", "routed", weight_bytes=hit / step.ep * ebytes / tp,
+            flops=6.0 * D * I * picks / step.ep / tp, peak=gemm_peak("expert", acc.wd, acc.ceil))
+    acc.comp["moe_experts"]["routed"]["experts_touched_per_device"] += hit / step.ep if not acc.group else 0.0
+    if acc.count_resident:
+        key = acc.group or "moe_experts"
+        acc.resident[key] += E / step.ep * ebytes / tp
+        acc.params[key] += E * 3 * D * I
+        acc.active += k * 3 * D * I
+    acc.tensor("shared_expert", "w1_w3_w2", 3 * D * I, "dense", rows, shard=tp)
+
+
+def _head(acc: _Acc, cfg, step: _Step, head_rows: float, *, hc_head: bool, shared: bool = False):
+    """Final collapse, norm and LM head; `shared`: the head weights belong to the backbone (drafters)."""
+    D, V, n, tp = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, step.tp
+    if hc_head:
+        acc.tensor("head", "hc_head_fn", n * n * D + n + 1, "fp32", head_rows)
+    acc.tensor("head", "norm", D, "bf16", head_rows, flops_per_param_row=4.0)
+    acc.tensor("head", "head", V * D, "bf16", head_rows, shard=tp, resident=not shared)
+
+
+def _embed(acc: _Acc, cfg, step: _Step, rows: float):
+    D, V = cfg.hidden_size, cfg.vocab_size
+    acc.tensor("head", "embed", V * D, "bf16", 0, shard=step.tp, touched=False, active=False)
+    acc.add("head", "embed_rows", other_bytes=rows * D * 2)
+
+
+def _drafter(acc: _Acc, cfg, step: _Step, num_draft: int):
+    """The drafter's work in one decode step (into the "drafter" component).
+
+    [V4] MTP-1: num_draft sequential passes of one row per sequence through e_proj/h_proj, the MTP block
+    and the head (weights re-read every pass). [V4.1 / DSpark] one pass: main_proj on the T committed
+    rows, every stage on a block of dspark_block_size rows (window of context keys + the block's own
+    keys), the head on the block rows and the Markov head (block_size sequential GEMVs)."""
+    D, V, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    S = step.seq_dev
+    active = acc.active  # "active per token" stays the backbone's
+    acc.group = "drafter"
+    slots = range(cfg.num_layers, cfg.num_blocks)
+    if cfg.generation == "v4":
+        for i in range(num_draft):
+            acc.count_resident = i == 0
+            one = dataclasses.replace(step, T=1, ctx=step.ctx + i)
+            acc.tensor("mtp", "e_proj", D * D, "dense", S)
+            acc.tensor("mtp", "h_proj", D * D, "dense", S * n)
+            acc.tensor("mtp", "norms", 3 * D, "bf16", S, flops_per_param_row=4.0)
+            for s in slots:
+                _layer(acc, cfg, cfg.layer_spec(s), one)
+            _head(acc, cfg, one, S, hc_head=True, shared=True)
+    else:
+        beta = cfg.dspark_block_size
+        acc.tensor("dspark", "main_proj", D * 3 * D, "dense", S * step.T)
+        acc.tensor("dspark", "main_norm", D, "bf16", S * step.T, flops_per_param_row=4.0)
+        block = dataclasses.replace(step, T=beta)
+        for s in slots:
+            # context keys for the committed rows: this stage's wkv on main_x (written to its ring)
+            acc.add("dspark", "context_kv", flops=2.0 * cfg.head_dim * D * S * step.T,
+                    kv_write_bytes=step.T * step.kv["window"] * S)
+            _layer(acc, cfg, cfg.layer_spec(s), block, window_extra=beta, kv_write=False)
+        _head(acc, cfg, block, S * beta, hc_head=False, shared=True)
+        r = cfg.dspark_markov_rank
+        acc.tensor("dspark", "markov_embed", V * r, "bf16", 0, touched=False)
+        acc.add("dspark", "markov_embed_rows", other_bytes=S * beta * r * 2)
+        acc.count_resident = True
+        acc.tensor("dspark", "markov_head", V * r, "bf16", S * beta)
+        # sequential: block_size GEMVs over the [V, r] head (66 MB, larger than L2), re-read each time
+        acc.add("dspark", "markov_head_rereads", weight_bytes=(beta - 1) * V * r * 2)
+        acc.tensor("dspark", "confidence", D + r, "bf16", S * beta)
+    acc.group = None
+    acc.count_resident = True
+    acc.active = active
+
+
+def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_tokens: int = 1,
+             weight_dtype: str = "bf16", kv_dtype: str = "bf16", mesh=(1, 1, 1), forced_balance: bool = False,
+             ceilings: dict | None = None, drafter: bool = False) -> dict:
+    """Bytes and FLOPs of one step by component, per device, and the floor on `ceilings`.
+
+    cfg: a ModelConfig. phase: "prefill" | "decode". batch: global sequences. context: cached positions per
+    sequence before the step. new_tokens: prefill chunk per sequence, or 1 + num_draft rows in decode.
+    weight_dtype: "bf16" | "fp8" | "fp4-experts". kv_dtype: "bf16" | "fp8" | "packed". mesh: (dp, ep, tp).
+    forced_balance: routing forced to perfect balance (else uniform random). drafter: add the drafter's
+    cost (decode, new_tokens - 1 drafts). Returns a JSON-ready dict (see the module docstring).
+    """
+    from model.cache import memory_estimate
+
+    ceilings = dict(ceilings or H200_MEASURED)
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+    dp, ep, tp = (int(x) for x in mesh)
+    if min(dp, ep, tp) < 1:
+        raise ValueError(f"mesh (dp, ep, tp) must be positive, got {mesh}")
+    if batch < 1 or new_tokens < 1 or context < 0:
+        raise ValueError(f"need batch >= 1, new_tokens >= 1, context >= 0 (got {batch}, {new_tokens}, {context})")
+    for name, E in (("backbone", cfg.n_routed_experts), ("drafter", cfg.dspark_n_routed_experts)):
+        if E and E % ep:
+            raise ValueError(f"ep={ep} does not divide the {name}'s {E} experts")
+    notes = []
+    if batch % (dp * ep):
+        notes.append(f"batch {batch} is not a multiple of dp*ep = {dp * ep}: fractional sequences per device")
+
+    step = _Step(phase=phase, batch=batch, seq_dev=batch / (dp * ep), seq_group=batch / dp, T=int(new_tokens),
+                 ctx=int(context), dp=dp, ep=ep, tp=tp, forced_balance=bool(forced_balance),
+                 kv=kv_entry_bytes(cfg, kv_dtype), kv_dtype=kv_dtype)
+    acc = _Acc(cfg, weight_dtype, ceilings, tp)
+    rows = step.seq_dev * step.T
+    _embed(acc, cfg, step, rows)
+    for i in range(cfg.num_layers):
+        _layer(acc, cfg, cfg.layer_spec(i), step)
+    head_rows = step.seq_dev if phase == "prefill" else rows
+    _head(acc, cfg, step, head_rows, hc_head=cfg.generation == "v4")
+    # draft-stage weights are resident whenever speculative decoding is used; counted in memory only
+    # unless the drafter's step cost is requested.
+    if drafter and phase == "decode" and cfg.num_mtp_layers and new_tokens > 1:
+        _drafter(acc, cfg, step, new_tokens - 1)
+    else:
+        saved = acc.comp
+        acc.comp = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+        if cfg.num_mtp_layers:
+            _drafter(acc, cfg, dataclasses.replace(step, T=1), 1)
+        acc.comp = saved
+
+    # ---- totals
+    hbm = ceilings["hbm_Bps"]
+    components = {}
+    for name in COMPONENTS:
+        if name not in acc.comp:
+            continue
+        parts = {}
+        tot = defaultdict(float)
+        for part, d in acc.comp[name].items():
+            rec = {k: float(d.get(k, 0.0)) for k in BYTE_KINDS + ("flops", "compute_s")}
+            rec["bytes"] = sum(rec[k] for k in BYTE_KINDS)
+            if "experts_touched_per_device" in d:
+                rec["experts_touched_per_device"] = float(d["experts_touched_per_device"])
+            parts[part] = rec
+            for k2, v in rec.items():
+                tot[k2] += v
+        tot = dict(tot)
+        tot["memory_s"] = tot["bytes"] / hbm
+        tot["floor_s"] = max(tot["memory_s"], tot["compute_s"])
+        tot["parts"] = parts
+        components[name] = tot
+    totals = {k: sum(c[k] for c in components.values()) for k in BYTE_KINDS + ("bytes", "flops", "compute_s")}
+    totals["memory_s"] = totals["bytes"] / hbm
+    totals["floor_s"] = max(totals["memory_s"], totals["compute_s"])
+    totals["bound"] = "memory" if totals["memory_s"] >= totals["compute_s"] else "compute"
+    totals["rows_per_device"] = rows
+    totals["rows_per_s_at_floor"] = rows / totals["floor_s"]
+    totals["arithmetic_intensity"] = totals["flops"] / totals["bytes"]
+    # the FLOP rate a kernel would need to hit the memory floor, and the bandwidth to hit the compute floor
+    totals["flops_at_uniform_peak_s"] = totals["flops"] / (
+        ceilings["bf16_flops"] if weight_dtype == "bf16" else ceilings["fp8_flops"])
+
+    # ---- memory per device
+    kv_np_dtype, packed = _memory_estimate_args(kv_dtype)
+    max_len = step.ctx + step.T
+    m = memory_estimate(cfg, max_len, kv_np_dtype, packed=packed)
+    cache = m["bytes_per_sequence_at_max_len"] * step.seq_dev
+    # draft-stage weights are resident when the step verifies drafts (or the drafter is costed)
+    draft_w = acc.resident.get("drafter", 0.0)
+    with_draft = bool(drafter) or (phase == "decode" and new_tokens > 1)
+    weights = sum(v for k, v in acc.resident.items() if with_draft or k != "drafter")
+    memory = {
+        "weights_bytes": weights,
+        "weights_by_component": dict(acc.resident),
+        "draft_weights_bytes": draft_w,
+        "draft_weights_included": with_draft,
+        "cache_bytes": cache,
+        "cache_bytes_per_sequence": m["bytes_per_sequence_at_max_len"],
+        "cache_max_len": max_len,
+        "total_bytes": weights + cache,
+        "capacity_bytes": ceilings["hbm_capacity_bytes"],
+        "fits": weights + cache <= ceilings["hbm_capacity_bytes"],
+    }
+    params = {
+        "total": sum(acc.params.values()),
+        "backbone": sum(v for k, v in acc.params.items() if k != "drafter"),
+        "by_component": dict(acc.params),
+        "active_per_token": acc.active,  # backbone, head included, embedding excluded
+    }
+    if cfg.generation == "v41" and phase == "prefill" and cfg.candidate_source_layer_id >= 0:
+        notes.append("decoder-side bounded replay (V41_NOTES 3.2) not modelled: every layer runs on all rows")
+    if cfg.engram_layer_ids and cfg.engram_placement == "device":
+        notes.append("Engram tables counted in HBM, column-sharded over all dp*ep*tp devices")
+    return {
+        "config": cfg.name, "generation": cfg.generation, "layers": cfg.num_layers, "phase": phase,
+        "batch": batch, "context": context, "new_tokens": new_tokens, "weight_dtype": weight_dtype,
+        "kv_dtype": kv_dtype, "mesh": {"dp": dp, "ep": ep, "tp": tp}, "forced_balance": bool(forced_balance),
+        "drafter": bool(drafter), "ceilings": ceilings, "kv_entry_bytes": step.kv,
+        "components": components, "totals": totals, "memory": memory, "params": params, "notes": notes,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+def _fmt_bytes(b):
+    return f"{b / 1e9:.3f}"
+
+
+def markdown(res: dict, accepted: float | None = None) -> str:
+    t, mem = res["totals"], res["memory"]
+    mesh = res["mesh"]
+    head = (f"### Roofline: {res['config']} ({res['layers']} layers), {res['phase']}, batch {res['batch']} x "
+            f"{res['new_tokens']} rows, context {res['context']}, weights {res['weight_dtype']}, KV "
+            f"{res['kv_dtype']}, mesh dp{mesh['dp']}/ep{mesh['ep']}/tp{mesh['tp']}, "
+            f"{'forced-balance' if res['forced_balance'] else 'uniform random'} routing"
+            f"{', with drafter' if res['drafter'] else ''}\n\n"
+            f"Per device. Ceilings: {res['ceilings']['name']}: HBM {res['ceilings']['hbm_Bps'] / 1e12:.2f} TB/s, "
+            f"bf16 {res['ceilings']['bf16_flops'] / 1e12:.0f} / fp8 {res['ceilings']['fp8_flops'] / 1e12:.0f} TFLOP/s.\n\n")
+    lines = ["| component | weights GB | KV read GB | KV write GB | other GB | total GB | TFLOP | memory ms | compute ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in res["components"].items():
+        lines.append(f"| {name} | {_fmt_bytes(c['weight_bytes'])} | {_fmt_bytes(c['kv_read_bytes'])} | "
+                     f"{_fmt_bytes(c['kv_write_bytes'])} | {_fmt_bytes(c['other_bytes'])} | {_fmt_bytes(c['bytes'])} | "
+                     f"{c['flops'] / 1e12:.3f} | {c['memory_s'] * 1e3:.3f} | {c['compute_s'] * 1e3:.3f} |")
+    lines.append(f"| **total** | {_fmt_bytes(t['weight_bytes'])} | {_fmt_bytes(t['kv_read_bytes'])} | "
+                 f"{_fmt_bytes(t['kv_write_bytes'])} | {_fmt_bytes(t['other_bytes'])} | **{_fmt_bytes(t['bytes'])}** | "
+                 f"**{t['flops'] / 1e12:.3f}** | **{t['memory_s'] * 1e3:.3f}** | **{t['compute_s'] * 1e3:.3f}** |")
+    exp = res["components"].get("moe_experts", {}).get("parts", {}).get("routed", {})
+    tail = [
+        "",
+        f"**Floor {t['floor_s'] * 1e3:.3f} ms per step ({t['bound']}-bound)**: memory {t['memory_s'] * 1e3:.3f} ms, "
+        f"compute {t['compute_s'] * 1e3:.3f} ms; arithmetic intensity {t['arithmetic_intensity']:.0f} FLOP/B.",
+        f"Rows per device per step {t['rows_per_device']:g}: {t['rows_per_s_at_floor']:,.0f} rows/s at the floor.",
+    ]
+    if res["phase"] == "decode":
+        acc = accepted if accepted is not None else (3.25 if res["new_tokens"] == 4 else float(res["new_tokens"]))
+        seqs = t["rows_per_device"] / res["new_tokens"]
+        tail.append(f"Decode at {acc:g} accepted tokens per step: {seqs * acc / t['floor_s']:,.0f} tokens/s per device "
+                    f"(sequences x accepted / floor).")
+    else:
+        pk = "bf16" if res["weight_dtype"] == "bf16" else "fp8"
+        tail.append(f"All FLOPs at the {pk} peak: {t['flops_at_uniform_peak_s'] * 1e3:.3f} ms; MFU of a step at the floor "
+                    f"{t['flops'] / t['floor_s'] / res['ceilings'][pk + '_flops'] * 100:.0f}% of the {pk} peak.")
+    if exp:
+        tail.append(f"Routed experts touched per device per layer: {exp.get('experts_touched_per_device', 0) / max(res['layers'], 1):.1f}.")
+    tail.append(f"Memory per device: weights {mem['weights_bytes'] / 1e9:.1f} GB (drafter {mem['draft_weights_bytes'] / 1e9:.1f}"
+                f"{'' if mem['draft_weights_included'] else ' not included'}) + "
+                f"cache {mem['cache_bytes'] / 1e9:.1f} GB ({mem['cache_bytes_per_sequence'] / 1e6:.1f} MB/sequence at "
+                f"{mem['cache_max_len']} positions) = {mem['total_bytes'] / 1e9:.1f} GB of "
+                f"{mem['capacity_bytes'] / 1e9:.1f} GB: {'fits' if mem['fits'] else 'DOES NOT FIT'}.")
+    tail.append(f"Parameters: {res['params']['backbone'] / 1e9:.2f} B backbone, {res['params']['active_per_token'] / 1e9:.2f} B "
+                f"active per token (head included, embedding excluded).")
+    for n in res["notes"]:
+        tail.append(f"Note: {n}.")
+    return head + "\n".join(lines + tail) + "\n"
+
+
+def _git_revision() -> str | None:
+    import subprocess
+    from pathlib import Path
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="v4-flash", help="ModelConfig preset (default v4-flash)")
+    p.add_argument("--config", help="a config.json instead of a preset")
+    p.add_argument("--layers", type=int, help="scale to N backbone layers keeping the layer pattern")
+    p.add_argument("--phase", choices=PHASES, default="decode")
+    p.add_argument("--batch", type=int, default=1, help="sequences (global; per device = batch / (dp*ep))")
+    p.add_argument("--context", type=int, default=0, help="cached positions per sequence before the step")
+    p.add_argument("--new-tokens", type=int, default=4096, help="prefill: new rows per sequence (default 4096)")
+    p.add_argument("--num-draft", type=int, default=0, help="decode: draft rows verified per sequence")
+    p.add_argument("--weights", choices=WEIGHT_DTYPES, default="bf16")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--mesh", default="1,1,1", help="dp,ep,tp (default 1,1,1)")
+    p.add_argument("--forced-balance", action="store_true", help="routing forced to perfect balance (DeepInfer "
+                   "benchmark mode); default uniform random routing")
+    p.add_argument("--drafter", action="store_true", help="add the drafter's cost to a decode step")
+    p.add_argument("--accepted", type=float, help="accepted tokens per decode step for tokens/s (default 3.25 "
+                   "with 3 drafts, else 1 + num_draft)")
+    p.add_argument("--datasheet", action="store_true", help="use the H200 datasheet ceilings")
+    p.add_argument("--hbm-tbps", type=float)
+    p.add_argument("--bf16-tflops", type=float)
+    p.add_argument("--fp8-tflops", type=float)
+    p.add_argument("--json", help="write the record to this file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from model import ModelConfig
+
+    cfg = ModelConfig.from_hf(args.config) if args.config else ModelConfig.preset(args.preset)
+    if args.layers:
+        cfg = scale_layers(cfg, args.layers)
+    ceil = dict(H200_DATASHEET if args.datasheet else H200_MEASURED)
+    for key, val, scale in (("hbm_Bps", args.hbm_tbps, 1e12), ("bf16_flops", args.bf16_tflops, 1e12),
+                            ("fp8_flops", args.fp8_tflops, 1e12)):
+        if val:
+            ceil[key] = val * scale
+            ceil["name"] += " (overridden)"
+    try:
+        mesh = tuple(int(x) for x in args.mesh.split(","))
+        assert len(mesh) == 3
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--mesh must be dp,ep,tp, got {args.mesh!r}")
+    new = args.new_tokens if args.phase == "prefill" else 1 + args.num_draft
+    res = roofline(cfg, args.phase, args.batch, args.context, new, args.weights, args.kv_dtype, mesh,
+                   args.forced_balance, ceil, drafter=args.drafter)
+    res["command"] = "python -m experiments.roofline " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["revision"] = _git_revision()
+    print(markdown(res, args.accepted))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

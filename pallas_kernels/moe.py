@@ -1,0 +1,828 @@
+"""Routed-expert SwiGLU block as grouped GEMMs in Pallas (MODEL_SPEC 2.8 experts, 3.7 FP8/FP4 weights).
+
+    out[t] = sum_j w[t,j] * W2_e (silu(min(W1_e x_t, L)) * clip(W3_e x_t, -L, L)),  e = ids[t, j]
+
+is computed in three steps, the same for every regime and weight format:
+
+1. **Plan (XLA).** The M*k routed rows are sorted by expert and laid out in a *tile-aligned* buffer:
+   expert e owns ceil(rows_e / block_m) consecutive tiles of block_m rows, so every tile belongs to one
+   expert (`tile_expert[t]`, -1 past the last tile). Experts with no rows own no tiles and cost nothing:
+   their weights are never read. Padding rows carry routing weight 0 (so z = 0 there). The buffer has a
+   static worst-case size cdiv(M*k, block_m) + min(E, M*k) tiles; tiles past `num_tiles` exit at once.
+2. **Gate/up kernel.** One program per (tile, block of I): both projections of the tile's rows against the
+   same slice of W1_e and W3_e, then the clamped SwiGLU and the routing weight in the epilogue (the weight
+   is applied *before* the down projection, as the model does), written as bf16 z [P, I].
+3. **Down kernel.** One program per (tile, block of D): z_tile @ W2_e^T -> y [P, D]; the combine gathers
+   each token's k rows of y and sums them in float32 (deterministic; no scatter-add).
+
+Weights stay in their storage format in HBM and are dequantised in registers inside the kernels:
+  dense  bf16/f16/f32  w [E, out, in]
+  FP8    float8_e4m3fn w [E, out, in] + UE8M0 block scales [E, out/B, in/B] (B = 128 V4, 32 V4.1)
+  FP4    E2M1 packed   w int8 [E, out, in/2] (low nibble = even column) + UE8M0 [E, out, in/32]
+(scales as float8_e8m0fnu or their uint8 exponent bytes; see model/quant_io.py).
+
+Backends (Pallas lowerings):
+  "triton" - every format, block_m >= 16 (tl.dot): the first version of the decode / verify regime
+             (weight-bandwidth-bound: a tile holds all of an expert's rows, so each touched expert's weights
+             are streamed once) and of quantised prefill.
+  "mgpu"   - Mosaic GPU (TMA + emit_pipeline + wgmma; Warpgroup lowering semantics, one code path for jax
+             0.10.2 and 0.11.x). Two orientations (MgpuConfig.swap_ab):
+               row tiles  - tokens are wgmma's M (block_m % 64 == 0), dense bf16/f16: compute-bound prefill;
+               swap_ab    - weights are wgmma's M and a tile's 16..256 tokens its N: decode tiles cost one
+                            pass over the weights; FP8 weights are dequantised in registers (A operand).
+  "auto"   - mgpu row tiles for 16-bit dense weights with >= 64 rows per expert on a Hopper GPU, triton
+             otherwise (until the GPU benchmark says which decode kernel wins).
+On a CPU both run in their interpreters (tests); `interpret=None` chooses that automatically. The MGPU
+interpreter has no transposed-SMEM or register wgmma operand: row-tile kernels are interpreted with weights
+given as [E, in, out] (`weight_layout="in_out"`), swap_ab kernels with bf16 weights; the rest is checked by
+lowering for CUDA at V4-Flash shapes, and on the GPU.
+
+Public: `moe_experts` (drop-in for reference.moe_experts, plus scales / backend / config),
+`forced_balance` (DeepInfer's benchmark routing), `route_plan`, `quantize_experts_fp8/fp4` (numpy, for
+tests and tools), `expert_bytes`, `TritonConfig`, `MgpuConfig`, `default_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import reference as ref
+
+# ----------------------------------------------------------------------------------------------- routing
+
+
+def forced_balance(num_tokens: int, num_experts: int, k: int, *, offset: int = 0) -> jax.Array:
+    """DeepInfer's benchmark routing: every expert gets the same load (to within one row).
+
+    Routed row r = t*k + j goes to expert (r + offset) mod E, so each token's k experts are distinct
+    (k <= E) and consecutive tokens walk round the experts. Returns expert ids [num_tokens, k] int32.
+    `offset` rotates the assignment (e.g. by step or by rank) without changing the balance.
+    """
+    if k > num_experts:
+        raise ValueError(f"forced_balance: k={k} > num_experts={num_experts}")
+    r = jnp.arange(num_tokens * k, dtype=jnp.int32) + jnp.int32(offset % num_experts)
+    return (r % num_experts).reshape(num_tokens, k)
+
+
+class RoutePlan(NamedTuple):
+    """Tile-aligned layout of the routed rows (all int32 except row_weight).
+
+    tile_expert [T]   expert of tile t, -1 for t >= num_tiles
+    row_token   [P]   token feeding padded row p (0 for padding rows), P = T * block_m
+    row_weight  [P]   routing weight of row p (0 for padding)
+    dest        [M,k] padded row holding token t's j-th routed row
+    num_tiles   []    tiles in use
+    group_sizes [E]   rows per expert
+    """
+    tile_expert: jax.Array
+    row_token: jax.Array
+    row_weight: jax.Array
+    dest: jax.Array
+    num_tiles: jax.Array
+    group_sizes: jax.Array
+
+
+def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Static bound on sum_e ceil(rows_e / block_m): cdiv(R, bm) + (number of non-empty experts)."""
+    return -(-num_rows // block_m) + min(num_experts, num_rows)
+
+
+def route_plan(expert_ids: jax.Array, weights: jax.Array, num_experts: int, block_m: int) -> RoutePlan:
+    """expert_ids [M, k] int, weights [M, k] -> RoutePlan (see the module docstring)."""
+    m, k = expert_ids.shape
+    r = m * k
+    t_max = max_tiles(r, num_experts, block_m)
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)       # sorted position -> flat row
+    sorted_e = flat[order]
+    gs = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    tiles = (gs + block_m - 1) // block_m
+    tiles_end = jnp.cumsum(tiles).astype(jnp.int32)
+    tile_first = tiles_end - tiles
+    group_first = (jnp.cumsum(gs) - gs).astype(jnp.int32)
+    rank = jnp.arange(r, dtype=jnp.int32) - group_first[sorted_e]
+    dest_sorted = tile_first[sorted_e] * block_m + rank
+    p = t_max * block_m
+    row_token = jnp.zeros((p,), jnp.int32).at[dest_sorted].set(order // k)
+    row_weight = jnp.zeros((p,), jnp.float32).at[dest_sorted].set(
+        weights.reshape(-1).astype(jnp.float32)[order])
+    dest = jnp.zeros((r,), jnp.int32).at[order].set(dest_sorted).reshape(m, k)
+    num_tiles = tiles_end[-1]
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    tile_expert = jnp.searchsorted(tiles_end, t, side="right").astype(jnp.int32)
+    tile_expert = jnp.where(t < num_tiles, tile_expert, -1)
+    return RoutePlan(tile_expert, row_token, row_weight, dest, num_tiles, gs)
+
+
+# ----------------------------------------------------------------------------------------------- formats
+
+
+def _as_e8m0_bytes(s: jax.Array) -> jax.Array:
+    if s.dtype == jnp.float8_e8m0fnu:
+        return lax.bitcast_convert_type(s, jnp.uint8)
+    if s.dtype != jnp.uint8:
+        raise ValueError(f"expert scales must be UE8M0 (float8_e8m0fnu or uint8 exponent bytes), got {s.dtype}")
+    return s
+
+
+def weight_format(w: jax.Array, scale) -> str:
+    """'dense' | 'fp8' | 'fp4' from the storage dtype (and whether a scale is given)."""
+    if scale is None:
+        if w.dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+            return "dense"
+        raise ValueError(f"expert weight of dtype {w.dtype} needs its scale")
+    if w.dtype == jnp.float8_e4m3fn:
+        return "fp8"
+    if w.dtype in (jnp.int8, jnp.uint8):
+        return "fp4"
+    raise ValueError(f"scaled expert weights must be float8_e4m3fn or packed int8 FP4, got {w.dtype}")
+
+
+def logical_shape(w: jax.Array, fmt: str) -> tuple[int, int, int]:
+    e, n, k = w.shape
+    return (e, n, 2 * k) if fmt == "fp4" else (e, n, k)
+
+
+def expert_bytes(d: int, i: int, fmt: str, fp8_block: int = 128, dense_itemsize: int = 2) -> int:
+    """HBM bytes of one expert's three matrices (w1, w3 [I, D], w2 [D, I]) including scales."""
+    n = 3 * d * i
+    if fmt == "dense":
+        return n * dense_itemsize
+    if fmt == "fp8":
+        return n + 3 * math.ceil(i / fp8_block) * math.ceil(d / fp8_block)
+    if fmt == "fp4":
+        return n // 2 + n // 32
+    raise ValueError(fmt)
+
+
+def quantize_experts_fp8(w: np.ndarray, block: int = 128):
+    """float [E, out, in] -> (float8_e4m3fn [E, out, in], uint8 UE8M0 [E, out/B, in/B]) via model.quant_io."""
+    from model import quant_io
+    qs = [quant_io.quantize_fp8_blocks(np.asarray(we, np.float32), block) for we in np.asarray(w)]
+    return (jnp.asarray(np.stack([q for q, _ in qs])),
+            jnp.asarray(np.stack([s for _, s in qs]).view(np.uint8)))
+
+
+def quantize_experts_fp4(w: np.ndarray):
+    """float [E, out, in] -> (int8 packed [E, out, in/2], uint8 UE8M0 [E, out, in/32]) via model.quant_io."""
+    from model import quant_io
+    qs = [quant_io.quantize_fp4(np.asarray(we, np.float32)) for we in np.asarray(w)]
+    return (jnp.asarray(np.stack([q for q, _ in qs])),
+            jnp.asarray(np.stack([s for _, s in qs]).view(np.uint8)))
+
+
+# ----------------------------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Tiles of the Triton kernels. All powers of two; block_m >= 16 (tl.dot)."""
+    block_m: int = 16
+    block_n: int = 64        # gate/up: columns of I per program
+    block_k: int = 128       # gate/up: slice of D per step
+    block_n_down: int = 64   # down: columns of D per program
+    block_k_down: int = 128  # down: slice of I per step
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Tiles of the Mosaic GPU kernels (one compute warpgroup per CTA, wgmma M = block_m)."""
+    block_m: int = 64          # multiple of 64
+    block_n: int = 128         # gate/up: gate and up each [block_m, block_n] f32 accumulators
+    block_k: int = 64
+    block_n_down: int = 256    # down: one [block_m, block_n_down] accumulator (<= 256)
+    block_k_down: int = 64
+    max_concurrent_steps: int = 4
+    route_weight_in_kernel: bool = True   # False: apply the routing weight in the f32 combine
+    # swap_ab: weights are wgmma's M operand and tokens its N (decode/verify tiles of 16..256 rows; FP8 weights
+    # dequantised in registers). Then block_m = tokens per tile (multiple of 16), block_n / block_n_down =
+    # weight rows per tile (multiples of 64).
+    swap_ab: bool = False
+
+
+def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense"):
+    """Tiles by regime: decode/verify (few rows per expert) vs prefill (many). Untuned guesses until
+    experiments/bench_moe.py has run on the GPU; every config here lowers at V4-Flash shapes (tests)."""
+    rows_per_expert = num_rows / max(num_experts, 1)
+    if backend == "mgpu":
+        if rows_per_expert <= 16:       # decode: weights as wgmma M, 16-token tiles
+            return MgpuConfig(block_m=16, block_n=128, block_k=64 if fmt == "dense" else 128,
+                              block_n_down=256 if fmt == "dense" else 128,
+                              block_k_down=64 if fmt == "dense" else 128,
+                              max_concurrent_steps=6 if fmt == "dense" else 5, swap_ab=True)
+        if fmt == "fp8":                # FP8 prefill: dequantised in registers (swap_ab only)
+            return MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
+                              swap_ab=True)
+        return MgpuConfig()
+    if rows_per_expert <= 16:          # decode / verify: one tile holds all of an expert's rows
+        return TritonConfig(block_m=16)
+    if rows_per_expert <= 48:
+        return TritonConfig(block_m=32)
+    # prefill on the Triton path (quantised weights): MMA-friendly tiles
+    return TritonConfig(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
+                        num_warps=4, num_stages=3)
+
+
+def on_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+# --------------------------------------------------------------------------------- in-kernel dequantisers
+
+
+def _e8m0(b):
+    """uint8/int exponent bytes -> float32 2^(b-127) (b=0 -> 2^-127, b=255 -> NaN), elementwise in-kernel."""
+    b = b.astype(jnp.int32)
+    v = lax.bitcast_convert_type(b << 23, jnp.float32)
+    v = jnp.where(b == 0, jnp.float32(2.0 ** -127), v)
+    return jnp.where(b == 255, jnp.float32(jnp.nan), v)
+
+
+FP4_FOLD = 2.0 ** 14   # _e2m1_pair returns E2M1 values / 2^14; the kernels multiply their accumulators back
+
+
+def _e2m1_pair(p):
+    """Packed E2M1 bytes (int32, sign-extended) -> (even, odd) column values / 2^14 as float32.
+
+    Each nibble s|e1 e0|m is moved into an f16 bit pattern with the sign at bit 15, e1 e0 as the low two
+    exponent bits and m as the top mantissa bit: that f16 is exactly e2m1 * 2^-14 for every code (e=0 lands
+    on the f16 subnormals 0 and 2^-15). The f16 -> f32 conversion is exact, so no lookup table and no select.
+    """
+    lo = ((p & 0x7) << 9) | ((p & 0x8) << 12)
+    hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
+    f = lambda b: lax.bitcast_convert_type(b.astype(jnp.int16), jnp.float16).astype(jnp.float32)  # noqa: E731
+    return f(lo), f(hi)
+
+
+def _precision(dtype):
+    # float32 operands (the model's parity mode): IEEE, not Triton's default TF32
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else None
+
+
+def _dot_nt(a, b):
+    """a [m, k] . b [n, k]^T -> [m, n] float32 (2-D dot; Triton transposes b itself)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a.dtype),
+                           preferred_element_type=jnp.float32)
+
+
+def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False):
+    """Tile rows against expert e's weight rows n0:n0+bn over stored columns k0:k0+bk -> [bm, bn] f32.
+
+    dense/fp8: xk = (x [bm, bk],); fp4: xk = (x_even, x_odd), each [bm, bk] against bk packed bytes
+    (2*bk logical columns); the fp4 result is E2M1-folded (times 2^-14, see _e2m1_pair).
+    """
+    if kn:  # dense weights stored [E, in, out]
+        w = w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]
+        return jnp.dot(xk[0], w.astype(xk[0].dtype), precision=_precision(xk[0].dtype),
+                       preferred_element_type=jnp.float32)
+    if fmt == "dense":
+        w = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
+        return _dot_nt(xk[0], w.astype(xk[0].dtype))
+    if fmt == "fp8":
+        # the tile sits inside one scale block (bn, bk divide B): scale the partial product once
+        w = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xk[0].dtype)
+        s = _e8m0(s_ref[e, n0 // fp8_block, k0 // fp8_block])
+        return _dot_nt(xk[0], w) * s
+    # fp4: bytes k0:k0+bk hold logical columns 2*k0 .. 2*(k0+bk); one UE8M0 scale per 16 bytes
+    xe, xo = xk
+    lo, hi = _e2m1_pair(w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.int32))
+    s = _e8m0(s_ref[e, pl.ds(n0, bn), pl.ds(k0 // 16, bk // 16)])            # [bn, bk/16]
+    s = jnp.broadcast_to(s[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)
+    return _dot_nt(xe, (lo * s).astype(xe.dtype)) + _dot_nt(xo, (hi * s).astype(xo.dtype))
+
+
+def _swiglu(g, u, limit):
+    if limit > 0:
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+    return g / (1.0 + jnp.exp(-g)) * u
+
+
+# ----------------------------------------------------------------------------------------- Triton kernels
+
+
+def _stored_k(k, fmt):
+    return k // 2 if fmt == "fp4" else k
+
+
+def _tiles(cfg_bn, cfg_bk, n, k_stored, fmt, w, s, what):
+    """Clamp the tiles to the problem and the format; validate."""
+    bn, bk = min(cfg_bn, n), min(cfg_bk if fmt != "fp4" else cfg_bk // 2, k_stored)
+    fp8_block = ref.fp8_block_size(w.shape, s.shape) if fmt == "fp8" else 0
+    if fmt == "fp8":
+        bn, bk = min(bn, fp8_block), min(bk, fp8_block)
+    for name, v in (("block_n", bn), ("block_k", bk)):
+        if v & (v - 1):
+            raise ValueError(f"moe {what}: {name}={v} must be a power of two (Triton)")
+    if n % bn or k_stored % bk:
+        raise ValueError(f"moe {what}: weight [{n}, {k_stored}] (stored) does not tile by ({bn}, {bk})")
+    if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
+        raise ValueError(f"moe {what}: FP8 block {fp8_block} must be a multiple of the tile ({bn}, {bk})")
+    if fmt == "fp4" and bk % 16:
+        raise ValueError(f"moe {what}: FP4 needs block_k >= 32 logical columns, got {2 * bk}")
+    return bn, bk, fp8_block
+
+
+def _triton_call(kernel, *, args, x_parts, bm, bn, grid, out_shape, cfg, interpret, name):
+    """grid = (column blocks j, tiles t): program_id(0) = j is the fastest-launched axis, so the programs
+    of one tile run together and re-read its activation rows from L2, not HBM (each weight slice is read
+    by one program per tile either way)."""
+    from jax.experimental.pallas import triton as plt
+    full = lambda a: pl.BlockSpec(a.shape, lambda j, t, n=a.ndim: (0,) * n)  # noqa: E731
+    row_block = lambda a: pl.BlockSpec((bm,) + a.shape[1:], lambda j, t, n=a.ndim: (t,) + (0,) * (n - 1))  # noqa: E731
+    in_specs = [full(args[0])] + [row_block(a) for a in args[1:1 + x_parts]] + [full(a) for a in args[1 + x_parts:]]
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
+        out_specs=pl.BlockSpec((bm, bn), lambda j, t: (t, j)),
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret, name=name,
+    )(*args)
+
+
+def _gate_up_triton(xparts, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: TritonConfig,
+                    interpret, kn=False):
+    """z [P, I] = swiglu(x W1_e^T, x W3_e^T) * row_weight per tile; xparts = (xs,) or fp4 (xs_even, xs_odd)."""
+    p, ks = xparts[0].shape
+    i_dim = w1.shape[2] if kn else w1.shape[1]
+    bm = cfg.block_m
+    bn, bk, fp8_block = _tiles(cfg.block_n, cfg.block_k, i_dim, ks, fmt, w1, s1, "gate/up")
+    nx, nk = len(xparts), ks // bk
+    post = FP4_FOLD if fmt == "fp4" else 1.0
+
+    def kernel(te_ref, *refs):
+        x_refs, rw_ref, w1_ref, w3_ref = refs[:nx], refs[nx], refs[nx + 1], refs[nx + 2]
+        s1_ref, s3_ref, z_ref = refs[nx + 3:] if fmt != "dense" else (None, None, refs[nx + 3])
+        j, t = pl.program_id(0), pl.program_id(1)
+        e = te_ref[t]
+
+        @pl.when(e >= 0)
+        def _():
+            wd = functools.partial(_wdot, e=e, n0=j * bn, fmt=fmt, bn=bn, bk=bk, fp8_block=fp8_block, kn=kn)
+
+            def body(kk, carry):
+                g, u = carry
+                k0 = pl.multiple_of(kk * bk, bk)
+                xk = tuple(r[:, pl.ds(k0, bk)] for r in x_refs)
+                return g + wd(xk, w1_ref, s1_ref, k0=k0), u + wd(xk, w3_ref, s3_ref, k0=k0)
+
+            zero = jnp.zeros((bm, bn), jnp.float32)
+            g, u = lax.fori_loop(0, nk, body, (zero, zero))
+            if post != 1.0:
+                g, u = g * post, u * post
+            z = _swiglu(g, u, limit) * rw_ref[...][:, None]
+            z_ref[...] = z.astype(z_ref.dtype)
+
+    # row_weight is blocked by rows like x: put it right after the x parts
+    args = [tile_expert, *xparts, row_weight, w1, w3] + ([s1, s3] if fmt != "dense" else [])
+    return _triton_call(kernel, args=args, x_parts=nx + 1, bm=bm, bn=bn, grid=(i_dim // bn, p // bm),
+                        out_shape=jax.ShapeDtypeStruct((p, i_dim), xparts[0].dtype), cfg=cfg,
+                        interpret=interpret, name=f"moe_gate_up_{fmt}")
+
+
+def _down_triton(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, interpret, kn=False):
+    """y [P, D] = z W2_e^T per tile; zparts = (z,) or fp4 (z_even, z_odd)."""
+    p, ks = zparts[0].shape
+    d = w2.shape[2] if kn else w2.shape[1]
+    bm = cfg.block_m
+    bn, bk, fp8_block = _tiles(cfg.block_n_down, cfg.block_k_down, d, ks, fmt, w2, s2, "down")
+    nz, nk = len(zparts), ks // bk
+    post = FP4_FOLD if fmt == "fp4" else 1.0
+
+    def kernel(te_ref, *refs):
+        z_refs, w2_ref = refs[:nz], refs[nz]
+        s2_ref, y_ref = refs[nz + 1:] if fmt != "dense" else (None, refs[nz + 1])
+        j, t = pl.program_id(0), pl.program_id(1)
+        e = te_ref[t]
+
+        @pl.when(e >= 0)
+        def _():
+            def body(kk, acc):
+                k0 = pl.multiple_of(kk * bk, bk)
+                zk = tuple(r[:, pl.ds(k0, bk)] for r in z_refs)
+                return acc + _wdot(zk, w2_ref, s2_ref, e, j * bn, k0, fmt=fmt, bn=bn, bk=bk,
+                                   fp8_block=fp8_block, kn=kn)
+
+            acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+            if post != 1.0:
+                acc = acc * post
+            y_ref[...] = acc.astype(y_ref.dtype)
+
+    args = [tile_expert, *zparts, w2] + ([s2] if fmt != "dense" else [])
+    return _triton_call(kernel, args=args, x_parts=nz, bm=bm, bn=bn, grid=(d // bn, p // bm),
+                        out_shape=jax.ShapeDtypeStruct((p, d), out_dtype), cfg=cfg, interpret=interpret,
+                        name=f"moe_down_{fmt}")
+
+
+# ----------------------------------------------------------------------------------- Mosaic GPU kernels
+
+
+def _mgpu_params():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    # Warpgroup semantics is the default in 0.11 and must be asked for in 0.10: one code path for both.
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _pipeline_depth(max_steps: int, nk: int) -> tuple[int, int]:
+    """(max_concurrent_steps, delay_release) for a K loop of nk steps. One wgmma group stays in flight, so
+    its buffers are released one step late (delay 1, which needs >= 2 slots); a single step needs neither."""
+    if nk <= 1:
+        return 1, 0
+    return max(2, min(max_steps, nk)), 1
+
+
+def _check_mgpu_tiles(p, n, k, bm, bn, bk, what):
+    if bm % 64 or bn % 8 or bn > 256:
+        raise ValueError(f"moe {what} (mgpu): block_m must be a multiple of 64 and block_n <= 256, "
+                         f"got ({bm}, {bn})")
+    if p % bm or n % bn or k % bk:
+        raise ValueError(f"moe {what} (mgpu): [{p}, {k}] x [{n}, {k}] does not tile by ({bm}, {bn}, {bk})")
+
+
+def _w_spec(plgpu, bn, bk, j, kn, delay):
+    """BlockSpec of one weight tile: [bn, bk] of a [N, K] matrix, or [bk, bn] of a [K, N] one."""
+    if kn:
+        return plgpu.BlockSpec((bk, bn), lambda kk: (kk, j), delay_release=delay)
+    return plgpu.BlockSpec((bn, bk), lambda kk: (j, kk), delay_release=delay)
+
+
+def _w_operand(plgpu, w_s, kn):
+    # [N, K] tiles (the model's [E, out, in] storage) are K-major: wgmma takes them through a transposed view
+    return w_s if kn else plgpu.transpose_ref(w_s, (1, 0))
+
+
+def _gate_up_mgpu(xs, row_weight, tile_expert, w1, w3, *, limit, cfg: MgpuConfig, interpret, kn=False):
+    """z [P, I] = swiglu(xs W1_e^T, xs W3_e^T) * row_weight, per tile of block_m rows (TMA + wgmma).
+
+    grid (tile, I-block): the CTA's expert e = tile_expert[tile] (-1: nothing to do). emit_pipeline streams
+    [bm, bk] of xs and [bn, bk] of W1_e and W3_e (K-major, fed to wgmma through a transposed view) and
+    keeps one wgmma group in flight (delay_release=1). Epilogue: clamped SwiGLU, routing weight as a
+    WGMMA-row vector, bf16 tile -> SMEM -> TMA store.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    p, d = xs.shape
+    i_dim = w1.shape[2] if kn else w1.shape[1]
+    bm, bn, bk = cfg.block_m, min(cfg.block_n, i_dim), min(cfg.block_k, d)
+    _check_mgpu_tiles(p, i_dim, d, bm, bn, bk, "gate/up")
+    nk = d // bk
+    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
+    in_kernel_weight = cfg.route_weight_in_kernel
+
+    def body(te_gmem, rw_gmem, x_gmem, w1_gmem, w3_gmem, z_gmem, z_smem, rw_smem, bar):
+        t = lax.axis_index("t")
+        j = lax.axis_index("n")
+        e = te_gmem[t]
+
+        @pl.when(e >= 0)
+        def _():
+            if in_kernel_weight:
+                plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(t * bm, bm)], rw_smem, bar.at[0])
+
+            def acc_scope(acc_g, acc_u):
+                def step(_, x_s, w1_s, w3_s):
+                    plgpu.wgmma(acc_g, x_s, _w_operand(plgpu, w1_s, kn))
+                    plgpu.wgmma(acc_u, x_s, _w_operand(plgpu, w3_s, kn))
+                    plgpu.wgmma_wait(1)
+
+                plgpu.emit_pipeline(
+                    step, grid=(nk,), max_concurrent_steps=steps,
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (t, kk), delay_release=delay),
+                              _w_spec(plgpu, bn, bk, j, kn, delay), _w_spec(plgpu, bn, bk, j, kn, delay)],
+                )(x_gmem, w1_gmem.at[e], w3_gmem.at[e])
+                return acc_g[...], acc_u[...]
+
+            g, u = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32))
+            z = _swiglu(g, u, limit)
+            if in_kernel_weight:
+                plgpu.barrier_wait(bar.at[0])
+                rw = rw_smem[...]   # layout inference gives it the WGMMA row layout of the broadcast
+                z = z * lax.broadcast_in_dim(rw, (bm, bn), [0])
+            z_smem[...] = z.astype(z_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(z_smem, z_gmem.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)])
+            plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((p, i_dim), xs.dtype),
+        grid=(p // bm, i_dim // bn), grid_names=("t", "n"),
+        scratch_types=[plgpu.SMEM((bm, bn), xs.dtype), plgpu.SMEM((bm,), jnp.float32),
+                       plgpu.Barrier(num_barriers=1)],
+        compiler_params=_mgpu_params(),
+        interpret=interpret,
+    )(tile_expert, row_weight, xs, w1, w3)
+
+
+def _down_mgpu(z, tile_expert, w2, *, cfg: MgpuConfig, out_dtype, interpret, kn=False):
+    """y [P, D] = z_tile W2_e^T per tile (TMA + wgmma), bf16 out."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    p, i_dim = z.shape
+    d = w2.shape[2] if kn else w2.shape[1]
+    bm, bn, bk = cfg.block_m, min(cfg.block_n_down, d), min(cfg.block_k_down, i_dim)
+    _check_mgpu_tiles(p, d, i_dim, bm, bn, bk, "down")
+    nk = i_dim // bk
+    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
+
+    def body(te_gmem, z_gmem, w2_gmem, y_gmem, y_smem):
+        t = lax.axis_index("t")
+        j = lax.axis_index("n")
+        e = te_gmem[t]
+
+        @pl.when(e >= 0)
+        def _():
+            def acc_scope(acc):
+                def step(_, z_s, w_s):
+                    plgpu.wgmma(acc, z_s, _w_operand(plgpu, w_s, kn))
+                    plgpu.wgmma_wait(1)
+
+                plgpu.emit_pipeline(
+                    step, grid=(nk,), max_concurrent_steps=steps,
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (t, kk), delay_release=delay),
+                              _w_spec(plgpu, bn, bk, j, kn, delay)],
+                )(z_gmem, w2_gmem.at[e])
+                return acc[...]
+
+            y = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
+            y_smem[...] = y.astype(y_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)])
+            plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((p, d), out_dtype),
+        grid=(p // bm, d // bn), grid_names=("t", "n"),
+        scratch_types=[plgpu.SMEM((bm, bn), out_dtype)],
+        compiler_params=_mgpu_params(),
+        interpret=interpret,
+    )(tile_expert, z, w2)
+
+
+
+# ---------------------------------------------- Mosaic GPU, swapped operands (weights = wgmma M, tokens = N)
+#
+# Decode/verify tiles hold a handful of rows, but wgmma's M is 64: with the weights as the M operand
+# (the [E, out, in] storage is already wgmma's K-major A layout) and the tile's tokens as N (any multiple of
+# 8 up to 256) a tile costs one pass over its expert's weights whatever its row count. The activations go
+# in transposed ([D, P]) and z / y come out transposed ([I, P], [D, P]), so neither operand needs a
+# transposed SMEM view (which also keeps the bf16 kernels runnable in the MGPU CPU interpreter).
+# FP8 weights are dequantised in registers (wgmma's A operand may live in registers): E4M3 -> bf16 times
+# the UE8M0 block scale; the CPU interpreter has no register operand, so that path is checked by lowering.
+
+
+def _scale_scalar(s_gmem, e, r, c):
+    """UE8M0 byte at s[e, r, c] (GMEM scalar) -> float32 2^(b-127). (exp2 of an integer is a power of two;
+    Mosaic GPU cannot bitcast scalars.)"""
+    return jnp.exp2(s_gmem[e, r, c].astype(jnp.float32) - 127.0)
+
+
+def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
+                       interpret):
+    """zT [I, P] = swiglu(W1_e xT, W3_e xT) * row_weight for each tile of block_m token columns."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    d, p = xt.shape
+    i_dim = w1.shape[1]
+    bm, bn, bk = cfg.block_m, min(cfg.block_n, i_dim), min(cfg.block_k, d)
+    fp8_block = ref.fp8_block_size(w1.shape, s1.shape) if fmt == "fp8" else 0
+    if bm % 16 or bm > 256 or bn % 64 or p % bm or i_dim % bn or d % bk:
+        raise ValueError(f"moe gate/up (mgpu swap): tokens/tile {bm} must be a multiple of 16 <= 256, weight "
+                         f"rows/tile {bn} a multiple of 64; [{i_dim}, {d}] x [{d}, {p}] must tile")
+    if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
+        raise ValueError(f"moe gate/up (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
+    nk = d // bk
+    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
+
+    def body(te_gmem, rw_gmem, x_gmem, w1_gmem, w3_gmem, *rest):
+        s1_gmem, s3_gmem, z_gmem, z_smem, rw_smem, bar = rest if fmt == "fp8" else (None, None, *rest)
+        t = lax.axis_index("t")
+        j = lax.axis_index("n")
+        e = te_gmem[t]
+
+        @pl.when(e >= 0)
+        def _():
+            plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(t * bm, bm)], rw_smem, bar.at[0])
+
+            def acc_scope(acc_g, acc_u):
+                def step(idx, x_s, w1_s, w3_s):
+                    if fmt == "fp8":
+                        (kk,) = idx
+                        r, c = (j * bn) // fp8_block, (kk * bk) // fp8_block
+                        a1 = (w1_s[...].astype(jnp.float32) * _scale_scalar(s1_gmem, e, r, c)).astype(jnp.bfloat16)
+                        a3 = (w3_s[...].astype(jnp.float32) * _scale_scalar(s3_gmem, e, r, c)).astype(jnp.bfloat16)
+                        plgpu.wgmma(acc_g, a1, x_s)
+                        plgpu.wgmma(acc_u, a3, x_s)
+                        plgpu.wgmma_wait(0)          # register operands must outlive their wgmma
+                    else:
+                        plgpu.wgmma(acc_g, w1_s, x_s)
+                        plgpu.wgmma(acc_u, w3_s, x_s)
+                        plgpu.wgmma_wait(1)
+
+                plgpu.emit_pipeline(
+                    step, grid=(nk,), max_concurrent_steps=steps,
+                    in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, t), delay_release=delay),
+                              plgpu.BlockSpec((bn, bk), lambda kk: (j, kk), delay_release=delay),
+                              plgpu.BlockSpec((bn, bk), lambda kk: (j, kk), delay_release=delay)],
+                )(x_gmem, w1_gmem.at[e], w3_gmem.at[e])
+                return acc_g[...], acc_u[...]
+
+            g, u = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32), plgpu.ACC((bn, bm), jnp.float32))
+            z = _swiglu(g, u, limit)
+            plgpu.barrier_wait(bar.at[0])
+            z = z * lax.broadcast_in_dim(rw_smem[...], (bn, bm), [1])
+            z_smem[...] = z.astype(z_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(z_smem, z_gmem.at[pl.ds(j * bn, bn), pl.ds(t * bm, bm)])
+            plgpu.wait_smem_to_gmem(0)
+
+    args = [tile_expert, row_weight, xt, w1, w3] + ([s1, s3] if fmt == "fp8" else [])
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((i_dim, p), xt.dtype),
+        grid=(p // bm, i_dim // bn), grid_names=("t", "n"),
+        scratch_types=[plgpu.SMEM((bn, bm), xt.dtype), plgpu.SMEM((bm,), jnp.float32),
+                       plgpu.Barrier(num_barriers=1)],
+        compiler_params=_mgpu_params(),
+        interpret=interpret,
+    )(*args)
+
+
+def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype, interpret):
+    """yT [D, P] = W2_e zT per tile of block_m token columns."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    i_dim, p = zt.shape
+    d = w2.shape[1]
+    bm, bn, bk = cfg.block_m, min(cfg.block_n_down, d), min(cfg.block_k_down, i_dim)
+    fp8_block = ref.fp8_block_size(w2.shape, s2.shape) if fmt == "fp8" else 0
+    if bm % 16 or bm > 256 or bn % 64 or p % bm or d % bn or i_dim % bk:
+        raise ValueError(f"moe down (mgpu swap): tokens/tile {bm}, weight rows/tile {bn}: [{d}, {i_dim}] x "
+                         f"[{i_dim}, {p}] must tile (bm % 16 == 0 <= 256, bn % 64 == 0)")
+    if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
+        raise ValueError(f"moe down (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
+    nk = i_dim // bk
+    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
+
+    def body(te_gmem, z_gmem, w2_gmem, *rest):
+        s2_gmem, y_gmem, y_smem = rest if fmt == "fp8" else (None, *rest)
+        t = lax.axis_index("t")
+        j = lax.axis_index("n")
+        e = te_gmem[t]
+
+        @pl.when(e >= 0)
+        def _():
+            def acc_scope(acc):
+                def step(idx, z_s, w_s):
+                    if fmt == "fp8":
+                        (kk,) = idx
+                        s = _scale_scalar(s2_gmem, e, (j * bn) // fp8_block, (kk * bk) // fp8_block)
+                        plgpu.wgmma(acc, (w_s[...].astype(jnp.float32) * s).astype(jnp.bfloat16), z_s)
+                        plgpu.wgmma_wait(0)
+                    else:
+                        plgpu.wgmma(acc, w_s, z_s)
+                        plgpu.wgmma_wait(1)
+
+                plgpu.emit_pipeline(
+                    step, grid=(nk,), max_concurrent_steps=steps,
+                    in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, t), delay_release=delay),
+                              plgpu.BlockSpec((bn, bk), lambda kk: (j, kk), delay_release=delay)],
+                )(z_gmem, w2_gmem.at[e])
+                return acc[...]
+
+            y = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32))
+            y_smem[...] = y.astype(y_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[pl.ds(j * bn, bn), pl.ds(t * bm, bm)])
+            plgpu.wait_smem_to_gmem(0)
+
+    args = [tile_expert, zt, w2] + ([s2] if fmt == "fp8" else [])
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((d, p), out_dtype),
+        grid=(p // bm, d // bn), grid_names=("t", "n"),
+        scratch_types=[plgpu.SMEM((bn, bm), out_dtype)],
+        compiler_params=_mgpu_params(),
+        interpret=interpret,
+    )(*args)
+
+
+# ----------------------------------------------------------------------------------------- entry point
+
+
+def _interpret_flag(backend: str, interpret):
+    """None -> interpret on a CPU; True -> the backend's interpreter object; False -> compile."""
+    if interpret is None:
+        interpret = not on_gpu()
+    if not interpret:
+        return None if backend == "mgpu" else False
+    if backend == "mgpu":
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        return interpret if not isinstance(interpret, bool) else InterpretGPUParams()
+    return True
+
+
+def on_hopper() -> bool:
+    d = jax.devices()[0]
+    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
+
+
+def choose_backend(fmt: str, dtype, num_rows: int, num_experts: int) -> str:
+    """mgpu for dense 16-bit prefill on Hopper (>= 64 rows per expert on average), triton otherwise.
+
+    Off Hopper (and in the CPU interpreters, whose wgmma has no transposed operand) Triton serves all."""
+    if (fmt == "dense" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and num_rows >= 64 * num_experts and on_hopper()):
+        return "mgpu"
+    return "triton"
+
+
+def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
+                w3: jax.Array, limit: float, *, scales=None, backend: str = "auto", config=None,
+                interpret=None, weight_layout: str = "out_in", compute_dtype=jnp.bfloat16) -> jax.Array:
+    """Routed-expert SwiGLU block (drop-in for `reference.moe_experts`, plus quantised weights).
+
+    x [M, D], expert_ids [M, k] int, weights [M, k] float32 (routing weights),
+    w1/w3 [E, I, D], w2 [E, D, I] in storage format (dense; FP8 E4M3; FP4 packed [E, out, in/2]),
+    scales: None or (s1, s2, s3) UE8M0 scales of w1, w2, w3 (see module docstring),
+    backend: "auto" | "triton" | "mgpu"; config: TritonConfig / MgpuConfig (None -> by regime);
+    interpret: None (auto: interpret on CPU) | bool | an InterpretGPUParams for mgpu;
+    weight_layout: "out_in" (the model's [E, out, in]) or "in_out" (dense only: w1/w3 [E, D, I], w2 [E, I, D],
+    as ragged_dot takes them; the MGPU CPU interpreter has no transposed wgmma operand, so its tests use this).
+    Activations enter the GEMMs as `compute_dtype` (bf16; dense weights use their own dtype).
+    Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
+    """
+    s1, s2, s3 = (None, None, None) if scales is None else tuple(_as_e8m0_bytes(s) for s in scales)
+    fmt = weight_format(w1, s1)
+    if weight_format(w2, s2) != fmt or weight_format(w3, s3) != fmt:
+        raise ValueError("moe_experts: w1, w2, w3 must share one storage format")
+    if weight_layout not in ("out_in", "in_out"):
+        raise ValueError(f"moe_experts: weight_layout must be 'out_in' or 'in_out', got {weight_layout!r}")
+    kn = weight_layout == "in_out"
+    if kn and fmt != "dense":
+        raise ValueError("moe_experts: weight_layout='in_out' is for dense weights only")
+    e, i_dim, d = logical_shape(w1, fmt)
+    if kn:
+        i_dim, d = d, i_dim
+    w13_shape, w2_shape = ((e, d, i_dim), (e, i_dim, d)) if kn else ((e, i_dim, d), (e, d, i_dim))
+    if logical_shape(w2, fmt) != w2_shape or logical_shape(w3, fmt) != w13_shape:
+        raise ValueError(f"moe_experts: w1 {w1.shape}, w2 {w2.shape}, w3 {w3.shape} disagree ({fmt}, {weight_layout})")
+    if x.ndim != 2 or x.shape[1] != d:
+        raise ValueError(f"moe_experts: x {x.shape} does not match expert input dim {d}")
+    if expert_ids.shape != weights.shape or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} / weights {weights.shape} vs x {x.shape}")
+    m, k = expert_ids.shape
+    if backend == "auto":
+        backend = choose_backend(fmt, w1.dtype, m * k, e)
+    if config is None:
+        config = default_config(backend, m * k, e, fmt)
+    cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)
+    interp = _interpret_flag(backend, interpret)
+
+    plan = route_plan(expert_ids, weights, e, config.block_m)
+    post = None
+    if backend == "triton":
+        if not isinstance(config, TritonConfig):
+            raise ValueError(f"moe_experts: backend 'triton' needs a TritonConfig, got {type(config).__name__}")
+        # FP4 bytes hold (even, odd) column pairs: feed the activations as even and odd halves
+        xs = jnp.take(x.astype(cdt), plan.row_token, axis=0)              # [P, D] tile-aligned rows
+        split = (lambda a: (a[:, 0::2], a[:, 1::2])) if fmt == "fp4" else (lambda a: (a,))  # noqa: E731
+        z = _gate_up_triton(split(xs), plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt,
+                            limit=limit, cfg=config, interpret=interp, kn=kn)
+        y = _down_triton(split(z), plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt,
+                         interpret=interp, kn=kn)
+    elif backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab:
+        if fmt == "fp4" or kn or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError("moe_experts: the mgpu swap_ab kernels take bf16/f16 or FP8 weights in the "
+                             "[E, out, in] layout; use backend='triton' for FP4")
+        xt = jnp.take(x.astype(cdt), plan.row_token, axis=0).T                 # [D, P] tile-aligned columns
+        zt = _gate_up_mgpu_swap(xt, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
+                                cfg=config, interpret=interp)
+        yt = _down_mgpu_swap(zt, plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt, interpret=interp)
+        rows = jnp.take(yt, plan.dest.reshape(-1), axis=1).astype(jnp.float32).reshape(d, m, k)
+        return jnp.sum(rows, axis=2).T
+    elif backend == "mgpu":
+        if fmt != "dense" or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError("moe_experts: the mgpu backend takes dense bf16/f16 weights (FP8 with "
+                             "MgpuConfig(swap_ab=True)); use backend='triton' for FP4")
+        if not isinstance(config, MgpuConfig):
+            raise ValueError(f"moe_experts: backend 'mgpu' needs an MgpuConfig, got {type(config).__name__}")
+        rw = plan.row_weight if config.route_weight_in_kernel else jnp.ones_like(plan.row_weight)
+        xs = jnp.take(x.astype(cdt), plan.row_token, axis=0)              # [P, D] tile-aligned rows
+        z = _gate_up_mgpu(xs, rw, plan.tile_expert, w1, w3, limit=limit, cfg=config, interpret=interp, kn=kn)
+        y = _down_mgpu(z, plan.tile_expert, w2, cfg=config, out_dtype=cdt, interpret=interp, kn=kn)
+        if not config.route_weight_in_kernel:
+            post = weights.astype(jnp.float32)
+    else:
+        raise ValueError(f"moe_experts: unknown backend {backend!r}")
+    rows = jnp.take(y, plan.dest.reshape(-1), axis=0).astype(jnp.float32).reshape(m, k, d)
+    if post is not None:
+        rows = rows * post[:, :, None]
+    return jnp.sum(rows, axis=1)

@@ -1,10 +1,12 @@
 """Test-wide setup: CPU XLA with a cheaper backend optimisation level (compile time dominates the
-tiny models' tests; numerics are unchanged), and the location of the shared golden data."""
+tiny models' tests; numerics are unchanged), the `gpu` marker's skip, and the shared golden data."""
 
 import os
+import shutil
 from pathlib import Path
 
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+# CPU only (a GPU machine keeps XLA's normal optimisation, so GPU tests measure real code).
+if shutil.which("nvidia-smi") is None and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import pytest  # noqa: E402
@@ -18,3 +20,15 @@ def golden_dir():
     if not GOLDEN.is_dir():
         pytest.skip(f"golden data not found at {GOLDEN}")
     return GOLDEN
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests run only where jax sees a GPU."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

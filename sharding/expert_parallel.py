@@ -1,0 +1,306 @@
+"""Routed experts sharded over `ep` inside `shard_map` (DESIGN.md "Sharding by table").
+
+The router, the shared expert and everything else run under the compiler's sharding propagation;
+only the routed experts run in `shard_map` over the (dp, ep, tp) mesh, each ep shard holding
+E_slots / ep consecutive expert slots (w1, w3 [E_local, I/tp, D], w2 [E_local, D, I/tp]).
+
+Strategies (`EPConfig.strategy`):
+
+* "all_to_all": tokens stay split over (dp, ep). Each shard sends every (token, choice) row to the
+  shard owning its expert, the owners run their experts, results travel back and are combined with
+  the routing weights at the token's home. Transports (`EPConfig.transport`):
+    - "ragged":  `jax.lax.ragged_all_to_all` (only the routed rows move; GPU/TPU; XLA:CPU lacks it);
+    - "padded":  the same exchange with the same offsets, emulated by a dense `all_to_all` of
+                 per-peer chunks padded to the worst case (runs anywhere; tests the bookkeeping);
+    - "gather":  all-gather the tokens over ep, run the local experts on the rows routed to them,
+                 psum-scatter the results home (the CPU fallback);
+    - "auto":    "ragged" on GPU/TPU, "gather" elsewhere.
+  The receive buffer is sized for the worst case (every row of every peer to one shard), so no
+  token is ever dropped; a capacity factor is future work.
+* "replicate": replicate-and-reduce for small decode batches: every ep shard sees all tokens of
+  its dp group, runs its local experts on the rows routed to them, and a psum over ep adds the
+  partial results (one all-reduce, no dispatch bookkeeping).
+* "auto": "replicate" when the tokens per device are at most `replicate_max_tokens` (decode),
+  else "all_to_all" (prefill). The choice is made at trace time from static shapes and recorded:
+  `ExpertParallel.choose(m)` / `describe(m)`, and `generate(..., mesh=...)` puts it in its stats.
+
+With tp > 1 each tp shard computes a slice of the intermediate width and a psum over tp adds them.
+Per shard the experts run as grouped `ragged_dot`s (the reference's arithmetic), also when the config
+asks for the Pallas MoE kernel on one device: plugging the kernel in per shard is future work.
+Row-for-row the arithmetic equals `pallas_kernels.reference.moe_experts`; only the order in which the
+k choices (and ep / tp partial sums) are added differs (float32, ~1e-7 relative).
+
+Hook: `attach(model, mesh, config)` sets `MoE.expert_parallel` (a frozen, hashable ExpertParallel:
+part of the graphdef, so a different mesh or strategy retraces). `MoE.__call__` calls it instead of
+`reference.moe_experts` when it is set; unset, the single-device reference path runs unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from pallas_kernels import reference as ref
+
+from .placement import Placement, forced_balance_ids
+
+STRATEGIES = ("auto", "all_to_all", "replicate")
+TRANSPORTS = ("auto", "ragged", "padded", "gather")
+RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+    strategy: str = "auto"
+    transport: str = "auto"
+    replicate_max_tokens: int = 8  # "auto": replicate at <= this many tokens per device
+    force_balance: bool = False    # benchmark mode: routing replaced by forced_balance_ids
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"EPConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"EPConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How one MoE layer runs its routed experts (static; attached to the module)."""
+
+    mesh: Mesh | None
+    config: EPConfig = EPConfig()
+    placement: Placement | None = None
+    layer: int = -1
+    record: str | None = None  # key of a load recorder (see `recording`)
+
+    # ------------------------------------------------------------------ the choice
+    def choose(self, m: int) -> tuple[str, str, tuple[str, ...]]:
+        """Rows m -> (strategy, transport, mesh axes of the token rows) for this call."""
+        if self.mesh is None:
+            return "single", "none", ()
+        dp, ep = int(self.mesh.shape["dp"]), int(self.mesh.shape["ep"])
+        cfg = self.config
+        strategy = cfg.strategy
+        if strategy == "auto":
+            strategy = "replicate" if m <= cfg.replicate_max_tokens * dp * ep else "all_to_all"
+        if strategy == "all_to_all" and m % (dp * ep):
+            strategy = "replicate"  # rows cannot be split over dp x ep (e.g. one prompt on many devices)
+        if strategy == "replicate":
+            return strategy, "psum", (("dp",) if m % dp == 0 else ())
+        transport = cfg.transport
+        if transport == "auto":
+            platform = self.mesh.devices.flat[0].platform
+            transport = "ragged" if platform in RAGGED_PLATFORMS else "gather"
+        return strategy, transport, ("dp", "ep")
+
+    def describe(self, m: int) -> str:
+        strategy, transport, axes = self.choose(m)
+        if strategy in ("single", "replicate"):
+            return strategy
+        return f"{strategy}/{transport}"
+
+    # ------------------------------------------------------------------ the call
+    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
+                 w3: jax.Array, limit: float) -> jax.Array:
+        """Same contract as `reference.moe_experts`: x [M, D], ids/weights [M, k] -> [M, D] float32."""
+        m, k = ids.shape
+        if self.config.force_balance:
+            ids = forced_balance_ids(m, k, w1.shape[0])
+        if self.record is not None:
+            jax.debug.callback(_record_load, self.record, self.layer, w1.shape[0], ids)
+        if self.placement is not None and not self.placement.is_identity:
+            ids = self.placement.slot_ids(ids)
+            slots = jnp.asarray(self.placement.slot_to_expert, jnp.int32)
+            w1, w2, w3 = (jnp.take(w, slots, axis=0) for w in (w1, w2, w3))
+        if self.mesh is None:
+            return ref.moe_experts(x, ids, weights, w1, w2, w3, limit)
+        strategy, transport, tok_axes = self.choose(m)
+        tok = P(tok_axes if tok_axes else None)
+        w13, w2s = P("ep", "tp", None), P("ep", None, "tp")
+        if strategy == "replicate":
+            body = _replicate_body
+        elif transport == "gather":
+            body = _gather_body
+        else:
+            body = _dispatch_body
+        fn = jax.shard_map(lambda *a: body(*a, limit=limit, transport=transport), mesh=self.mesh,
+                           in_specs=(tok, tok, tok, w13, w2s, w13), out_specs=tok)
+        return fn(x, ids.astype(jnp.int32), weights.astype(jnp.float32), w1, w2, w3)
+
+
+# ----------------------------------------------------------------------------- per-shard bodies
+
+def _local_experts(rows, slot, wts, valid, w1, w2, w3, limit):
+    """Rows [N, D] for this shard's expert slots `slot` [N] (local ids), weights [N], valid [N] ->
+    [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid). Rows sorted by slot,
+    grouped matmuls as in the reference (slots without rows cost nothing)."""
+    n_local = w1.shape[0]
+    key = jnp.where(valid, slot, n_local)
+    order = jnp.argsort(key, stable=True)
+    xs = jnp.take(rows, order, axis=0).astype(w1.dtype)
+    sizes = jnp.bincount(key, length=n_local).astype(jnp.int32)  # invalid rows (key = n_local) dropped
+    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), sizes, preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), sizes, preferred_element_type=jnp.float32)
+    z = ref.clamped_swiglu(gate, up, limit) * jnp.take(wts, order)[:, None]
+    y = jax.lax.ragged_dot(z.astype(w2.dtype), jnp.swapaxes(w2, 1, 2), sizes, preferred_element_type=jnp.float32)
+    y = jnp.where(jnp.take(valid, order)[:, None], y, 0.0)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def _experts_for_all(x, ids, wts, w1, w2, w3, limit):
+    """Every token [M, D] x its k choices against this shard's slots -> partial [M, D] float32."""
+    m, k = ids.shape
+    n_local = w1.shape[0]
+    slot = ids - jax.lax.axis_index("ep") * n_local
+    valid = (slot >= 0) & (slot < n_local)
+    rows = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[-1])).reshape(m * k, -1)
+    y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, limit)
+    return jnp.sum(y.reshape(m, k, -1), axis=1)
+
+
+def _replicate_body(x, ids, wts, w1, w2, w3, *, limit, transport):
+    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, limit), ("ep", "tp"))
+
+
+def _gather_body(x, ids, wts, w1, w2, w3, *, limit, transport):
+    xg, ig, wg = (jax.lax.all_gather(a, "ep", tiled=True) for a in (x, ids, wts))
+    y = _experts_for_all(xg, ig, wg, w1, w2, w3, limit)
+    return jax.lax.psum(jax.lax.psum_scatter(y, "ep", scatter_dimension=0, tiled=True), "tp")
+
+
+def _exclusive_cumsum(a, axis=0):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _dispatch_body(x, ids, wts, w1, w2, w3, *, limit, transport):
+    """all-to-all dispatch -> local experts -> all-to-all combine, for this shard's [M_l] tokens."""
+    a2a = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_all_to_all_padded
+    m, k = ids.shape
+    n = m * k
+    ep = jax.lax.axis_size("ep")
+    me = jax.lax.axis_index("ep")
+    n_local = w1.shape[0]
+    slot = ids.reshape(-1)
+    dest = slot // n_local
+    order = jnp.argsort(dest, stable=True)  # rows grouped by destination shard
+    send_rows = jnp.take(x, order // k, axis=0)
+    send_slot = jnp.take(slot, order)
+    send_w = jnp.take(wts.reshape(-1), order)
+    send_sizes = jnp.bincount(dest, length=ep).astype(jnp.int32)
+    sizes = jax.lax.all_gather(send_sizes, "ep")  # [ep, ep]: sizes[i, j] rows from shard i to shard j
+    in_off = _exclusive_cumsum(send_sizes)
+    out_off = _exclusive_cumsum(sizes, axis=0)[me]  # where my rows land in each receiver's buffer
+    recv_sizes = sizes[:, me]
+    cap = ep * n  # worst case: every peer routes every row here
+    args = dict(input_offsets=in_off, send_sizes=send_sizes, output_offsets=out_off, recv_sizes=recv_sizes)
+    recv_rows = a2a(send_rows, jnp.zeros((cap, x.shape[-1]), x.dtype), axis_name="ep", **args)
+    recv_slot = a2a(send_slot, jnp.full((cap,), -1, jnp.int32), axis_name="ep", **args)
+    recv_w = a2a(send_w, jnp.zeros((cap,), jnp.float32), axis_name="ep", **args)
+    valid = jnp.arange(cap) < jnp.sum(recv_sizes)
+    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, limit)
+    # back: the rows from shard i sit contiguously at sum_{i'<i} recv_sizes[i'] of my buffer
+    back = a2a(y, jnp.zeros((n, y.shape[-1]), y.dtype), axis_name="ep",
+               input_offsets=_exclusive_cumsum(recv_sizes), send_sizes=recv_sizes,
+               output_offsets=_exclusive_cumsum(sizes, axis=1)[:, me], recv_sizes=send_sizes)
+    pairs = jnp.zeros_like(back).at[order].set(back)
+    return jax.lax.psum(jnp.sum(pairs.reshape(m, k, -1), axis=1), "tp")
+
+
+def _ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                              axis_name):
+    """`jax.lax.ragged_all_to_all` semantics from a dense `all_to_all`: each peer's chunk is padded
+    to the operand's length, exchanged, then scattered at the sender's output offset."""
+    ep = jax.lax.axis_size(axis_name)
+    n = operand.shape[0]
+    r = jnp.arange(n, dtype=jnp.int32)
+    src = jnp.clip(input_offsets[:, None] + r[None, :], 0, n - 1)  # [ep, n]
+    chunks = jnp.take(operand, src.reshape(-1), axis=0)  # [ep * n, ...]
+    recv = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # recv[i*n:(i+1)*n] from peer i
+    their_off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # peer i's offset for me
+    dst = their_off[:, None] + r[None, :]
+    dst = jnp.where(r[None, :] < recv_sizes[:, None], dst, output.shape[0])  # padding -> dropped
+    return output.at[dst.reshape(-1)].set(recv, mode="drop")
+
+
+# ----------------------------------------------------------------------------- attaching to a model
+
+def _moe_modules(model):
+    from model.moe import MoE
+
+    num_layers = model.config.num_layers
+    for path, mod in nnx.iter_graph(model):
+        if isinstance(mod, MoE):
+            names = [str(p) for p in path]
+            layer = -1
+            if len(names) >= 2 and names[0] == "layers":
+                layer = int(names[1])
+            elif len(names) >= 2 and names[0] == "mtp":
+                layer = num_layers + int(names[1])
+            yield layer, mod
+
+
+def attach(model, mesh: Mesh | None, config: EPConfig | None = None, placements=None,
+           record: str | None = None):
+    """Set every MoE layer's `expert_parallel` (in place; returns the model).
+
+    placements: None, one Placement for every layer, or {layer index: Placement}.
+    mesh=None with a placement / force_balance / record runs the experts on one device.
+    """
+    config = config or EPConfig()
+    ep = 1 if mesh is None else int(mesh.shape["ep"])
+    for layer, mod in _moe_modules(model):
+        n = int(mod.experts.w1.shape[0])  # per layer: V4.1 draft layers have their own expert count
+        placement = placements.get(layer) if isinstance(placements, dict) else placements
+        if placement is not None:
+            placement.validate(ep)
+            if placement.num_experts != n:
+                raise ValueError(f"placement for layer {layer} has {placement.num_experts} experts, "
+                                 f"the layer has {n}")
+        elif mesh is not None and n % ep:
+            raise ValueError(f"layer {layer}: {n} routed experts are not divisible by ep={ep}")
+        mod.expert_parallel = ExpertParallel(mesh, config, placement, layer, record)
+    return model
+
+
+def detach(model):
+    """Back to the single-device reference path (in place)."""
+    for _, mod in _moe_modules(model):
+        mod.expert_parallel = None
+    return model
+
+
+def plan_of(model) -> ExpertParallel | None:
+    """The ExpertParallel of the first MoE layer (None if none is attached)."""
+    for _, mod in _moe_modules(model):
+        return getattr(mod, "expert_parallel", None)
+    return None
+
+
+# ----------------------------------------------------------------------------- load recording
+
+_LOADS: dict[str, dict[int, np.ndarray]] = {}
+_LOCK = threading.Lock()
+
+
+def _record_load(key, layer, num_experts, ids):
+    counts = np.bincount(np.asarray(ids).reshape(-1), minlength=int(num_experts))
+    with _LOCK:
+        table = _LOADS.setdefault(str(key), {})
+        table[int(layer)] = table.get(int(layer), 0) + counts
+
+
+def recorded_load(key: str, clear: bool = False) -> dict[int, np.ndarray]:
+    """{layer: per-expert token counts [E]} accumulated by models attached with record=key
+    (counts logical experts, before placement). Padding rows of a chunk are counted too."""
+    with _LOCK:
+        out = {layer: np.array(v) for layer, v in _LOADS.get(key, {}).items()}
+        if clear:
+            _LOADS.pop(key, None)
+    return out
+

@@ -1,0 +1,161 @@
+"""Subprocess side of tests/test_sharding.py: runs with simulated CPU devices (the device count must
+be set before jax is imported, so the pytest process, which has one device, launches this).
+
+    python tests/sharding_worker.py meshes OUT.json            # 8 devices: meshes x EP variants
+    python tests/sharding_worker.py generations OUT.json       # 8 devices: greedy generate on every mesh
+    python tests/sharding_worker.py multihost OUT PORT PID CKPT  # one of 2 processes x 4 devices
+
+Results go to OUT as JSON (or .npy logits) for the test to check; this file asserts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def small_config(preset: str):
+    """The tiny presets cut to their essentials (compile time dominates on CPU): V4 with one hash
+    SWA, one CSA and one HCA layer; V4.1 without its DSpark draft layers."""
+    from model import ModelConfig
+
+    cfg = ModelConfig.preset(preset)
+    if preset == "tiny-v4":
+        return cfg.replace(num_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1, num_mtp_layers=0)
+    return cfg.replace(num_mtp_layers=0, compress_ratios=cfg.compress_ratios[:cfg.num_layers])
+
+
+def inputs(cfg):
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(3, cfg.vocab_size - 2, (8, 12))
+    prompts = [rng.integers(3, cfg.vocab_size - 2, n).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6)]
+    return tokens, prompts
+
+
+def rel_err(a, b) -> float:
+    import numpy as np
+
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+def run_meshes(out_path: str, full: bool = False) -> None:
+    """Logits on every mesh and EP variant (both generations), greedy generation on dp=2 x ep=4 (V4);
+    `full`: greedy generation on dp=8, dp=2 x ep=4 and ep=8 for both generations instead (slow)."""
+    import jax
+    import numpy as np
+
+    from model import init_random
+    from model.checkpoint import load_checkpoint, save_safetensors
+    from sampling import generate
+    from sharding import EPConfig, ParallelConfig, rebalance, shard_batch, shard_model, to_host
+    from sharding.expert_parallel import plan_of
+
+    assert jax.device_count() == 8, jax.devices()
+    results: dict = {"cases": [], "timings": {}}
+    new_tokens = 4
+
+    def forward(model, mesh, tokens):
+        with jax.set_mesh(mesh):
+            return to_host(model(shard_batch(tokens, mesh)))
+
+    for preset in ("tiny-v4", "tiny-v41"):
+        t0 = time.perf_counter()
+        cfg = small_config(preset)
+        model = init_random(cfg, seed=0, dtype="float32")
+        tokens, prompts = inputs(cfg)
+        ref_logits = None if full else np.asarray(model(tokens))
+        ref_tokens = generate(model, prompts, max_new_tokens=new_tokens).tokens if full or preset == "tiny-v4" else None
+        results["timings"][f"{preset} single device"] = time.perf_counter() - t0
+
+        def case(name, mesh, model_s, logits=True, gen=False, **extra):
+            t = time.perf_counter()
+            rec = {"preset": preset, "case": name, "mesh": dict(mesh.shape), **extra}
+            if logits:
+                rec["logits_rel_err"] = rel_err(forward(model_s, mesh, tokens), ref_logits)
+            if gen:
+                out = generate(model_s, prompts, max_new_tokens=new_tokens, mesh=mesh)
+                rec["tokens_equal"] = bool(np.array_equal(out.tokens, ref_tokens))
+                rec["ep_record"] = out.stats["parallel"]["expert_parallel"]
+            plan = plan_of(model_s)
+            rec["strategy"] = plan.describe(tokens.size)
+            rec["seconds"] = time.perf_counter() - t
+            results["cases"].append(rec)
+
+        if full:
+            for dp, ep, tp in [(8, 1, 1), (2, 4, 1), (1, 8, 1)]:
+                mesh = ParallelConfig(dp, ep, tp).make_mesh()
+                case("auto", mesh, shard_model(model, mesh), logits=False, gen=True)
+            results["timings"][preset] = time.perf_counter() - t0
+            continue
+        layouts = [(2, 4, 1), (1, 8, 1)] + ([(8, 1, 1), (4, 2, 1), (2, 2, 2)] if preset == "tiny-v4" else [])
+        for dp, ep, tp in layouts:
+            mesh = ParallelConfig(dp, ep, tp).make_mesh()
+            # default EPConfig: forward (12 tokens/device) all_to_all; generate: prefill all_to_all, decode replicate
+            case("auto", mesh, shard_model(model, mesh), gen=(preset == "tiny-v4" and (dp, ep) == (2, 4)))
+        if preset == "tiny-v4":  # the EP variants (gather is the default above) and born-sharded models
+            mesh = ParallelConfig(2, 4, 1).make_mesh()
+            case("all_to_all/padded", mesh, shard_model(model, mesh, EPConfig("all_to_all", "padded")))
+            case("replicate", mesh, shard_model(model, mesh, EPConfig("replicate")))
+            # born sharded: init_random(mesh=) and load_checkpoint(mesh=) give the same numbers
+            case("init_random(mesh)", mesh, init_random(cfg, seed=0, dtype="float32", mesh=mesh))
+            with tempfile.TemporaryDirectory() as d:
+                save_safetensors(model, d)
+                case("load_checkpoint(mesh)", mesh, load_checkpoint(d, dtype="float32", mesh=mesh))
+            # redundant experts + rebalancing from a skewed load: placement changes, results do not
+            mesh8 = ParallelConfig(1, 8, 1).make_mesh()
+            load = np.arange(1, cfg.n_routed_experts + 1) ** 2
+            placement = rebalance(load, ep=8, num_redundant=8)
+            case("redundant+rebalanced", mesh8, shard_model(model, mesh8, EPConfig("all_to_all", "padded"),
+                                                            placements=placement),
+                 slot_to_expert=list(placement.slot_to_expert))
+        results["timings"][preset] = time.perf_counter() - t0
+    Path(out_path).write_text(json.dumps(results, indent=1))
+
+
+def run_multihost(out_prefix: str, port: str, pid: str, checkpoint: str) -> None:
+    """One of two processes: join the job, load the checkpoint onto an ep=8 mesh spanning both
+    (each process reads only its own experts), run a forward (expert all-to-all across processes)."""
+    from sharding import initialize_multihost
+
+    initialize_multihost(f"localhost:{port}", 2, int(pid), timeout_s=60)
+    import jax
+    import numpy as np
+
+    from model.checkpoint import load_checkpoint
+    from sharding import ParallelConfig, shard_batch, to_host
+    from sharding.apply import local_experts
+
+    assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.devices())
+    mesh = ParallelConfig(ep=8).make_mesh()
+    model = load_checkpoint(checkpoint, dtype="float32", mesh=mesh)
+    tokens, _ = inputs(model.config)
+    with jax.set_mesh(mesh):
+        logits = to_host(model(shard_batch(tokens, mesh)))
+    np.save(f"{out_prefix}.{pid}.npy", logits)
+    Path(f"{out_prefix}.{pid}.json").write_text(json.dumps(
+        {"local_experts": sorted(local_experts(model.config.n_routed_experts, mesh)),
+         "local_devices": len(jax.local_devices())}))
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    devices = 4 if mode == "multihost" else 8
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    # compile time dominates these tiny runs (3x less without XLA's optimisation passes); the
+    # single-device references are computed in the same process with the same setting
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    if mode in ("meshes", "generations"):
+        run_meshes(sys.argv[2], full=mode == "generations")
+    else:
+        run_multihost(*sys.argv[2:6])

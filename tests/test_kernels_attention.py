@@ -364,13 +364,15 @@ def test_gpu_indexer_real_width(t, fp8):
 @pytest.mark.gpu
 @gpu_only
 def test_gpu_model_real_width_layer():
-    """One V4-Flash-width CSA layer stack (bf16): pallas vs reference logits on the GPU."""
+    """V4-Flash-width CSA + HCA layers: pallas vs reference logits on the GPU, in float32 (in bf16 the two
+    paths' rounding flips MoE routing decisions, 2.7% apart on the H200, which says nothing about the
+    kernel; the kernel-level bf16 tests above hold the 1e-2 bar)."""
     from model import ModelConfig, init_random
 
     base = ModelConfig.preset("v4-flash")
     cfg = dataclasses.replace(base, num_layers=2, compress_ratios=(4, 128, 0), n_routed_experts=8,
                               num_hash_layers=0, vocab_size=1024, name="v4-flash-2l")
     tokens = np.random.default_rng(fresh_seed()).integers(2, cfg.vocab_size, (2, 300))
-    expect = np.asarray(init_random(cfg, seed=1, dtype="bfloat16")(tokens))
-    out = np.asarray(init_random(dataclasses.replace(cfg, attention_impl="pallas"), seed=1, dtype="bfloat16")(tokens))
-    assert rel_err(out, expect) < 2e-2
+    expect = np.asarray(init_random(cfg, seed=1, dtype="float32")(tokens))
+    out = np.asarray(init_random(dataclasses.replace(cfg, attention_impl="pallas"), seed=1, dtype="float32")(tokens))
+    assert rel_err(out, expect) < 1e-4

@@ -3,30 +3,18 @@ prefill logits, one-shot logits, MTP logits, teacher-forced decode and greedy to
 
 from __future__ import annotations
 
-import json
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.cache import allocate
-from model.checkpoint import load_checkpoint
-from model.transformer import decode, prefill
 from sampling import generate
 
-
-def rel_err(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+from common import load_golden, rel_err, teacher_forced_decode
 
 
 @pytest.fixture(scope="module")
 def golden(golden_dir):
-    from safetensors.numpy import load_file
-
-    d = golden_dir / "v4"
-    inputs = json.loads((d / "inputs.json").read_text())
-    return (load_checkpoint(d, dtype="float32"), np.asarray(inputs["prompts"]), np.asarray(inputs["continuation"]),
-            load_file(d / "outputs.safetensors"))
+    return load_golden(golden_dir, "v4")
 
 
 def test_prefill_and_one_shot_logits(golden):
@@ -46,14 +34,8 @@ def test_mtp_logits(golden):
 def test_teacher_forced_decode(golden):
     """Prefill 42 tokens (partial compression groups left open), then 8 single-token decodes."""
     model, prompts, cont, out = golden
-    b, s = prompts.shape
-    cache = allocate(model.config, b, 64, jnp.float32)
-    _, cache = prefill(model, cache, prompts, np.full(b, s))
-    steps = []
-    for i in range(8):
-        logits, cache = decode(model, cache, cont[:, i])
-        steps.append(np.asarray(logits))
-    assert rel_err(np.stack(steps, 1), out["decode_logits"]) < 1e-4
+    steps = teacher_forced_decode(model, prompts, cont)
+    assert rel_err(steps, out["decode_logits"]) < 1e-4
 
 
 def test_greedy_tokens(golden):

@@ -4,31 +4,20 @@ the debug captures exactly (Engram hash ids, indexer top-k per index source, can
 
 from __future__ import annotations
 
-import json
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from model.cache import allocate
 from model.checkpoint import load_checkpoint
-from model.transformer import decode, prefill
 from sampling import generate
 
-
-def rel_err(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+from common import load_golden, rel_err, teacher_forced_decode
 
 
 @pytest.fixture(scope="module")
 def golden(golden_dir):
-    from safetensors.numpy import load_file
-
-    d = golden_dir / "v41"
-    inputs = json.loads((d / "inputs.json").read_text())
-    return (load_checkpoint(d, dtype="float32"), np.asarray(inputs["prompts"]), np.asarray(inputs["continuation"]),
-            load_file(d / "outputs.safetensors"))
+    return load_golden(golden_dir, "v41")
 
 
 @nnx.jit
@@ -62,14 +51,7 @@ def test_teacher_forced_decode(golden):
     """Prefill 41 tokens (an open ratio-2 group), then 8 decodes; matches `decode_logits` (the spec's
     behaviour, patch P3 of the golden README), not `decode_logits_upstream_indexk`."""
     model, prompts, cont, out = golden
-    b, s = prompts.shape
-    cache = allocate(model.config, b, 64, jnp.float32)
-    _, cache = prefill(model, cache, prompts, np.full(b, s))
-    steps = []
-    for i in range(8):
-        logits, cache = decode(model, cache, cont[:, i])
-        steps.append(np.asarray(logits))
-    steps = np.stack(steps, 1)
+    steps = teacher_forced_decode(model, prompts, cont)
     assert rel_err(steps, out["decode_logits"]) < 1e-4
     assert rel_err(steps, out["decode_logits_upstream_indexk"]) > 1e-3
 

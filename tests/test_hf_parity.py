@@ -21,12 +21,11 @@ from model.checkpoint import load_checkpoint  # noqa: E402
 from model.mhc import hc_coefficients  # noqa: E402
 from sampling import generate  # noqa: E402
 
+from common import rel_err  # noqa: E402
+
 # Our tiny-v4 layer pattern: SWA, SWA (both hash-routed), CSA, HCA, CSA, HCA.
 RATIOS = (0, 0, 4, 16, 4, 16, 0)
 
-
-def rel_err(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ from model import ModelConfig, init_random
 from model.cache import allocate, memory_estimate
 from model.transformer import decode, prefill
 
+from common import rel_err
+
 WIDTH = 40  # padded chunk width shared by every prefill call below
 TOTAL = 48
 
-
-def rel_err(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
 @pytest.fixture(scope="module", params=["tiny-v4", "tiny-v41"])

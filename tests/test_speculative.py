@@ -7,8 +7,6 @@ Small configs keep CPU compile time down: 3-layer V4 (SWA, CSA, HCA + MTP) and 4
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,9 +17,10 @@ from scipy import stats as scipy_stats
 from model import ModelConfig, init_random
 from model import draft as D
 from model.cache import allocate
-from model.checkpoint import load_checkpoint
 from sampling import generate
 from sampling.generate import _TRACES
+
+from common import load_golden, rel_err
 
 V4_SMALL = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
                                                  name="v4-small")
@@ -29,10 +28,6 @@ V41_SMALL = ModelConfig.preset("tiny-v41").replace(
     num_layers=4, compress_ratios=(0, 2, 1, 1, 0, 0, 0), kv_source_layer_ids=(1, 2), index_source_layer_ids=(1, 2, 3),
     candidate_source_layer_id=2, engram_layer_ids=(1,), dspark_target_layer_ids=(1, 2, 3), name="v41-small")
 PROMPTS = [list(range(3, 20)), list(range(30, 41))]
-
-
-def rel_err(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
 @nnx.jit
@@ -44,13 +39,8 @@ def _step(model, tokens, cache, n_new):
 # ----------------------------------------------------------------------------- official reference
 
 def test_mtp_against_golden(golden_dir):
-    from safetensors.numpy import load_file
-
-    d = golden_dir / "v4"
-    model = load_checkpoint(d, dtype="float32")
-    inp = json.loads((d / "inputs.json").read_text())
-    out = load_file(d / "outputs.safetensors")
-    toks, cont = jnp.asarray(inp["prompts"]), jnp.asarray(inp["continuation"])
+    model, toks, cont, out = load_golden(golden_dir, "v4")
+    toks, cont = jnp.asarray(toks), jnp.asarray(cont)
     b, s = toks.shape
     cache, dc = allocate(model.config, b, 64, jnp.float32), D.allocate_draft(model, b, 64)
     commit = nnx.jit(D.mtp_commit)
@@ -69,13 +59,8 @@ def test_mtp_against_golden(golden_dir):
 def test_dspark_against_golden(golden_dir):
     """The golden driving convention: after decode step i at p, commit context key p, then draft the
     block [continuation[i+1], noise x3] at positions p+1..p+4 (greedy Markov chain)."""
-    from safetensors.numpy import load_file
-
-    d = golden_dir / "v41"
-    model = load_checkpoint(d, dtype="float32")
-    inp = json.loads((d / "inputs.json").read_text())
-    out = load_file(d / "outputs.safetensors")
-    toks, cont = jnp.asarray(inp["prompts"]), jnp.asarray(inp["continuation"])
+    model, toks, cont, out = load_golden(golden_dir, "v41")
+    toks, cont = jnp.asarray(toks), jnp.asarray(cont)
     b, s = toks.shape
     cache, dc = allocate(model.config, b, 64, jnp.float32), D.allocate_draft(model, b, 64)
     commit = nnx.jit(D.dspark_commit)

@@ -1,0 +1,1113 @@
+"""End-to-end step benchmark: prefill and decode of the whole model in DeepInfer's benchmark mode and in
+realistic mode (issue 10 item 2; BENCHMARKS.md sections 3-5).
+
+    python -m experiments.bench --quick                                   # CPU smoke run (tiny-v4)
+    python -m experiments.bench --preset v4-flash-4l --dtype bfloat16 --moe-impl pallas \\
+        --attention-impl pallas --mode both --phase decode --batch 8,64,256 --context 32768
+    python -m experiments.bench --phase prefill --batch 1,2,4 --context 126976 --new-tokens 4096
+
+Modes
+  deepinfer  Routing forced to perfect balance (every expert gets equal load: token row i's choice j goes
+             to expert (i k + j) mod E, `sharding.placement.forced_balance_ids`); one random prompt whose
+             cached prefix is filled once and forked across the batch; decode verifies a fixed
+             `--num-draft` (3) drafts per step and converts at an assumed 3.25 accepted tokens per step:
+             tokens/s = requests x 3.25 / step time. The timed decode step is the target's verify step
+             (`--step verify`, the default here) or the whole speculative iteration (`--step spec`).
+  realistic  The router's own choices; distinct prompts (a distinct cached prefix per sequence); decode
+             runs the whole speculative iteration (`sampling.speculative.spec_step`: verify, accept,
+             roll back, commit and propose with the model's drafter, MTP-1 on V4 / DSpark on V4.1)
+             and measures acceptance: tokens/s = sum over sequences of (1 + accepted drafts) / step time.
+             Every step is timed and recorded. With random weights the drafter rarely agrees with the
+             target (acceptance ~ 0); `--checkpoint` loads a trained model (e.g. experiments/train_drafter).
+
+Phases
+  prefill  `batch` sequences each append `--new-tokens` rows after `--context` cached positions (tokens per
+           step = batch x new_tokens; DeepInfer's 128K contexts with 4K new tokens: --context 126976
+           --new-tokens 4096). After each timed step the cache lengths go back to `context`, so every step
+           does the same work.
+  decode   `batch` sequences with `--context` cached positions verify 1 + num_draft rows each. In deepinfer
+           mode the cache then keeps num_draft positions (about the assumed 3.25 accepted tokens), so the
+           context grows by num_draft per step; in realistic mode it keeps 1 + accepted.
+
+Synthetic context (the default): the cache stores (SWA rings, compressed-entry stores, indexer keys, the
+compressors' projection rings, the drafter's rings) are filled with random values and `lengths` set to the
+context, instead of prefilling up to 128K tokens: attention / indexer work and bytes are the same as after a
+real prefill, the values are random. `--real-prefill` prefills real random prompts instead (small
+contexts; deepinfer prefills one prompt and forks its cache).
+
+Timing (BENCHMARKS.md 5): random weights, tokens and caches (never zeros); every step function is compiled
+ahead of time (compile time reported separately), run `--warmup` times, then `--repeats` timed calls, each
+ended by `jax.block_until_ready`; medians (and p10/p90) over the timed calls. Every record carries the
+roofline of its step (experiments/roofline.py: per-device bytes / FLOPs floor on the H200 ceilings) and the
+achieved fraction floor / median; prefill also MFU. Before building anything the GPU memory (weights +
+cache + a rough activation estimate) is checked against the device and configurations that do not fit are
+refused with a message (status "refused").
+
+Output: one JSON record per configuration (command line, git revision, device, jax version, shapes,
+dtype, warm-up and repeat counts, medians, compile times, roofline) in
+experiments/results/bench_<stamp>_<backend>.json plus a markdown table (.md); both are rewritten after every
+configuration (a run cut short keeps what it finished) and copied to $OUT when that is set.
+
+Forced balance on one device: `sharding.expert_parallel.attach(model, None, EPConfig(force_balance=True))`
+would force the balance but always runs the reference MoE (it ignores `moe_impl="pallas"`), so this script
+sets the MoE modules' `expert_parallel` hook (the attribute `attach` sets, read by `model.moe.MoE.__call__`)
+to `ForcedBalanceExperts`, which replaces the ids and then calls the configured implementation. On a mesh
+it uses `attach(..., EPConfig(force_balance=True))`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MODES = ("deepinfer", "realistic")
+PHASES = ("prefill", "decode")
+STEPS = ("verify", "spec")
+DEEPINFER_ACCEPTED = 3.25
+HOST_FILL_BYTES = 64 << 20  # synthetic caches up to this size are filled by numpy (no compilation)
+MEMORY_HEADROOM = 0.92  # refuse above this fraction of the device memory (XLA workspace, fragmentation)
+
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+# ----------------------------------------------------------------------------------------------- progress
+
+class Progress:
+    """One status line on stderr: rewritten in place on a terminal, a line every few seconds otherwise."""
+
+    def __init__(self, stream=None, every_s: float = 5.0, quiet: bool = False):
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every_s, self.quiet = every_s, quiet
+        self._last = 0.0
+        self._open = False
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> str:
+        return f"{time.perf_counter() - self.t0:7.1f}s"
+
+    def log(self, msg: str) -> None:
+        if self.quiet:
+            return
+        self._end_line()
+        print(f"[bench {self.elapsed()}] {msg}", file=self.stream, flush=True)
+
+    def update(self, label: str, i: int, n: int, times_ms: list[float]) -> None:
+        if self.quiet:
+            return
+        now = time.perf_counter()
+        done = i >= n
+        if not self.tty and not done and now - self._last < self.every_s:
+            return
+        self._last = now
+        med = f"median {statistics.median(times_ms):.3f} ms" if times_ms else ""
+        eta = ""
+        if times_ms and not done:
+            eta = f", ~{statistics.median(times_ms) * (n - i) / 1e3:.1f}s left"
+        bar = "#" * int(20 * i / max(n, 1))
+        line = f"[bench {self.elapsed()}] {label} [{bar:<20}] {i}/{n} {med}{eta}"
+        if self.tty:
+            print("\r" + line + " " * 4, end="", file=self.stream, flush=True)
+            self._open = not done
+            if done:
+                print(file=self.stream, flush=True)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def _end_line(self):
+        if self._open:
+            print(file=self.stream, flush=True)
+            self._open = False
+
+
+# ----------------------------------------------------------------------------------------------- the points
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One configuration: phase, mode and shapes (batch = global sequences)."""
+
+    phase: str
+    mode: str
+    batch: int
+    context: int
+    new_tokens: int = 4096  # prefill rows per sequence (decode: ignored, 1 + num_draft rows)
+    num_draft: int = 3
+    step: str = ""  # decode: "verify" | "spec" ("" = the mode's default)
+    replay: bool = False  # [V4.1] decoder-side bounded replay in prefill
+    mesh: tuple = (1, 1, 1)
+
+    def __post_init__(self):
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.step not in ("",) + STEPS:
+            raise ValueError(f"step must be one of {STEPS}, got {self.step!r}")
+        if self.batch < 1 or self.context < 0 or self.new_tokens < 1 or self.num_draft < 0:
+            raise ValueError(f"need batch >= 1, context >= 0, new_tokens >= 1, num_draft >= 0: {self}")
+
+    @property
+    def kind(self) -> str:
+        """The timed step: "prefill", "verify" or "spec"."""
+        if self.phase == "prefill":
+            return "prefill"
+        if self.step:
+            return self.step
+        return "verify" if self.mode == "deepinfer" else "spec"
+
+    @property
+    def rows(self) -> int:
+        """New rows per sequence in the timed step."""
+        return self.new_tokens if self.phase == "prefill" else 1 + self.num_draft
+
+    def label(self) -> str:
+        m = "x".join(str(x) for x in self.mesh)
+        extra = f" new={self.new_tokens}" if self.phase == "prefill" else f" k={self.num_draft} {self.kind}"
+        return (f"{self.phase} {self.mode} b={self.batch} ctx={self.context}{extra}"
+                f"{' replay' if self.replay else ''} mesh={m}")
+
+    def key(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["step"] = self.kind
+        d["mesh"] = list(self.mesh)
+        if self.phase == "prefill":
+            d["num_draft"] = 0
+        else:
+            d["new_tokens"] = 1 + self.num_draft
+        return d
+
+
+# ----------------------------------------------------------------------------------------------- environment
+
+def git(*args) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(command: str) -> dict:
+    import flax
+    import jax
+
+    dev = jax.devices()[0]
+    # a copy of the tree without .git (e.g. on the GPU machine): JAXINFER_GIT_REVISION names the revision
+    rev = git("rev-parse", "HEAD") or os.environ.get("JAXINFER_GIT_REVISION")
+    dirty = bool(git("status", "--porcelain")) if git("rev-parse", "HEAD") else None
+    return {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": command,
+            "git_revision": rev, "git_dirty": dirty,
+            "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+            "device_count": jax.device_count(), "jax": jax.__version__, "flax": flax.__version__,
+            "python": sys.version.split()[0]}
+
+
+def command_line(argv, module: str = "experiments.bench") -> str:
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python", "-m", module, *args])
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None = None,
+                   attention_impl: str | None = None):
+    from model import ModelConfig
+
+    from .roofline import scale_layers
+
+    cfg = ModelConfig.preset(preset)
+    if layers:
+        cfg = scale_layers(cfg, layers)
+    changes = {k: v for k, v in (("moe_impl", moe_impl), ("attention_impl", attention_impl)) if v}
+    return cfg.replace(**changes) if changes else cfg
+
+
+def weight_format(dtype: str) -> str:
+    """The roofline's weight format for a model dtype (float32 models are costed as bf16, noted)."""
+    return "bf16"
+
+
+def spec_kind(cfg) -> str:
+    return "mtp" if cfg.generation == "v4" else "dspark"
+
+
+def cache_len(cfg, p: Point, warmup: int, repeats: int, tail: int) -> tuple[int, int]:
+    """(max_len of the cache rounded up to 64 and capped at the model's context, positions the run needs)."""
+    if p.phase == "prefill":
+        need = p.context + p.new_tokens
+    elif p.kind == "verify":
+        need = p.context + (warmup + repeats) * p.num_draft + p.rows
+    else:
+        need = p.context + (warmup + repeats + 1) * p.rows
+    return int(min(-(-need // 64) * 64, cfg.max_position_embeddings)), need
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+def device_capacity() -> tuple[float, str]:
+    """Bytes one device can hold (jax's allocator limit; host RAM on CPU)."""
+    import jax
+
+    dev = jax.devices()[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend has memory stats
+        stats = {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"{getattr(dev, 'device_kind', dev.platform)} allocator limit"
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().total), "host RAM"
+    except ImportError:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "host RAM"
+
+
+_WEIGHT_BYTES: dict = {}
+
+
+def weight_bytes_per_device(cfg, dtype: str, mesh: tuple) -> float:
+    """Resident parameter bytes per device under the sharding table (drafter included: the model holds it)."""
+    key = (cfg, dtype, tuple(mesh))
+    if key not in _WEIGHT_BYTES:
+        from sharding.apply import memory_per_device
+
+        dp, ep, tp = mesh
+        _WEIGHT_BYTES[key] = float(memory_per_device(cfg, dp, ep, tp, 1, 64, dtype)["params"])
+    return _WEIGHT_BYTES[key]
+
+
+def estimate_memory(cfg, dtype: str, p: Point, max_len: int, capacity: float | None = None) -> dict:
+    """Per-device bytes: weights + cache (+ drafter's rings) + a rough activation peak of one step.
+
+    Activations (one layer at a time, XLA frees between layers): residual streams, queries, the MoE's
+    routed rows, logits; with `attention_impl="reference"` also the dense [B, H, T, keys] score matrix and
+    the indexer's [B, T, HI, N] scores, which is what makes the reference path unusable at long contexts.
+    """
+    import jax.numpy as jnp
+
+    from model.cache import memory_estimate
+
+    dp, ep, tp = p.mesh
+    item = jnp.dtype(dtype).itemsize
+    seqs = math.ceil(p.batch / (dp * ep))
+    weights = weight_bytes_per_device(cfg, dtype, p.mesh)
+    per_seq = memory_estimate(cfg, max_len, jnp.dtype(dtype), spec_room=max(8, p.num_draft + 2))
+    cache = per_seq["bytes_per_sequence_at_max_len"] * seqs
+    draft = 0.0
+    if p.kind == "spec":
+        draft = cfg.num_mtp_layers * seqs * (cfg.sliding_window + max(8, p.num_draft + 2)) * cfg.head_dim * item
+    t = p.rows
+    rows = seqs * t
+    d, h, dh = cfg.hidden_size, cfg.num_heads // tp, cfg.head_dim
+    act = rows * (4 * cfg.hc_mult * d * 4            # streams (fp32 coefficients, a few copies)
+                  + 3 * h * dh * item               # q, attention output, rotated
+                  + cfg.n_experts_per_tok * (d * item + 3 * cfg.moe_intermediate_size * 4))  # routed rows
+    logit_rows = seqs if p.phase == "prefill" else rows
+    act += logit_rows * cfg.vocab_size * 4 * 2
+    n_max = max([max_len // r for r in cfg.compress_ratios[:cfg.num_layers] if r] or [0])
+    if cfg.attention_impl == "reference":
+        keys = cfg.sliding_window + 8 + t + n_max
+        act += 2 * seqs * h * t * keys * 4            # scores and probabilities, float32
+        act += 2 * rows * cfg.index_n_heads * n_max * 4
+    else:
+        act += 2 * rows * n_max * 4                   # fused indexer: one score row per query
+    total = weights + cache + draft + act
+    out = {"weights_bytes": weights, "cache_bytes": cache, "draft_cache_bytes": draft,
+           "activation_bytes_estimate": act, "total_bytes": total, "seqs_per_device": seqs, "max_len": max_len}
+    if capacity is not None:
+        out["capacity_bytes"] = capacity
+        out["fits"] = bool(total <= MEMORY_HEADROOM * capacity)
+    return out
+
+
+def memory_message(mem: dict, where: str) -> str:
+    gb = 1e9
+    return (f"needs ~{mem['total_bytes'] / gb:.1f} GB per device (weights {mem['weights_bytes'] / gb:.1f} + cache "
+            f"{mem['cache_bytes'] / gb:.1f} + drafter rings {mem['draft_cache_bytes'] / gb:.2f} + activations "
+            f"~{mem['activation_bytes_estimate'] / gb:.1f}) but {where} holds {mem['capacity_bytes'] / gb:.1f} GB "
+            f"(limit {MEMORY_HEADROOM:.0%}); use a smaller batch or context, more devices, or "
+            f"--attention-impl pallas")
+
+
+# ----------------------------------------------------------------------------------------------- routing
+
+@dataclasses.dataclass(frozen=True)
+class ForcedBalanceExperts:
+    """Benchmark-mode routed experts on one device: the router's ids are replaced by perfectly balanced ones
+    (`forced_balance_ids`), then the configured implementation runs ("reference" | "pallas"). Set as the
+    MoE module's `expert_parallel` hook (static, part of the graphdef). Same contract as
+    `reference.moe_experts`: x [M, D], ids / weights [M, k] -> [M, D] float32."""
+
+    impl: str = "reference"
+
+    def __call__(self, x, ids, weights, w1, w2, w3, limit):
+        from pallas_kernels import moe as pallas_moe
+        from pallas_kernels import reference as ref
+        from sharding.placement import forced_balance_ids
+
+        m, k = ids.shape
+        ids = forced_balance_ids(m, k, w1.shape[0])
+        fn = pallas_moe.moe_experts if self.impl == "pallas" else ref.moe_experts
+        return fn(x, ids, weights, w1, w2, w3, limit)
+
+
+def moe_modules(model):
+    from flax import nnx
+
+    from model.moe import MoE
+
+    for _, mod in nnx.iter_graph(model):
+        if isinstance(mod, MoE):
+            yield mod
+
+
+def set_routing(model, forced: bool, mesh) -> str:
+    """Forced balance or the router's choices, on one device or a mesh. -> a description for the record."""
+    if mesh is None:
+        for mod in moe_modules(model):
+            mod.expert_parallel = ForcedBalanceExperts(mod.impl) if forced else None
+        impl = model.config.moe_impl
+        return f"{'forced-balance' if forced else 'router'} ({impl} experts, one device)"
+    from sharding.expert_parallel import EPConfig, attach
+
+    attach(model, mesh, EPConfig(force_balance=forced))
+    return f"{'forced-balance' if forced else 'router'} (expert parallel, ragged_dot per shard)"
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+@dataclasses.dataclass
+class Setup:
+    """A model on a mesh (or one device) and the run's settings, shared by many points."""
+
+    cfg: Any
+    preset: str
+    dtype: str
+    mesh_shape: tuple
+    mesh: Any
+    model: Any
+    init_s: float
+    seed: int = 0
+    warmup: int = 3
+    repeats_prefill: int = 10
+    repeats_decode: int = 60
+    real_prefill: bool = False
+    assumed_accepted: float = DEEPINFER_ACCEPTED
+    checkpoint: str | None = None
+    progress: Progress = dataclasses.field(default_factory=Progress)
+
+    def context(self):
+        import contextlib
+
+        import jax
+
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+
+def make_mesh(mesh_shape: tuple):
+    """None for (1, 1, 1) (the single-device path), else a (dp, ep, tp) mesh over the first devices."""
+    import jax
+
+    if tuple(mesh_shape) == (1, 1, 1):
+        return None
+    from sharding import ParallelConfig
+
+    n = int(np.prod(mesh_shape))
+    if n > jax.device_count():
+        raise ValueError(f"mesh {mesh_shape} needs {n} devices, {jax.device_count()} visible")
+    return ParallelConfig(*mesh_shape).make_mesh(jax.devices()[:n])
+
+
+def build(cfg, preset: str, dtype: str, mesh_shape=(1, 1, 1), seed: int = 0, checkpoint: str | None = None,
+          progress: Progress | None = None, **settings) -> Setup:
+    """Random weights (or a `save_orbax` checkpoint) laid out on the mesh."""
+    import jax
+
+    from model import init_random
+
+    progress = progress or Progress()
+    mesh = make_mesh(mesh_shape)
+    t0 = time.perf_counter()
+    if checkpoint:
+        from model.checkpoint import restore_orbax
+
+        model = restore_orbax(checkpoint, cfg, dtype)  # built from `cfg`: the requested kernels apply
+        if mesh is not None:
+            from sharding import shard_model
+
+            model = shard_model(model, mesh)
+    else:
+        progress.log(f"initialising {cfg.name} ({dtype}, random weights, seed {seed}) on mesh "
+                     f"{'x'.join(map(str, mesh_shape))}")
+        model = init_random(cfg, seed=seed, dtype=dtype, mesh=mesh)
+    jax.block_until_ready(jax.tree.leaves(_state(model)))
+    init_s = time.perf_counter() - t0
+    progress.log(f"model ready in {init_s:.1f} s")
+    return Setup(cfg=cfg, preset=preset, dtype=dtype, mesh_shape=tuple(mesh_shape), mesh=mesh, model=model,
+                 init_s=init_s, seed=seed, checkpoint=checkpoint, progress=progress, **settings)
+
+
+def _state(model):
+    from flax import nnx
+
+    return nnx.state(model)
+
+
+# ----------------------------------------------------------------------------------------------- caches
+
+def _random_like(key, sds, forked: bool, vocab: int, lengths: int):
+    """Random array for one cache leaf (forked: one sequence's values repeated over the batch)."""
+    import jax
+    import jax.numpy as jnp
+
+    shape = sds.shape
+    one = (1,) + tuple(shape[1:]) if forked else tuple(shape)
+    if jnp.issubdtype(sds.dtype, jnp.integer):
+        x = jax.random.randint(key, one, 0, vocab, sds.dtype)
+    else:
+        x = jax.random.normal(key, one, sds.dtype)
+    return jnp.broadcast_to(x, shape) if forked else x
+
+
+def synthetic(tree_fn, shardings, seed: int, forked: bool, vocab: int, length: int):
+    """Fill every array of the pytree `tree_fn()` makes (a Cache or DraftCache) with random values and
+    set its `lengths` to `length` ("synthetic context"). One jit; born with `shardings` on a mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    abstract = jax.eval_shape(tree_fn)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    if shardings is None and total <= HOST_FILL_BYTES:  # small: numpy on the host, no compilation
+        rng = np.random.default_rng(seed)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        out = []
+        for path, sds in leaves:
+            one = (1,) + tuple(sds.shape[1:]) if forked else tuple(sds.shape)
+            if jax.tree_util.keystr(path).endswith("lengths"):
+                x = np.full(sds.shape, length)
+            elif jnp.issubdtype(sds.dtype, jnp.integer):
+                x = np.broadcast_to(rng.integers(0, vocab, one), sds.shape)
+            else:
+                x = np.broadcast_to(rng.standard_normal(one, np.float32), sds.shape)
+            out.append(jnp.asarray(x, sds.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def make(key):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        out = []
+        for i, (path, sds) in enumerate(leaves):
+            name = jax.tree_util.keystr(path)
+            if name.endswith("lengths"):
+                out.append(jnp.full(sds.shape, length, sds.dtype))
+            else:
+                out.append(_random_like(jax.random.fold_in(key, i), sds, forked, vocab, length))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    fn = jax.jit(make) if shardings is None else jax.jit(make, out_shardings=shardings)
+    return fn(jax.random.PRNGKey(seed))
+
+
+def new_cache(setup: Setup, batch: int, max_len: int, spec_room: int):
+    import jax
+
+    from model.cache import allocate
+
+    cfg, dtype = setup.cfg, setup.model.dtype
+    fn = lambda: allocate(cfg, batch, max_len, dtype, spec_room)  # noqa: E731
+    if setup.mesh is None:
+        return jax.jit(fn)(), None
+    from sharding import cache_shardings
+
+    shardings = cache_shardings(jax.eval_shape(fn), setup.mesh)
+    return jax.jit(fn, out_shardings=shardings)(), shardings
+
+
+def filled_cache(setup: Setup, p: Point, max_len: int, spec_room: int, length: int, forked: bool, rng):
+    """A cache of `p.batch` sequences holding `length` positions: synthetic, or a real prefill of random
+    prompts (deepinfer: one prompt prefilled once, its cache forked over the batch)."""
+    import jax
+
+    from model.cache import allocate
+
+    cfg, dtype = setup.cfg, setup.model.dtype
+    fn = lambda: allocate(cfg, p.batch, max_len, dtype, spec_room)  # noqa: E731
+    shardings = None
+    if setup.mesh is not None:
+        from sharding import cache_shardings
+
+        shardings = cache_shardings(jax.eval_shape(fn), setup.mesh)
+    if length == 0:
+        return new_cache(setup, p.batch, max_len, spec_room)[0]
+    if not setup.real_prefill:
+        return synthetic(fn, shardings, int(rng.integers(1 << 30)), forked, cfg.vocab_size, length)
+    return real_prefill(setup, p, max_len, spec_room, length, forked, rng, shardings)
+
+
+def real_prefill(setup: Setup, p: Point, max_len: int, spec_room: int, length: int, forked: bool, rng, shardings):
+    import jax
+    import jax.numpy as jnp
+
+    from model.transformer import prefill
+
+    n0 = p.batch
+    if forked:  # one prompt (dp*ep identical rows on a mesh, which cannot hold fewer), then forked
+        n0 = 1 if setup.mesh is None else int(np.prod(setup.mesh_shape[:2]))
+    prompt = rng.integers(0, setup.cfg.vocab_size, (1 if forked else n0, length)).astype(np.int32)
+    prompt = np.repeat(prompt, n0, axis=0) if forked else prompt
+    cache, _ = new_cache(setup, n0, max_len, spec_room)
+    chunk = 2048
+    with setup.context():
+        for s in range(0, length, chunk):
+            tok = prompt[:, s:s + chunk]
+            lens = np.full((n0,), tok.shape[1], np.int32)
+            tok, lens = _to_device(setup, tok), _to_device(setup, lens)
+            _, cache = prefill(setup.model, cache, tok, lens)
+    if n0 == p.batch:
+        return cache
+    reps = p.batch // n0
+    tile = jax.jit(lambda c: jax.tree.map(lambda x: jnp.tile(x, (reps,) + (1,) * (x.ndim - 1)), c),
+                   out_shardings=shardings)
+    return tile(cache)
+
+
+def _to_device(setup: Setup, x):
+    import jax.numpy as jnp
+
+    if setup.mesh is None:
+        return jnp.asarray(x)
+    from sharding import shard_batch
+
+    return shard_batch(np.asarray(x), setup.mesh)
+
+
+# ----------------------------------------------------------------------------------------------- step functions
+
+def step_functions(setup: Setup, p: Point):
+    """Pure jitted functions over the model state (nnx.split once: no per-call graph traversal)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sampling.speculative import SpecParams, default_cost, prefill_and_propose, spec_step
+
+    cfg = setup.cfg
+    graphdef, state = nnx.split(setup.model)
+    replay_tail = cfg.sliding_window if p.replay else None
+    k = p.num_draft
+
+    def prefill_fn(state, cache, tokens):
+        model = nnx.merge(graphdef, state)
+        start = cache.lengths
+        n_new = jnp.full(start.shape, tokens.shape[1], jnp.int32)
+        logits, cache, _ = model.step(tokens, cache, n_new, last_only=True, replay_tail=replay_tail)
+        return _greedy(logits[:, 0]), cache.replace(lengths=start)
+
+    def verify_fn(state, cache, tokens):
+        model = nnx.merge(graphdef, state)
+        start = cache.lengths
+        n_new = jnp.full(start.shape, tokens.shape[1], jnp.int32)
+        logits, cache, _ = model.step(tokens, cache, n_new)
+        return _greedy(logits), cache.rollback(start + k)  # greedy verification: the argmax of every row
+
+    sp = SpecParams(spec_kind(cfg), k, "fixed", default_cost(k), 0.0, 0, 1.0, replay_tail)
+
+    def first_fn(state, cache, dc, tokens, lengths, key):
+        model = nnx.merge(graphdef, state)
+        cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, key, sp)
+        return cache, dc, first, proposal
+
+    def spec_fn(state, cache, dc, pending, proposal, key):
+        model = nnx.merge(graphdef, state)
+        cache, dc, _, a, n_verify, nxt, proposal = spec_step(model, cache, dc, pending, proposal, key, sp)
+        return cache, dc, nxt, proposal, a, n_verify
+
+    return state, {
+        "prefill": jax.jit(prefill_fn, donate_argnums=1),
+        "verify": jax.jit(verify_fn, donate_argnums=1),
+        "first": jax.jit(first_fn, donate_argnums=(1, 2)),
+        "spec": jax.jit(spec_fn, donate_argnums=(1, 2)),
+    }, sp
+
+
+def _greedy(logits):
+    """(argmax ids, all maxima finite): the max comes with the argmax's reduction, so checking costs ~nothing."""
+    import jax.numpy as jnp
+
+    return jnp.argmax(logits, -1).astype(jnp.int32), jnp.all(jnp.isfinite(jnp.max(logits, -1)))
+
+
+def compile_timed(fn, *args) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def summary_ms(times_s: list[float]) -> dict:
+    ms = sorted(t * 1e3 for t in times_s)
+    q = lambda f: float(np.percentile(ms, f))  # noqa: E731
+    return {"median": statistics.median(ms), "mean": statistics.fmean(ms), "min": ms[0], "max": ms[-1],
+            "p10": q(10), "p90": q(90), "n": len(ms)}
+
+
+# ----------------------------------------------------------------------------------------------- one point
+
+def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
+    """Measure one configuration. -> a JSON-ready record (status "ok", "refused", "skipped" or "error")."""
+    cfg = setup.cfg
+    rec: dict[str, Any] = {
+        "bench": "bench", "key": p.key(), "preset": setup.preset, "config": cfg.name, "generation": cfg.generation,
+        "layers": cfg.num_layers, "dtype": setup.dtype, "moe_impl": cfg.moe_impl,
+        "attention_impl": cfg.attention_impl, "mode": p.mode, "phase": p.phase, "step": p.kind,
+        "mesh": {"dp": p.mesh[0], "ep": p.mesh[1], "tp": p.mesh[2]}, "devices": int(np.prod(p.mesh)),
+        "batch": p.batch, "context": p.context, "new_tokens": p.rows, "num_draft": p.num_draft if
+        p.phase == "decode" else 0, "replay": p.replay, "seed": setup.seed, "checkpoint": setup.checkpoint,
+        "context_fill": "real-prefill" if setup.real_prefill else "synthetic",
+        "prefix": "forked" if p.mode == "deepinfer" else "distinct",
+        "warmup": setup.warmup,
+        "repeats": setup.repeats_prefill if p.phase == "prefill" else setup.repeats_decode,
+        "init_s": round(setup.init_s, 3), "status": "ok", "notes": [],
+    }
+    if tuple(p.mesh) != setup.mesh_shape:
+        raise ValueError(f"point mesh {p.mesh} != the model's mesh {setup.mesh_shape}")
+    why = skip_reason(cfg, p)
+    if why:
+        rec.update(status="skipped", reason=why)
+        return rec
+    dp, ep, _ = p.mesh
+    if p.batch % (dp * ep):
+        rec.update(status="skipped", reason=f"batch {p.batch} is not a multiple of dp*ep = {dp * ep}")
+        return rec
+    tail = prompt_tail(p)
+    max_len, need = cache_len(cfg, p, setup.warmup, rec["repeats"], tail)
+    if need > cfg.max_position_embeddings:
+        rec.update(status="refused", reason=f"the run needs {need} positions > the model's context "
+                   f"{cfg.max_position_embeddings}")
+        return rec
+    capacity, where = device_capacity()
+    mem = estimate_memory(cfg, setup.dtype, p, max_len, capacity)
+    rec["memory_estimate"] = mem
+    if check_memory and not mem["fits"]:
+        rec.update(status="refused", reason=memory_message(mem, where))
+        setup.progress.log(f"REFUSED {p.label()}: {rec['reason']}")
+        return rec
+    try:
+        with setup.context():
+            rec.update(_measure(setup, p, max_len, tail, rec["repeats"]))
+    except Exception as e:  # noqa: BLE001 - one failed point must not end a sweep
+        import traceback
+
+        traceback.print_exc()
+        rec.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}")
+        return rec
+    if not rec.get("finite_outputs", True):
+        rec["notes"].append("NON-FINITE logits in the timed step (NaN/inf): the timing is suspect")
+    rec["roofline"], rec["roofline_fraction"], extra = roofline_of(cfg, setup.dtype, p, rec)
+    rec.update(extra)
+    if rec["repeats"] < 10:
+        rec["notes"].append("fewer than 10 timed repeats (BENCHMARKS.md 5 asks for >= 10)")
+    if setup.dtype != "bfloat16":
+        rec["notes"].append(f"weights and KV are {setup.dtype}; the roofline counts bf16 bytes")
+    if cfg.moe_impl == "pallas" and setup.mesh is not None:
+        rec["notes"].append("on a mesh the routed experts run as ragged_dot per shard (no Pallas MoE yet)")
+    if not rec["notes"]:
+        del rec["notes"]
+    return rec
+
+
+def prompt_tail(p: Point) -> int:
+    """Speculative decoding starts from a short real prompt tail (its prefill gives the first proposal)."""
+    return max(1, min(16, p.context)) if p.kind == "spec" else 0
+
+
+def skip_reason(cfg, p: Point) -> str | None:
+    if p.replay and cfg.generation != "v41":
+        return "bounded replay is a V4.1 mechanism (needs KV-source layers)"
+    if p.replay and p.phase == "decode":
+        return "bounded replay changes prefill only; decode steps are unaffected"
+    if p.phase == "decode" and p.num_draft < 1 and p.kind == "spec":
+        return "speculative decoding needs num_draft >= 1"
+    if p.kind == "spec":
+        if p.context < 1:
+            return "speculative decoding needs a context of at least one position"
+        if not cfg.num_mtp_layers:
+            return f"{cfg.name} has no drafter"
+        if cfg.generation == "v41" and p.num_draft > cfg.dspark_block_size:
+            return f"num_draft {p.num_draft} > DSpark block size {cfg.dspark_block_size}"
+    return None
+
+
+def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> dict:
+    import jax
+
+    from model.draft import allocate_draft
+
+    cfg, prog = setup.cfg, setup.progress
+    forced = p.mode == "deepinfer"
+    routing = set_routing(setup.model, forced, setup.mesh)
+    state, fns, sp = step_functions(setup, p)
+    rng = np.random.default_rng(setup.seed + 7919 * p.batch + p.context)
+    spec_room = max(8, p.num_draft + 2)
+    out: dict[str, Any] = {"routing": routing, "cache_max_len": max_len}
+    label = p.label()
+    prog.log(f"{label}: filling the cache ({'real prefill' if setup.real_prefill else 'synthetic'} context, "
+             f"{'forked' if forced else 'distinct'} prefix)")
+    t0 = time.perf_counter()
+    cache = filled_cache(setup, p, max_len, spec_room, p.context - tail, forced, rng)
+    jax.block_until_ready(cache)
+    out["fill_s"] = round(time.perf_counter() - t0, 3)
+
+    def tokens(shape):
+        return _to_device(setup, rng.integers(0, cfg.vocab_size, shape).astype(np.int32))
+
+    times: list[float] = []
+    if p.kind in ("prefill", "verify"):
+        sets = [tokens((p.batch, p.rows)) for _ in range(2)]
+        fn, compile_s = compile_timed(fns[p.kind], state, cache, sets[0])
+        prog.log(f"{label}: compiled in {compile_s:.1f} s")
+        out["compile_s"] = {p.kind: round(compile_s, 3)}
+        total = setup.warmup + repeats
+        for i in range(total):
+            t0 = time.perf_counter()
+            res, cache = fn(state, cache, sets[i % 2])
+            jax.block_until_ready((res, cache))
+            dt_ = time.perf_counter() - t0
+            if i == 0:
+                out["first_run_s"] = round(dt_, 4)
+            if i >= setup.warmup:
+                times.append(dt_)
+            prog.update(label, i + 1, total, [t * 1e3 for t in times])
+        out["finite_outputs"] = bool(res[1])
+    else:  # the whole speculative iteration
+        dc = allocate_draft(setup.model, p.batch, max_len, spec_room)
+        dc_shardings = None
+        if setup.mesh is not None:
+            from sharding import cache_shardings
+
+            dc_shardings = cache_shardings(jax.eval_shape(lambda: dc), setup.mesh)
+        dc = synthetic(lambda: dc, dc_shardings, int(rng.integers(1 << 30)), forced, cfg.vocab_size, 0)
+        tail_tok = rng.integers(0, cfg.vocab_size, (1 if forced else p.batch, tail)).astype(np.int32)
+        tail_tok = _to_device(setup, np.repeat(tail_tok, p.batch, 0) if forced else tail_tok)
+        tail_len = _to_device(setup, np.full((p.batch,), tail, np.int32))
+        key = jax.random.PRNGKey(setup.seed)
+        first, c_first = compile_timed(fns["first"], state, cache, dc, tail_tok, tail_len, key)
+        cache, dc, pending, proposal = first(state, cache, dc, tail_tok, tail_len, key)
+        spec, c_spec = compile_timed(fns["spec"], state, cache, dc, pending, proposal, key)
+        prog.log(f"{label}: compiled in {c_first + c_spec:.1f} s (prompt tail + first proposal {c_first:.1f} s, "
+                 f"speculative step {c_spec:.1f} s)")
+        out["compile_s"] = {"prefill_and_propose": round(c_first, 3), "spec": round(c_spec, 3)}
+        total = setup.warmup + repeats
+        accepted, verified = [], []
+        for i in range(total):
+            key_i = jax.random.fold_in(key, i + 1)
+            t0 = time.perf_counter()
+            cache, dc, pending, proposal, a, n_verify = spec(state, cache, dc, pending, proposal, key_i)
+            jax.block_until_ready((cache, dc, pending, proposal, a))
+            dt_ = time.perf_counter() - t0
+            if i == 0:
+                out["first_run_s"] = round(dt_, 4)
+            if i >= setup.warmup:
+                times.append(dt_)
+                accepted.append(np.asarray(a))
+                verified.append(np.asarray(n_verify))
+            prog.update(label, i + 1, total, [t * 1e3 for t in times])
+        acc = np.stack(accepted)  # [steps, B]
+        ver = np.stack(verified)
+        per_pos = [(float((acc > j).sum()), float((ver > j).sum())) for j in range(p.num_draft)]
+        out["acceptance"] = {
+            "mean_accepted_length": float(np.mean(1 + acc)),
+            "acceptance_per_position": [a_ / max(v, 1) for a_, v in per_pos],
+            "tokens_per_step_per_sequence": [float(x) for x in np.mean(1 + acc, axis=1)],
+            "drafter": sp.kind, "greedy": True,
+        }
+        out["finite_outputs"] = bool(np.all((np.asarray(pending) >= 0) & (np.asarray(pending) < cfg.vocab_size)))
+    out["step_ms"] = summary_ms(times)
+    out["step_times_ms"] = [round(t * 1e3, 4) for t in times]
+    del cache
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- roofline
+
+def roofline_of(cfg, dtype: str, p: Point, rec: dict) -> tuple[dict, float, dict]:
+    """Roofline of the step (per device), achieved fraction = floor / median, and throughput figures."""
+    from .roofline import roofline
+
+    res = roofline(cfg, p.phase, p.batch, p.context, p.rows, weight_format(dtype), "bf16", p.mesh,
+                   forced_balance=p.mode == "deepinfer", drafter=p.kind == "spec")
+    t = res["totals"]
+    med_s = rec["step_ms"]["median"] / 1e3
+    ndev = int(np.prod(p.mesh))
+    line = {"floor_ms": t["floor_s"] * 1e3, "memory_ms": t["memory_s"] * 1e3, "compute_ms": t["compute_s"] * 1e3,
+            "bound": t["bound"], "bytes_per_device": t["bytes"], "flops_per_device": t["flops"],
+            "weight_bytes": t["weight_bytes"], "kv_read_bytes": t["kv_read_bytes"],
+            "weight_format": res["weight_dtype"], "kv_format": res["kv_dtype"],
+            "forced_balance": res["forced_balance"], "drafter": res["drafter"],
+            "ceilings": {k: v for k, v in res["ceilings"].items()},
+            "by_component_ms": {k: round(c["floor_s"] * 1e3, 4) for k, c in res["components"].items()}}
+    frac = t["floor_s"] / med_s
+    extra: dict[str, Any] = {"achieved_TBps": t["bytes"] / med_s / 1e12,
+                             "achieved_TFLOPps": t["flops"] / med_s / 1e12}
+    peak = res["ceilings"]["bf16_flops"]
+    if p.phase == "prefill":
+        tok = p.batch * p.new_tokens
+        extra.update(tokens_per_step=tok, tokens_per_s=tok / med_s, tokens_per_s_per_device=tok / med_s / ndev,
+                     mfu=t["flops"] / med_s / peak)
+    elif p.mode == "deepinfer":
+        tok = p.batch * DEEPINFER_ACCEPTED if p.num_draft == 3 else p.batch * (1 + 0.75 * p.num_draft)
+        extra.update(accepted_per_step_assumed=tok / p.batch, tokens_per_step=tok, tokens_per_s=tok / med_s,
+                     tokens_per_s_per_device=tok / med_s / ndev)
+    else:
+        acc = rec.get("acceptance", {}).get("mean_accepted_length")
+        if acc is None:  # realistic verify-only step: count only the target's own token
+            acc = 1.0
+        tok = p.batch * acc
+        extra.update(accepted_per_step_measured=acc, tokens_per_step=tok, tokens_per_s=tok / med_s,
+                     tokens_per_s_per_device=tok / med_s / ndev)
+    return line, frac, extra
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
+    out = [f"# {title} {env['date_utc']}", "",
+           f"`{env['command']}` — git {env['git_revision']}{' (dirty)' if env['git_dirty'] else ''}, "
+           f"{env['device']} x{env['device_count']} ({env['backend']}), jax {env['jax']}, flax {env['flax']}.", "",
+           "Step time: median of the timed steps (wall clock, `jax.block_until_ready` per step) after warm-up; "
+           "compile excluded. Roofline: experiments/roofline.py floor per device (H200 measured ceilings); "
+           "% roofline = floor / median. deepinfer tokens/s = requests x 3.25 / step; realistic = requests x "
+           "measured (1 + accepted) / step; prefill = new tokens / step.", "",
+           "| phase | mode | step | model | dtype | impl (attn/moe) | mesh | batch | context | rows/seq | median ms "
+           "| p10-p90 ms | compile s | tokens/s | tok/s/dev | accept len | floor ms | % roofline | MFU | "
+           "warm-up/repeats | status |",
+           "|" + "---|" * 21]
+    for r in recs:
+        mesh = "x".join(str(r["mesh"][a]) for a in ("dp", "ep", "tp"))
+        head = (f"| {r['phase']} | {r['mode']} | {r['step']} | {r['config']} | {r['dtype']} | "
+                f"{r['attention_impl']}/{r['moe_impl']} | {mesh} | {r['batch']} | {r['context']} | {r['new_tokens']} |")
+        if r["status"] != "ok":
+            out.append(head + f" — | | | | | | | | | | {r['status']}: {r.get('reason', '')[:160]} |")
+            continue
+        s = r["step_ms"]
+        comp = sum(r.get("compile_s", {}).values())
+        acc = r.get("acceptance", {}).get("mean_accepted_length")
+        acc_s = f"{acc:.2f}" if acc is not None else (f"{r['accepted_per_step_assumed']:.2f} (assumed)"
+                                                       if "accepted_per_step_assumed" in r else "")
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""
+        out.append(head + f" {s['median']:.3f} | {s['p10']:.3f}-{s['p90']:.3f} | {comp:.1f} | "
+                   f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | {acc_s} | "
+                   f"{r['roofline']['floor_ms']:.3f} | {100 * r['roofline_fraction']:.1f}% | {mfu} | "
+                   f"{r['warmup']}/{r['repeats']} | ok |")
+    notes = sorted({n for r in recs for n in r.get("notes", [])})
+    if notes:
+        out += [""] + [f"Note: {n}." for n in notes]
+    return "\n".join(out) + "\n"
+
+
+def write_results(env: dict, recs: list[dict], stem: str, out_dir: Path | None = None, title: str = "bench"
+                  ) -> list[Path]:
+    """experiments/results/<stem>.json (a list of self-contained records) and .md; copies to $OUT."""
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    full = [{**r, "env": env} for r in recs]
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    tmp = paths[0].with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(full, indent=1, default=_json_default))
+    tmp.replace(paths[0])
+    paths[1].write_text(markdown(env, recs, title))
+    copy_to_out(paths)
+    return paths
+
+
+def copy_to_out(paths) -> None:
+    dest = os.environ.get("OUT")
+    if not dest:
+        return
+    d = Path(dest)
+    d.mkdir(parents=True, exist_ok=True)
+    for p in paths:
+        p = Path(p)
+        if p.exists() and p.resolve().parent != d.resolve():
+            shutil.copy2(p, d / p.name)
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+def int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in str(s).replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {s!r}")
+
+
+def choice_list(choices: tuple):
+    def parse(s: str) -> list[str]:
+        if s == "both":
+            return list(choices) if choices != PHASES else ["decode", "prefill"]
+        items = [x for x in s.split(",") if x]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected 'both' or a comma list of {', '.join(choices)}; got {s!r}")
+        return items
+    return parse
+
+
+def parse_mesh(s: str) -> tuple[int, int, int]:
+    try:
+        t = tuple(int(x) for x in str(s).split(","))
+        assert len(t) == 3 and min(t) >= 1
+        return t
+    except (ValueError, AssertionError):
+        raise argparse.ArgumentTypeError(f"mesh must be dp,ep,tp (positive), got {s!r}")
+
+
+def defaults(backend: str, quick: bool) -> dict:
+    gpu = backend == "gpu"
+    d = {"preset": "v4-flash-4l" if gpu else "tiny-v4", "dtype": "bfloat16" if gpu else "float32",
+         "impl": "pallas" if gpu else "reference"}
+    if quick:
+        d.update(batch=[2], context=64 if not gpu else 4096, new_tokens=16 if not gpu else 512, warmup=1,
+                 repeats_prefill=10, repeats_decode=10)
+    else:
+        d.update(batch=[8, 64] if gpu else [2, 4], context=32768 if gpu else 128, new_tokens=4096 if gpu else 32,
+                 warmup=3, repeats_prefill=10, repeats_decode=60)
+    return d
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", help="ModelConfig preset (default v4-flash-4l on GPU, tiny-v4 on CPU)")
+    p.add_argument("--layers", type=int, help="scale to N backbone layers keeping the layer pattern")
+    p.add_argument("--phase", type=choice_list(PHASES), default="both",
+                   help="prefill, decode, both (= decode,prefill) or a comma list, run in that order")
+    p.add_argument("--mode", type=choice_list(MODES), default="deepinfer",
+                   help="deepinfer, realistic, both (= deepinfer,realistic) or a comma list")
+    p.add_argument("--batch", type=int_list, help="sequences per step, global (comma list)")
+    p.add_argument("--prefill-batch", type=int_list, help="prefill batch list (default: --batch)")
+    p.add_argument("--context", type=int_list, help="cached positions before the step (comma list)")
+    p.add_argument("--new-tokens", type=int, help="prefill rows per sequence per step (default 4096 on GPU)")
+    p.add_argument("--num-draft", type=int, default=3, help="decode: drafts verified per step (default 3)")
+    p.add_argument("--step", choices=STEPS, help="decode: time the target's verify step or the whole "
+                   "speculative iteration (default: verify in deepinfer mode, spec in realistic mode)")
+    p.add_argument("--replay", action="store_true", help="[V4.1] decoder-side bounded replay in prefill")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"))
+    p.add_argument("--moe-impl", choices=("reference", "pallas"))
+    p.add_argument("--attention-impl", choices=("reference", "pallas"))
+    p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1), help="dp,ep,tp (default 1,1,1: one device)")
+    p.add_argument("--repeats", type=int, help="timed steps (default: prefill 10, decode 60)")
+    p.add_argument("--warmup", type=int, help="untimed steps after compilation (default 3)")
+    p.add_argument("--real-prefill", action="store_true", help="prefill real random prompts instead of a "
+                   "synthetic context (small contexts)")
+    p.add_argument("--checkpoint", help="a save_orbax directory (e.g. a trained drafter) instead of random weights")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: small shapes, 1 warm-up, 10 repeats")
+    p.add_argument("--no-memory-check", action="store_true", help="run even where the memory estimate says no")
+    p.add_argument("--out", help="results directory (default experiments/results; $OUT also gets a copy)")
+    p.add_argument("--tag", default="", help="added to the results file name")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--time-budget", type=float, help="seconds: start no new configuration after this (the ones "
+                   "left are recorded as skipped), so a run under a hard limit ends with its table written")
+    return p.parse_args(argv)
+
+
+def stub_record(preset: str, cfg, dtype: str, pt: Point, status: str, reason: str) -> dict:
+    """The record of a configuration that did not run (refused before building the model, or out of time)."""
+    return {"bench": "bench", "key": pt.key(), "preset": preset, "config": cfg.name, "layers": cfg.num_layers,
+            "dtype": dtype, "moe_impl": cfg.moe_impl, "attention_impl": cfg.attention_impl, "mode": pt.mode,
+            "phase": pt.phase, "step": pt.kind, "mesh": dict(zip(("dp", "ep", "tp"), pt.mesh)), "batch": pt.batch,
+            "context": pt.context, "new_tokens": pt.rows, "status": status, "reason": reason}
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    import jax
+
+    backend = jax.default_backend()
+    d = defaults(backend, args.quick)
+    preset = args.preset or d["preset"]
+    dtype = args.dtype or d["dtype"]
+    cfg = resolve_config(preset, args.layers, args.moe_impl or d["impl"], args.attention_impl or d["impl"])
+    phases = args.phase if isinstance(args.phase, list) else choice_list(PHASES)(args.phase)
+    modes = args.mode if isinstance(args.mode, list) else choice_list(MODES)(args.mode)
+    batches = args.batch or d["batch"]
+    prefill_batches = args.prefill_batch or batches
+    contexts = args.context or [d["context"]]
+    new_tokens = args.new_tokens or d["new_tokens"]
+    progress = Progress(quiet=args.quiet)
+    env = environment(command_line(argv))
+    progress.log(f"{env['device']} x{env['device_count']} ({backend}), jax {env['jax']}; {cfg.name}, {dtype}, "
+                 f"attention {cfg.attention_impl}, moe {cfg.moe_impl}")
+    # mode-major order (deepinfer decode, deepinfer prefill, realistic ...): with --time-budget the most
+    # important configurations come first
+    points = [Point(phase, mode, b, c, new_tokens, args.num_draft, args.step or "", args.replay, args.mesh)
+              for mode in modes for phase in phases for c in contexts
+              for b in (prefill_batches if phase == "prefill" else batches)]
+    # refuse what cannot fit before spending minutes on the model
+    capacity, where = device_capacity()
+    warm = args.warmup if args.warmup is not None else d["warmup"]
+    reps = {ph: args.repeats or d[f"repeats_{ph}"] for ph in PHASES}
+    recs_refused = {}
+    for pt in points:
+        max_len, _ = cache_len(cfg, pt, warm, reps[pt.phase], prompt_tail(pt))
+        mem = estimate_memory(cfg, dtype, pt, max_len, capacity)
+        if not mem["fits"] and not args.no_memory_check:
+            recs_refused[pt] = memory_message(mem, where)
+            progress.log(f"REFUSED {pt.label()}: {recs_refused[pt]}")
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stem = f"bench_{stamp}_{backend}{'_quick' if args.quick else ''}{'_' + args.tag if args.tag else ''}"
+    recs: list[dict] = []
+    setup = None
+    if len(recs_refused) < len(points):
+        setup = build(cfg, preset, dtype, args.mesh, args.seed, args.checkpoint, progress, warmup=warm,
+                      repeats_prefill=reps["prefill"], repeats_decode=reps["decode"],
+                      real_prefill=args.real_prefill)
+    for i, pt in enumerate(points):
+        progress.log(f"[{i + 1}/{len(points)}] {pt.label()}")
+        if args.time_budget and time.perf_counter() - progress.t0 > args.time_budget and pt not in recs_refused:
+            rec = stub_record(preset, cfg, dtype, pt, "skipped", f"--time-budget {args.time_budget:g} s spent")
+        elif pt in recs_refused:
+            rec = stub_record(preset, cfg, dtype, pt, "refused", recs_refused[pt])
+        else:
+            rec = run_point(setup, pt, check_memory=not args.no_memory_check)
+        recs.append(rec)
+        if rec["status"] == "ok":
+            progress.log(f"  {rec['step_ms']['median']:.3f} ms/step, {rec['tokens_per_s']:,.0f} tokens/s, "
+                         f"{100 * rec['roofline_fraction']:.1f}% of the roofline "
+                         f"(floor {rec['roofline']['floor_ms']:.3f} ms)")
+        elif rec["status"] != "refused":
+            progress.log(f"  {rec['status']}: {rec.get('reason')}")
+        paths = write_results(env, recs, stem, Path(args.out) if args.out else None)
+    md = markdown(env, recs)
+    print(md)
+    if recs:
+        print(f"wrote {paths[0]} and {paths[1].name}")
+    return recs
+
+
+if __name__ == "__main__":
+    main()

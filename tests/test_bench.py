@@ -1,0 +1,157 @@
+"""CPU smoke runs of experiments/bench.py (both modes, both phases, --quick) and experiments/sweep.py (two
+points, then a resumed run that skips them), plus the fast pieces (points, memory refusal, spec grids).
+
+The CLIs run as subprocesses under `timeout`, on a 4-layer tiny-v4 (SWA, SWA, CSA, HCA + MTP) to keep
+compilation short; the numbers are meaningless on CPU, the records and files are what is checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory) -> dict:
+    """One persistent compilation cache for this module's CLI runs: the sweep's points share their programs
+    (and the model's eager init ops) with the bench run, which roughly halves the sweep's time on CPU."""
+    d = tmp_path_factory.mktemp("jax_cache")
+    return {"JAX_COMPILATION_CACHE_DIR": str(d), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def run_cli(args: list[str], limit_s: int, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # $OUT only where a test sets it
+    env.update(env_extra or {})
+    cmd = ["timeout", str(limit_s), sys.executable, "-m", *args]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s + 30)
+    if res.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {res.returncode}\nstdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-6000:]}")
+    return res
+
+
+def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
+    out = tmp_path / "results"
+    copy = tmp_path / "out"
+    res = run_cli(["experiments.bench", "--quick", "--preset", "tiny-v4", "--layers", "4", "--mode", "both",
+                   "--phase", "both", "--out", str(out), "--tag", "test"], 240, {"OUT": str(copy), **jax_cache})
+    files = sorted(out.glob("bench_*_test.json"))
+    assert len(files) == 1, list(out.iterdir())
+    recs = json.loads(files[0].read_text())
+    assert (out / files[0].name.replace(".json", ".md")).exists()
+    assert (copy / files[0].name).exists(), "results are copied to $OUT"
+    assert "[bench" in res.stderr and "/11" in res.stderr, "progress display"
+    got = {(r["phase"], r["mode"]): r for r in recs}
+    assert set(got) == {(ph, m) for ph in ("prefill", "decode") for m in ("deepinfer", "realistic")}
+    for r in recs:
+        assert r["status"] == "ok", r
+        env = r["env"]
+        for k in ("command", "git_revision", "device", "jax", "backend", "date_utc"):
+            assert env.get(k), (k, env)
+        assert "experiments.bench" in env["command"]
+        assert r["repeats"] >= 10 and r["warmup"] >= 1
+        assert len(r["step_times_ms"]) == r["repeats"]
+        assert r["step_ms"]["median"] > 0 and all(math.isfinite(t) and t > 0 for t in r["step_times_ms"])
+        assert all(v > 0 for v in r["compile_s"].values())
+        assert r["finite_outputs"] is True
+        assert r["roofline"]["floor_ms"] > 0 and 0 < r["roofline_fraction"] < 10
+        assert r["tokens_per_s"] > 0
+        assert r["context_fill"] == "synthetic" and r["layers"] == 4
+        assert r["memory_estimate"]["fits"]
+    dec, pre = got[("decode", "deepinfer")], got[("prefill", "deepinfer")]
+    assert dec["step"] == "verify" and dec["routing"].startswith("forced-balance") and dec["prefix"] == "forked"
+    b = dec["batch"]
+    assert dec["tokens_per_s"] == pytest.approx(b * 3.25 / (dec["step_ms"]["median"] / 1e3))
+    assert pre["tokens_per_s"] == pytest.approx(pre["batch"] * pre["new_tokens"] / (pre["step_ms"]["median"] / 1e3))
+    assert "mfu" in pre and pre["roofline"]["forced_balance"]
+    real = got[("decode", "realistic")]
+    assert real["step"] == "spec" and real["routing"].startswith("router") and real["prefix"] == "distinct"
+    acc = real["acceptance"]
+    assert 1.0 <= acc["mean_accepted_length"] <= 1 + real["num_draft"]
+    assert len(acc["acceptance_per_position"]) == real["num_draft"]
+    assert real["tokens_per_s"] == pytest.approx(
+        b * acc["mean_accepted_length"] / (real["step_ms"]["median"] / 1e3))
+    assert real["roofline"]["drafter"] and not real["roofline"]["forced_balance"]
+
+
+def test_sweep_two_points_then_resume(tmp_path, jax_cache):
+    results = tmp_path / "sweep_smoke.jsonl"
+    # contexts 60 and 64 with --quick's batch 2 give the same cache shapes (max_len 128) as the bench run's
+    # decode point: both points reuse its compiled program from the shared cache
+    args = ["experiments.sweep", "--quick", "--preset", "tiny-v4", "--layers", "4", "--phase", "decode",
+            "--mode", "deepinfer", "--mesh", "1,1,1;64,1,1", "--batch", "2", "--context", "60,64", "--num-draft", "3",
+            "--replay", "off", "--results", str(results), "--name", "smoke"]
+    first = run_cli(args, 180, jax_cache)
+    summary = json.loads(first.stdout.strip().splitlines()[-1])
+    assert summary["ran"] == 2 and summary["skipped_done"] == 0
+    assert summary["not_possible"] == 2, "the 64-device mesh is left out on this machine"
+    recs = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["context"] for r in recs] == [60, 64] and all(r["status"] == "ok" for r in recs)
+    assert all(r["sweep"] == "smoke" and r["env"]["git_revision"] for r in recs)
+    assert results.with_suffix(".md").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("step_time", "roofline"):
+            png = tmp_path / f"sweep_smoke_{name}.png"
+            assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    second = run_cli(args, 60, jax_cache)
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert summary["ran"] == 0 and summary["skipped_done"] == 2
+    assert "model ready" not in second.stderr, "a resumed sweep with nothing left builds no model"
+    assert len(results.read_text().splitlines()) == 2
+
+
+# ----------------------------------------------------------------------------------------------- fast pieces
+
+def test_points_and_keys():
+    from experiments.bench import Point
+
+    d = Point("decode", "deepinfer", 8, 4096)
+    assert d.kind == "verify" and d.rows == 4 and d.key()["new_tokens"] == 4
+    assert Point("decode", "realistic", 8, 4096).kind == "spec"
+    assert Point("decode", "deepinfer", 8, 4096, step="spec").kind == "spec"
+    p = Point("prefill", "deepinfer", 2, 126976, 4096, num_draft=3)
+    assert p.kind == "prefill" and p.rows == 4096 and p.key()["num_draft"] == 0
+    with pytest.raises(ValueError):
+        Point("decode", "benchmark", 8, 4096)
+
+
+def test_memory_estimate_refuses_what_cannot_fit():
+    from experiments.bench import Point, estimate_memory, memory_message, resolve_config
+
+    cfg = resolve_config("v4-flash-4l", moe_impl="pallas", attention_impl="pallas")
+    h200 = 139 * 2 ** 30
+    ok = estimate_memory(cfg, "bfloat16", Point("decode", "deepinfer", 64, 32768), 33024, h200)
+    assert ok["fits"] and 50e9 < ok["weights_bytes"] < 80e9  # ~68 GB: 4 layers + MTP at real widths
+    ref = resolve_config("v4-flash-4l", attention_impl="reference")
+    big = estimate_memory(ref, "bfloat16", Point("prefill", "deepinfer", 16, 126976, 4096), 131072, h200)
+    assert not big["fits"]
+    assert "--attention-impl pallas" in memory_message(big, "the H200")
+
+
+def test_sweep_grid_from_spec(tmp_path):
+    pytest.importorskip("yaml")
+    from experiments import sweep
+
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text("preset: tiny-v4\nphase: [prefill, decode]\nmode: [deepinfer, realistic]\n"
+                         "mesh: ['1,1,1', [1, 2, 1]]\nbatch: [2, 4]\nprefill_batch: [1]\ncontext: [64]\n"
+                         "num_draft: [1, 3]\nnew_tokens: [16]\nreplay: [off]\nrepeats: {decode: 20}\n")
+    spec = sweep.load_spec(str(spec_file))
+    run, points = sweep.grid(spec, "cpu")
+    assert run["repeats"] == {"prefill": 10, "decode": 20}
+    # per mesh: prefill 2 modes x 1 batch; decode 2 modes x 2 batches x 2 drafts
+    assert len(points) == 2 * (2 + 8)
+    assert {p.mesh for p in points} == {(1, 1, 1), (1, 2, 1)}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"batchez": [1]}))
+    with pytest.raises(SystemExit, match="unknown keys"):
+        sweep.load_spec(str(bad))

@@ -1,7 +1,8 @@
 """Self-distillation of the drafter on the target's own continuations (issue 8, item 5).
 
-  python -m experiments.train_drafter --preset tiny-v4 --steps 600 --batch 16 --seq-len 64 --lr 2e-3 --out runs/v4
-  python -m experiments.train_drafter --preset tiny-v41 --steps 600 --batch 16 --seq-len 64 --lr 2e-3 --out runs/v41
+  python -m experiments.train_drafter --preset tiny-v4 --steps 400 --batch 16 --seq-len 64 --lr 2e-3 --out DIR
+  python -m experiments.train_drafter --preset tiny-v41 --steps 400 --batch 16 --seq-len 64 --lr 2e-3 --out DIR
+  (memorisation check: --pool 32 --reuse 0 --steps 300 --eval-train-prompts)
 
 1. Data: random prompts (seeded numpy rng) continued by the frozen target with `sampling.generate`
    (greedy, or sampled with --temperature).
@@ -27,6 +28,15 @@
 4. Evaluation: `generate(..., speculative=kind, num_draft=3)` greedy on held-out prompts before and
    after training (mean accepted length; the tokens are checked against plain greedy generation).
    The model (target + trained drafter) is saved with `save_orbax`, with a JSON record.
+
+Measured on the shared 2-core CPU (experiments/results/train_drafter_*.json): 400 steps on 6400 fresh
+continuations lift the held-out mean accepted length (3 drafts, greedy) from 1.005 to 1.08 (tiny-v4,
+MTP) and from 1.016 to 1.15 (tiny-v41, DSpark), ~15 min each, 70% of it generating data. The random
+tiny targets are chaotic rather than repetitive: near-flat logits (median top-1/top-2 gap 0.25 against
+a logit std of 1), a token 11 positions back flips the argmax 59% of the time, and (tiny-v4) a linear
+map of (residual_t, x_t, x_{t+1}) explains 12% of the variance of the target's next hidden. So held-out
+acceptance grows slowly with data; a drafter trained on a fixed pool memorises it instead (accepted
+length 4.0 of 4 on its training prompts, ~1.02-1.04 held out).
 """
 
 from __future__ import annotations

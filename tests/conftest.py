@@ -32,3 +32,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop jax's compiled-program caches after each test module: one process runs the whole suite,
+    and without this every module's executables (hundreds of tiny-model programs) stay resident."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -24,6 +24,7 @@ from model.transformer import Transformer
 
 from .sampler import sample
 from .replay import prefill_with_store
+from . import speculative as spec
 from .speculative import SpecParams, check_spec, default_cost, run_loop, summarize
 
 
@@ -129,6 +130,51 @@ def _speculative_fused(model, cache, dc, tokens, lengths, key, stop_tokens, sp, 
     return run_loop(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens)
 
 
+# speculative decoding's phases as separate calls (timing=True): the loop body of `run_loop`, split
+@nnx.jit(static_argnames=("sp", "max_new_tokens"), donate_argnames=("cache", "dc"))
+def _spec_init_jit(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens):
+    _TRACES["speculative"] += 1
+    return spec.init_state(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens)
+
+
+@nnx.jit(static_argnames=("sp", "max_new_tokens"), donate_argnames="state")
+def _spec_verify_jit(model, state, key, stop_tokens, sp, max_new_tokens):
+    return spec.verify_phase(model, state, key, stop_tokens, sp, max_new_tokens)
+
+
+@nnx.jit(static_argnames="sp", donate_argnames="state")
+def _spec_draft_jit(model, state, verified, key, sp):
+    return spec.draft_phase(model, state, verified, key, sp)
+
+
+def _speculative_timed(model, new_cache, new_dc, args, stops, sp: SpecParams, max_new_tokens: int, to_host):
+    """Speculative generation with its phases as separate jitted calls, run twice (the first compiles):
+    the same tokens as the fused loop, plus prefill, verify and draft times (stats keys *_s)."""
+    key = args[2]
+    runs = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(_spec_init_jit(model, new_cache(), new_dc(), *args, stops, sp, max_new_tokens))
+        t_prefill, t_verify, t_draft, steps = time.perf_counter() - t0, [], [], 0
+        while not bool(to_host(jnp.all(state["done"]))):
+            t0 = time.perf_counter()
+            state, verified = jax.block_until_ready(_spec_verify_jit(model, state, key, stops, sp, max_new_tokens))
+            t1 = time.perf_counter()
+            state = jax.block_until_ready(_spec_draft_jit(model, state, verified, key, sp))
+            t_verify.append(t1 - t0)
+            t_draft.append(time.perf_counter() - t1)
+        runs.append((t_prefill, t_verify, t_draft))
+    (p0, v0, d0), (p1, v1, d1) = runs
+    out, n_gen, stats = spec.finish(state, max_new_tokens)
+    timing = {"prefill_s": p1, "verify_s": float(np.sum(v1)), "draft_s": float(np.sum(d1)),
+              "verify_step_ms_median": 1e3 * float(np.median(v1)) if v1 else 0.0,
+              "draft_step_ms_median": 1e3 * float(np.median(d1)) if d1 else 0.0,
+              "prefill_compile_s": max(p0 - p1, 0.0),
+              "decode_compile_s": max((v0[0] + d0[0]) - (v1[0] + d1[0]), 0.0) if v0 and v1 else 0.0}
+    timing["decode_s"] = timing["verify_s"] + timing["draft_s"]
+    return out, n_gen, stats, timing
+
+
 @nnx.jit(static_argnames="params", donate_argnames="cache")
 def _prefill_jit(model, cache, tokens, lengths, key, params):
     _TRACES["prefill"] += 1
@@ -162,9 +208,10 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     prefix_store (sampling.replay.PrefixStore): reuse the longest cached prefix of each prompt and store
     new ones ([V4] exact resume; [V4.1] encoder-side replay of the last window before the hit).
 
-    stats: prompt lengths, steps run; speculative: mean accepted length per step and per-position
-    acceptance rates; with `timing=True` compile and run times and tokens/s (plain decoding times
-    prefill and decode separately: the two phases then run as two jitted calls; results are identical).
+    stats: prompt lengths, steps run; speculative: mean accepted length, its histogram and per-step trace,
+    per-position acceptance rates; with `timing=True` compile and run times and tokens/s (plain decoding
+    times prefill and decode separately, speculative decoding prefill, verify and draft: the phases then
+    run as separate jitted calls; results are identical).
 
     mesh: a (dp, ep, tp) mesh (sharding.ParallelConfig.make_mesh): the batch (a multiple of dp*ep),
     the cache and the activations are split over dp x ep, experts over ep; a model not yet on the mesh
@@ -232,10 +279,16 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
                         float(temperature), int(top_k), float(top_p), replay_tail)
         if len(sp.cost) < num_draft + 1:
             raise ValueError(f"verify_cost needs {num_draft + 1} entries (widths 1..num_draft+1)")
+        new_dc = lambda: allocate_draft(model, tokens.shape[0], max_len, spec_room)  # noqa: E731
         with context:
-            dc = allocate_draft(model, tokens.shape[0], max_len, spec_room)
             t0 = time.perf_counter()
-            out, n_gen, spec_stats = _speculative_fused(model, new_cache(), dc, *args, stops, sp, max_new_tokens)
+            if timing:
+                out, n_gen, spec_stats, times = _speculative_timed(model, new_cache, new_dc, args, stops, sp,
+                                                                   max_new_tokens, to_host)
+                stats.update(times)
+            else:
+                out, n_gen, spec_stats = _speculative_fused(model, new_cache(), new_dc(), *args, stops, sp,
+                                                            max_new_tokens)
             out.block_until_ready()
         stats.update(summarize(spec_stats), speculative=speculative, num_draft=num_draft, policy=policy,
                      wall_s=time.perf_counter() - t0)

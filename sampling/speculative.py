@@ -151,20 +151,33 @@ def choose_width(proposal: D.Proposal, sp: SpecParams) -> jax.Array:
 
 # ----------------------------------------------------------------------------- one iteration
 
-def spec_step(model: Transformer, cache: Cache, dc, pending, proposal: D.Proposal, key, sp: SpecParams):
-    """Verify the proposal, accept, roll back, commit the drafter, propose again.
+@dataclasses.dataclass
+class Verified:
+    """What verification hands the drafter: the step's start lengths, the verified chunk [B, k+1], the
+    target's per-row extras (padded to k+1 rows), accepted counts a [B] and the next pending token [B]."""
+    start: jax.Array
+    chunk: jax.Array
+    extras: dict
+    a: jax.Array
+    nxt: jax.Array
 
-    -> (cache, dc, emitted tokens [B, k+1] (first a+1 valid), a [B], n_verify [B], next pending, proposal)."""
+
+jax.tree_util.register_dataclass(Verified, data_fields=["start", "chunk", "extras", "a", "nxt"], meta_fields=[])
+
+
+def verify(model: Transformer, cache: Cache, pending, proposal: D.Proposal, key, sp: SpecParams):
+    """The target half of an iteration: verify [pending, drafts], accept, roll the cache back.
+
+    -> (cache, emitted tokens [B, k+1] (first a+1 valid), n_verify [B], Verified)."""
     k = sp.num_draft
     n_verify = choose_width(proposal, sp)
     start = cache.lengths
     chunk = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)  # [B, k+1]
-    k_acc, k_prop = jax.random.split(key)
 
-    def verify(width):
+    def width_step(width):
         def run(cache):
             logits, cache, extras = model.step(chunk[:, :width + 1], cache, 1 + jnp.minimum(n_verify, width))
-            a, nxt = accept(logits, proposal, jnp.minimum(n_verify, width), k_acc, sp)
+            a, nxt = accept(logits, proposal, jnp.minimum(n_verify, width), key, sp)
             pad = k - width
             extras = {name: jnp.pad(extras[name], ((0, 0), (0, pad)) + ((0, 0),) * (extras[name].ndim - 2))
                       for name in ("residual", "main_hidden") if name in extras}
@@ -172,16 +185,33 @@ def spec_step(model: Transformer, cache: Cache, dc, pending, proposal: D.Proposa
         return run
 
     if sp.policy == "fixed":
-        cache, extras, a, nxt = verify(k)(cache)
+        cache, extras, a, nxt = width_step(k)(cache)
     else:
-        cache, extras, a, nxt = jax.lax.switch(jnp.max(n_verify) - 1, [verify(w) for w in range(1, k + 1)], cache)
+        cache, extras, a, nxt = jax.lax.switch(jnp.max(n_verify) - 1, [width_step(w) for w in range(1, k + 1)],
+                                               cache)
     cache = cache.rollback(start + 1 + a)
     emitted = jnp.concatenate([proposal.tokens, jnp.zeros_like(pending)[:, None]], axis=1)
     emitted = jnp.where(jnp.arange(k + 1)[None, :] == a[:, None], nxt[:, None], emitted)
-    # committed rows are [pending, d_1..d_a]; row r's next token is chunk[r+1], and nxt after row a
-    dc, commit_out = _commit(model, dc.replace(lengths=start), extras, _next_tokens(chunk, 1 + a, nxt), 1 + a, sp)
-    proposal = _propose(model, dc, nxt, commit_out, k_prop, sp)
-    return cache, dc, emitted, a, n_verify, nxt, proposal
+    return cache, emitted, n_verify, Verified(start, chunk, extras, a, nxt)
+
+
+def draft(model: Transformer, dc, v: Verified, key, sp: SpecParams):
+    """The drafter half: commit the accepted rows [pending, d_1..d_a] (row r's next token is chunk[r+1],
+    and nxt after row a) and propose from the new pending token. -> (dc, proposal)."""
+    n_new = 1 + v.a
+    dc, commit_out = _commit(model, dc.replace(lengths=v.start), v.extras, _next_tokens(v.chunk, n_new, v.nxt),
+                             n_new, sp)
+    return dc, _propose(model, dc, v.nxt, commit_out, key, sp)
+
+
+def spec_step(model: Transformer, cache: Cache, dc, pending, proposal: D.Proposal, key, sp: SpecParams):
+    """Verify the proposal, accept, roll back, commit the drafter, propose again.
+
+    -> (cache, dc, emitted tokens [B, k+1] (first a+1 valid), a [B], n_verify [B], next pending, proposal)."""
+    k_acc, k_prop = jax.random.split(key)
+    cache, emitted, n_verify, v = verify(model, cache, pending, proposal, k_acc, sp)
+    dc, proposal = draft(model, dc, v, k_prop, sp)
+    return cache, dc, emitted, v.a, n_verify, v.nxt, proposal
 
 
 def prefill_and_propose(model: Transformer, cache: Cache, dc, tokens, lengths, key, sp: SpecParams):
@@ -199,57 +229,95 @@ def prefill_and_propose(model: Transformer, cache: Cache, dc, tokens, lengths, k
     return cache, dc, first, _propose(model, dc, first, commit_out, k_prop, sp)
 
 
-def run_loop(model: Transformer, cache: Cache, dc, tokens, lengths, key, stop_tokens, sp: SpecParams,
-             max_new_tokens: int):
-    """The whole speculative generation (traceable): -> (tokens [B, max_new], n_gen [B], stats arrays)."""
+# ----------------------------------------------------------------------------- the loop
+
+def init_state(model: Transformer, cache: Cache, dc, tokens, lengths, key, stop_tokens, sp: SpecParams,
+               max_new_tokens: int) -> dict:
+    """Prefill + first proposal -> the loop state (output buffer, per-sequence progress, statistics)."""
     b = tokens.shape[0]
     k = sp.num_draft
     cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, jax.random.fold_in(key, 0), sp)
-    width = max_new_tokens + k + 1
-    out = jnp.full((b, width), -1, jnp.int32).at[:, 0].set(first)
+    out = jnp.full((b, max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(first)
     n_out = jnp.ones((b,), jnp.int32)
     done = jnp.isin(first, stop_tokens) | (n_out >= max_new_tokens)
     zeros = jnp.zeros((k,), jnp.int32)
-    state = dict(i=jnp.int32(1), cache=cache, dc=dc, pending=first, proposal=proposal, out=out, n_out=n_out,
-                 done=done, verified=zeros, accepted=zeros, steps_active=jnp.int32(0), tokens_active=jnp.int32(0))
+    return dict(i=jnp.int32(1), cache=cache, dc=dc, pending=first, proposal=proposal, out=out, n_out=n_out,
+                done=done, verified=zeros, accepted=zeros, steps_active=jnp.int32(0), tokens_active=jnp.int32(0),
+                accept_hist=jnp.zeros((k + 1,), jnp.int32),
+                accepted_per_step=jnp.zeros((max_new_tokens,), jnp.float32))
 
-    def cond(s):
-        return ~jnp.all(s["done"])
 
-    def body(s):
-        cache, dc, emitted, a, n_verify, nxt, proposal = spec_step(
-            model, s["cache"], s["dc"], s["pending"], s["proposal"], jax.random.fold_in(key, s["i"]), sp)
-        active = ~s["done"]
-        j = jnp.arange(k + 1)[None, :]
-        valid = j <= a[:, None]
-        is_stop = jnp.isin(emitted, stop_tokens) & valid
-        first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), k + 1)
-        keep = valid & (j <= first_stop[:, None]) & active[:, None]
-        slot = jnp.where(keep, s["n_out"][:, None] + j, width)
-        out = s["out"].at[jnp.arange(b)[:, None], slot].set(emitted, mode="drop")
-        n_out = s["n_out"] + jnp.sum(keep, 1)
-        done = s["done"] | (first_stop <= k) | (n_out >= max_new_tokens)
-        jj = jnp.arange(k)[None, :]
-        verified = s["verified"] + jnp.sum((jj < n_verify[:, None]) & active[:, None], 0)
-        accepted = s["accepted"] + jnp.sum((jj < a[:, None]) & active[:, None], 0)
-        return dict(i=s["i"] + 1, cache=cache, dc=dc, pending=nxt, proposal=proposal, out=out, n_out=n_out,
-                    done=done, verified=verified, accepted=accepted,
-                    steps_active=s["steps_active"] + jnp.sum(active),
-                    tokens_active=s["tokens_active"] + jnp.sum(jnp.where(active, 1 + a, 0)))
+def verify_phase(model: Transformer, s: dict, key, stop_tokens, sp: SpecParams, max_new_tokens: int
+                 ) -> tuple[dict, Verified]:
+    """Verification and the bookkeeping of one iteration (emitted tokens, stops, statistics)."""
+    b, width = s["out"].shape
+    k = sp.num_draft
+    k_acc, _ = jax.random.split(jax.random.fold_in(key, s["i"]))
+    cache, emitted, n_verify, v = verify(model, s["cache"], s["pending"], s["proposal"], k_acc, sp)
+    a = v.a
+    active = ~s["done"]
+    j = jnp.arange(k + 1)[None, :]
+    valid = j <= a[:, None]
+    is_stop = jnp.isin(emitted, stop_tokens) & valid
+    first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), k + 1)
+    keep = valid & (j <= first_stop[:, None]) & active[:, None]
+    slot = jnp.where(keep, s["n_out"][:, None] + j, width)
+    out = s["out"].at[jnp.arange(b)[:, None], slot].set(emitted, mode="drop")
+    n_out = s["n_out"] + jnp.sum(keep, 1)
+    done = s["done"] | (first_stop <= k) | (n_out >= max_new_tokens)
+    jj = jnp.arange(k)[None, :]
+    n_active = jnp.sum(active)
+    step_len = jnp.sum(jnp.where(active, 1 + a, 0))
+    return dict(s, i=s["i"] + 1, cache=cache, pending=v.nxt, out=out, n_out=n_out, done=done,
+                verified=s["verified"] + jnp.sum((jj < n_verify[:, None]) & active[:, None], 0),
+                accepted=s["accepted"] + jnp.sum((jj < a[:, None]) & active[:, None], 0),
+                steps_active=s["steps_active"] + n_active, tokens_active=s["tokens_active"] + step_len,
+                accept_hist=s["accept_hist"].at[a].add(active.astype(jnp.int32)),
+                accepted_per_step=s["accepted_per_step"].at[s["i"] - 1].set(
+                    step_len / jnp.maximum(n_active, 1), mode="drop")), v
 
-    s = jax.lax.while_loop(cond, body, state)
+
+def draft_phase(model: Transformer, s: dict, v: Verified, key, sp: SpecParams) -> dict:
+    """The drafter's half of the iteration whose verification produced `v` (s["i"] already advanced)."""
+    _, k_prop = jax.random.split(jax.random.fold_in(key, s["i"] - 1))
+    dc, proposal = draft(model, s["dc"], v, k_prop, sp)
+    return dict(s, dc=dc, proposal=proposal)
+
+
+def finish(s: dict, max_new_tokens: int):
+    """-> (tokens [B, max_new] (-1 past each sequence's end), n_gen [B], statistics arrays)."""
+    width = s["out"].shape[1]
     out = jnp.where(jnp.arange(width)[None, :] < jnp.minimum(s["n_out"], max_new_tokens)[:, None], s["out"], -1)
-    stats = dict(steps=s["i"] - 1, verified=s["verified"], accepted=s["accepted"], steps_active=s["steps_active"],
-                 tokens_active=s["tokens_active"])
+    stats = {name: s[name] for name in ("verified", "accepted", "steps_active", "tokens_active", "accept_hist",
+                                        "accepted_per_step")}
+    stats["steps"] = s["i"] - 1
     return out[:, :max_new_tokens], jnp.minimum(s["n_out"], max_new_tokens), stats
 
 
+def run_loop(model: Transformer, cache: Cache, dc, tokens, lengths, key, stop_tokens, sp: SpecParams,
+             max_new_tokens: int):
+    """The whole speculative generation (traceable): -> (tokens [B, max_new], n_gen [B], stats arrays)."""
+    s = init_state(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens)
+
+    def body(s):
+        s, v = verify_phase(model, s, key, stop_tokens, sp, max_new_tokens)
+        return draft_phase(model, s, v, key, sp)
+
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, s)
+    return finish(s, max_new_tokens)
+
+
 def summarize(stats: dict[str, Any]) -> dict[str, Any]:
-    """Host-side statistics: mean accepted length per verify step and per-position acceptance rates."""
+    """Host-side statistics: mean accepted length per verify step (tokens emitted per sequence-step),
+    its histogram over sequence-steps (index a: a drafts accepted), the batch-mean accepted length of each
+    step, and per-position acceptance rates."""
     verified = np.asarray(stats["verified"])
     accepted = np.asarray(stats["accepted"])
     steps = int(stats["steps_active"])
-    return {"spec_steps": int(stats["steps"]),
+    n_steps = int(stats["steps"])
+    return {"spec_steps": n_steps,
             "mean_accepted_length": float(stats["tokens_active"]) / max(steps, 1),
+            "accepted_length_per_step": np.asarray(stats["accepted_per_step"])[:n_steps].round(4).tolist(),
+            "accepted_histogram": np.asarray(stats["accept_hist"]).tolist(),
             "acceptance_per_position": (accepted / np.maximum(verified, 1)).tolist(),
             "verified_per_position": verified.tolist()}

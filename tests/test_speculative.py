@@ -97,6 +97,23 @@ def test_greedy_speculative_equals_plain(cfg, kind, policy):
     assert spec.stats["spec_steps"] >= 1 and 1.0 <= spec.stats["mean_accepted_length"] <= 4.0
 
 
+def test_timed_speculative_phases():
+    """timing=True runs verify and draft as separate calls: the same tokens as plain greedy, with prefill,
+    verify and draft times, and the accepted-length histogram / per-step trace agree with the mean."""
+    model = init_random(V4_SMALL, seed=2)
+    plain = generate(model, PROMPTS, max_new_tokens=10)
+    spec = generate(model, PROMPTS, max_new_tokens=10, speculative="mtp", num_draft=3, timing=True)
+    np.testing.assert_array_equal(spec.tokens, plain.tokens)
+    st = spec.stats
+    assert st["verify_s"] > 0 and st["draft_s"] > 0 and st["prefill_s"] > 0
+    assert st["decode_s"] == pytest.approx(st["verify_s"] + st["draft_s"])
+    hist = np.asarray(st["accepted_histogram"])  # index a: a drafts accepted (a + 1 tokens)
+    assert hist.shape == (4,) and hist.sum() >= st["spec_steps"]
+    assert (hist * np.arange(1, 5)).sum() / hist.sum() == pytest.approx(st["mean_accepted_length"])
+    assert len(st["accepted_length_per_step"]) == st["spec_steps"]
+    assert all(1.0 <= x <= 4.0 for x in st["accepted_length_per_step"])
+
+
 def test_acceptance_math_greedy():
     """Exact drafts are all accepted (plus the bonus), a wrong first draft rejects everything."""
     from sampling.speculative import SpecParams, accept

@@ -334,6 +334,37 @@ class ModelConfig:
             d["dspark_num_experts_per_tok"] = d.pop("dspark_n_experts_per_tok")
         return d
 
+    def to_hf_dict(self) -> dict:
+        """[V4] The HF-transformers style config (`DeepseekV4Config(**d)`, also readable by `from_hf`):
+        per-layer `layer_types` with one `compress_rates` entry per type, `mlp_layer_types`,
+        `partial_rotary_factor` and `rope_parameters` {main, compress}."""
+        if self.generation != "v4":
+            raise ValueError(f"{self.name}: HF transformers implements V4 only (DeepseekV4ForCausalLM)")
+        types, rates = [], {}
+        for i, r in enumerate(self.compress_ratios[:self.num_layers]):
+            t = ("sliding_attention" if r == 0 else
+                 "compressed_sparse_attention" if r == self.csa_ratio else "heavily_compressed_attention")
+            if rates.setdefault(t, r) != r:
+                raise ValueError(f"{self.name}: layer {i} has ratio {r} but another {t} layer has {rates[t]}; "
+                                 "the HF config holds one rate per layer type")
+            types.append(t)
+        rates.pop("sliding_attention", None)
+        d = self.to_official_dict()
+        for k in ("compress_ratios", "compress_rate_csa", "num_hash_layers", "qk_rope_head_dim", "rope_scaling"):
+            d.pop(k, None)
+        compress = {"rope_type": "default", "rope_theta": self.compress_rope_theta}
+        if self.yarn is not None:
+            compress = {"rope_type": "yarn", "rope_theta": self.compress_rope_theta,
+                        **dataclasses.asdict(self.yarn), "attention_factor": 1.0}  # no YaRN logit scaling
+        rot = self.rope_head_dim / self.head_dim
+        d.update(layer_types=types, compress_rates=rates,
+                 mlp_layer_types=["hash_moe"] * self.num_hash_layers + ["moe"] * (self.num_layers - self.num_hash_layers),
+                 partial_rotary_factor=rot,
+                 rope_parameters={"main": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                           "partial_rotary_factor": rot},
+                                  "compress": {**compress, "partial_rotary_factor": rot}})
+        return d
+
     # ------------------------------------------------------------------ presets
     @staticmethod
     def preset(name: str) -> "ModelConfig":

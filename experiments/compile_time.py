@@ -1,0 +1,125 @@
+"""Compile time of the prefill and decode (verify) steps for any config, the full 43-layer V4-Flash
+included, with abstract weights and caches: `model.transformer.abstract_model` and `jax.eval_shape` of
+the cache hold shapes only, so nothing is allocated and any backend can compile any size (issue 10).
+
+    python -m experiments.compile_time --preset v4-flash --prefill-batch 1 --decode-batch 64 \\
+        --context 126976 --new-tokens 4096
+    python -m experiments.compile_time --preset v4-flash-4l --moe-impl pallas --attention-impl pallas   # GPU
+
+The step functions are experiments/bench.py's (`step_functions`: prefill = `new_tokens` rows per sequence
+after `context` cached positions; verify = 1 + num_draft rows per sequence), so the programs are the ones
+bench.py times. Reported per step: trace + lowering seconds, XLA compile seconds, and the compiled
+program's temporary buffer bytes where the backend reports them. Output: JSON + markdown under
+experiments/results/compile_time_<stamp>_<backend>.{json,md} (and $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, num_draft: int = 3) -> dict:
+    """Lower and compile one step (kind "prefill" or "verify") on abstract inputs -> timings."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.bench import Point, Setup, step_functions
+    from model.cache import allocate
+    from model.transformer import abstract_model
+
+    t0 = time.perf_counter()
+    model = abstract_model(cfg, dtype)
+    setup = Setup(cfg=cfg, preset=cfg.name, dtype=dtype, mesh_shape=(1, 1, 1), mesh=None, model=model, init_s=0.0)
+    point = Point("prefill" if kind == "prefill" else "decode", "deepinfer", batch, context, rows, num_draft,
+                  step="" if kind == "prefill" else "verify")
+    state, fns, _ = step_functions(setup, point)
+    max_len = min(-(-(context + rows + num_draft + 2) // 64) * 64, cfg.max_position_embeddings)
+    cache = jax.eval_shape(lambda: allocate(cfg, batch, max_len, dtype, max(8, num_draft + 2)))
+    tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)
+    t1 = time.perf_counter()
+    lowered = fns[kind].lower(state, cache, tokens)
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    rec = {"step": kind, "batch": batch, "context": context, "rows": rows, "abstract_model_s": round(t1 - t0, 3),
+           "trace_lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3)}
+    try:
+        mem = compiled.memory_analysis()
+        rec["temp_bytes"] = int(mem.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        pass
+    return rec
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="v4-flash")
+    p.add_argument("--layers", type=int, help="scale to N backbone layers keeping the layer pattern")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--steps", default="prefill,verify", help="comma list of prefill, verify")
+    p.add_argument("--prefill-batch", type=int, default=1)
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=126976)
+    p.add_argument("--new-tokens", type=int, default=4096)
+    p.add_argument("--num-draft", type=int, default=3)
+    p.add_argument("--moe-impl", choices=("reference", "pallas"), default="reference")
+    p.add_argument("--attention-impl", choices=("reference", "pallas"), default="reference")
+    p.add_argument("--out", help="results directory (default experiments/results; $OUT also gets a copy)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import jax
+
+    from experiments.roofline import scale_layers
+    from model import ModelConfig
+
+    cfg = ModelConfig.preset(args.preset)
+    if args.layers:
+        cfg = scale_layers(cfg, args.layers)
+    cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl)
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    if not steps or any(s not in ("prefill", "verify") for s in steps):
+        raise SystemExit(f"--steps must list prefill and/or verify, got {args.steps!r}")
+    backend = jax.default_backend()
+    records = []
+    for kind in steps:
+        batch, rows = ((args.prefill_batch, args.new_tokens) if kind == "prefill"
+                       else (args.decode_batch, 1 + args.num_draft))
+        rec = compile_step(cfg, args.dtype, kind, batch, args.context, rows, args.num_draft)
+        print(f"[compile_time] {cfg.name} {kind} B{batch} x {rows} rows at {args.context}: trace+lower "
+              f"{rec['trace_lower_s']:.1f} s, compile {rec['compile_s']:.1f} s", flush=True)
+        records.append(rec)
+    meta = {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "backend": backend,
+            "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,
+            "attention_impl": cfg.attention_impl, "command": "python -m experiments.compile_time " + " ".join(
+                sys.argv[1:] if argv is None else argv)}
+    lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype}, {backend} ({meta['device']}), "
+             f"jax {jax.__version__}", "", f"`{meta['command']}`", "",
+             "| step | batch x rows | context | trace + lower s | compile s | temp GiB |", "|---|---|---|---|---|---|"]
+    for r in records:
+        temp = f"{r['temp_bytes'] / 2**30:.1f}" if "temp_bytes" in r else "-"
+        lines.append(f"| {r['step']} | {r['batch']} x {r['rows']} | {r['context']} | {r['trace_lower_s']:.1f} "
+                     f"| {r['compile_s']:.1f} | {temp} |")
+    out = {"meta": meta, "records": records}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dirs = [Path(args.out) if args.out else RESULTS] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        base = d / f"compile_time_{stamp}_{backend}"
+        base.with_suffix(".json").write_text(json.dumps(out, indent=1))
+        base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -48,11 +48,9 @@ dtype, warm-up and repeat counts, medians, compile times, roofline) in
 experiments/results/bench_<stamp>_<backend>.json plus a markdown table (.md); both are rewritten after every
 configuration (a run cut short keeps what it finished) and copied to $OUT when that is set.
 
-Forced balance on one device: `sharding.expert_parallel.attach(model, None, EPConfig(force_balance=True))`
-would force the balance but always runs the reference MoE (it ignores `moe_impl="pallas"`), so this script
-sets the MoE modules' `expert_parallel` hook (the attribute `attach` sets, read by `model.moe.MoE.__call__`)
-to `ForcedBalanceExperts`, which replaces the ids and then calls the configured implementation. On a mesh
-it uses `attach(..., EPConfig(force_balance=True))`.
+Forced balance: `sharding.expert_parallel.attach(model, mesh_or_None, EPConfig(force_balance=True))` replaces
+the router's ids and then runs the configured expert implementation (one device: `cfg.moe_impl`; a mesh:
+per-shard ragged_dot).
 """
 
 from __future__ import annotations
@@ -347,45 +345,17 @@ def memory_message(mem: dict, where: str) -> str:
 
 # ----------------------------------------------------------------------------------------------- routing
 
-@dataclasses.dataclass(frozen=True)
-class ForcedBalanceExperts:
-    """Benchmark-mode routed experts on one device: the router's ids are replaced by perfectly balanced ones
-    (`forced_balance_ids`), then the configured implementation runs ("reference" | "pallas"). Set as the
-    MoE module's `expert_parallel` hook (static, part of the graphdef). Same contract as
-    `reference.moe_experts`: x [M, D], ids / weights [M, k] -> [M, D] float32."""
-
-    impl: str = "reference"
-
-    def __call__(self, x, ids, weights, w1, w2, w3, limit):
-        from pallas_kernels import moe as pallas_moe
-        from pallas_kernels import reference as ref
-        from sharding.placement import forced_balance_ids
-
-        m, k = ids.shape
-        ids = forced_balance_ids(m, k, w1.shape[0])
-        fn = pallas_moe.moe_experts if self.impl == "pallas" else ref.moe_experts
-        return fn(x, ids, weights, w1, w2, w3, limit)
-
-
-def moe_modules(model):
-    from flax import nnx
-
-    from model.moe import MoE
-
-    for _, mod in nnx.iter_graph(model):
-        if isinstance(mod, MoE):
-            yield mod
-
 
 def set_routing(model, forced: bool, mesh) -> str:
     """Forced balance or the router's choices, on one device or a mesh. -> a description for the record."""
-    if mesh is None:
-        for mod in moe_modules(model):
-            mod.expert_parallel = ForcedBalanceExperts(mod.impl) if forced else None
-        impl = model.config.moe_impl
-        return f"{'forced-balance' if forced else 'router'} ({impl} experts, one device)"
-    from sharding.expert_parallel import EPConfig, attach
+    from sharding.expert_parallel import EPConfig, attach, detach
 
+    if mesh is None:
+        if forced:
+            attach(model, None, EPConfig(force_balance=True))
+        else:
+            detach(model)
+        return f"{'forced-balance' if forced else 'router'} ({model.config.moe_impl} experts, one device)"
     attach(model, mesh, EPConfig(force_balance=forced))
     return f"{'forced-balance' if forced else 'router'} (expert parallel, ragged_dot per shard)"
 

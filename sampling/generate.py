@@ -155,7 +155,7 @@ def _speculative_timed(model, new_cache, new_dc, args, stops, sp: SpecParams, ma
     for _ in range(2):
         t0 = time.perf_counter()
         state = jax.block_until_ready(_spec_init_jit(model, new_cache(), new_dc(), *args, stops, sp, max_new_tokens))
-        t_prefill, t_verify, t_draft, steps = time.perf_counter() - t0, [], [], 0
+        t_prefill, t_verify, t_draft = time.perf_counter() - t0, [], []
         while not bool(to_host(jnp.all(state["done"]))):
             t0 = time.perf_counter()
             state, verified = jax.block_until_ready(_spec_verify_jit(model, state, key, stops, sp, max_new_tokens))

@@ -78,6 +78,7 @@ class ExpertParallel:
     placement: Placement | None = None
     layer: int = -1
     record: str | None = None  # key of a load recorder (see `recording`)
+    impl: str = "reference"  # one device: the layer's routed-expert implementation ("reference" | "pallas")
 
     # ------------------------------------------------------------------ the choice
     def choose(self, m: int) -> tuple[str, str, tuple[str, ...]]:
@@ -119,7 +120,10 @@ class ExpertParallel:
             slots = jnp.asarray(self.placement.slot_to_expert, jnp.int32)
             w1, w2, w3 = (jnp.take(w, slots, axis=0) for w in (w1, w2, w3))
         if self.mesh is None:
-            return ref.moe_experts(x, ids, weights, w1, w2, w3, limit)
+            from pallas_kernels import moe as pallas_moe
+
+            local = pallas_moe.moe_experts if self.impl == "pallas" else ref.moe_experts
+            return local(x, ids, weights, w1, w2, w3, limit)
         strategy, transport, tok_axes = self.choose(m)
         tok = P(tok_axes if tok_axes else None)
         w13, w2s = P("ep", "tp", None), P("ep", None, "tp")
@@ -216,7 +220,6 @@ def _ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output
                               axis_name):
     """`jax.lax.ragged_all_to_all` semantics from a dense `all_to_all`: each peer's chunk is padded
     to the operand's length, exchanged, then scattered at the sender's output offset."""
-    ep = jax.lax.axis_size(axis_name)
     n = operand.shape[0]
     r = jnp.arange(n, dtype=jnp.int32)
     src = jnp.clip(input_offsets[:, None] + r[None, :], 0, n - 1)  # [ep, n]
@@ -250,7 +253,8 @@ def attach(model, mesh: Mesh | None, config: EPConfig | None = None, placements=
     """Set every MoE layer's `expert_parallel` (in place; returns the model).
 
     placements: None, one Placement for every layer, or {layer index: Placement}.
-    mesh=None with a placement / force_balance / record runs the experts on one device.
+    mesh=None with a placement / force_balance / record runs the experts on one device, with the layer's
+    own implementation (`cfg.moe_impl`); on a mesh each shard runs grouped `ragged_dot`s.
     """
     config = config or EPConfig()
     ep = 1 if mesh is None else int(mesh.shape["ep"])
@@ -264,7 +268,7 @@ def attach(model, mesh: Mesh | None, config: EPConfig | None = None, placements=
                                  f"the layer has {n}")
         elif mesh is not None and n % ep:
             raise ValueError(f"layer {layer}: {n} routed experts are not divisible by ep={ep}")
-        mod.expert_parallel = ExpertParallel(mesh, config, placement, layer, record)
+        mod.expert_parallel = ExpertParallel(mesh, config, placement, layer, record, mod.impl)
     return model
 
 

@@ -182,6 +182,11 @@ def test_placement_and_forced_balance_on_one_device():
     want = ref.moe_experts(x, ids, w, w1, w2, w3, 10.0)
     placed = ExpertParallel(None, placement=rebalance(expert_load(ids, e), ep=4, num_redundant=4))
     np.testing.assert_allclose(placed(x, ids, w, w1, w2, w3, 10.0), want, rtol=1e-6, atol=1e-6)
+    # forced balance keeps the layer's own implementation (the Pallas kernel, interpreted on CPU)
+    balanced = ref.moe_experts(x, forced_balance_ids(m, k, e), w, w1, w2, w3, 10.0)
+    for impl in ("reference", "pallas"):
+        forced = ExpertParallel(None, EPConfig(force_balance=True), impl=impl)
+        np.testing.assert_allclose(forced(x, ids, w, w1, w2, w3, 10.0), balanced, rtol=2e-5, atol=2e-5)
 
     cfg = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1,
                                                 num_mtp_layers=0)

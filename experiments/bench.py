@@ -49,8 +49,8 @@ experiments/results/bench_<stamp>_<backend>.json plus a markdown table (.md); bo
 configuration (a run cut short keeps what it finished) and copied to $OUT when that is set.
 
 Forced balance: `sharding.expert_parallel.attach(model, mesh_or_None, EPConfig(force_balance=True))` replaces
-the router's ids and then runs the configured expert implementation (one device: `cfg.moe_impl`; a mesh:
-per-shard ragged_dot).
+the router's ids and then runs the configured expert implementation (`cfg.moe_impl`, on each shard of a
+mesh too).
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ def set_routing(model, forced: bool, mesh) -> str:
             detach(model)
         return f"{'forced-balance' if forced else 'router'} ({model.config.moe_impl} experts, one device)"
     attach(model, mesh, EPConfig(force_balance=forced))
-    return f"{'forced-balance' if forced else 'router'} (expert parallel, ragged_dot per shard)"
+    return f"{'forced-balance' if forced else 'router'} (expert parallel, {model.config.moe_impl} experts per shard)"
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -693,8 +693,6 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
         rec["notes"].append("fewer than 10 timed repeats (BENCHMARKS.md 5 asks for >= 10)")
     if setup.dtype != "bfloat16":
         rec["notes"].append(f"weights and KV are {setup.dtype}; the roofline counts bf16 bytes")
-    if cfg.moe_impl == "pallas" and setup.mesh is not None:
-        rec["notes"].append("on a mesh the routed experts run as ragged_dot per shard (no Pallas MoE yet)")
     if not rec["notes"]:
         del rec["notes"]
     return rec

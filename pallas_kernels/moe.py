@@ -97,24 +97,28 @@ def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 def route_plan(expert_ids: jax.Array, weights: jax.Array, num_experts: int, block_m: int) -> RoutePlan:
-    """expert_ids [M, k] int, weights [M, k] -> RoutePlan (see the module docstring)."""
+    """expert_ids [M, k] int, weights [M, k] -> RoutePlan (see the module docstring). Ids outside
+    [0, num_experts) are dropped: no tile, and `dest` = P (past the buffer) so they combine to 0."""
     m, k = expert_ids.shape
     r = m * k
     t_max = max_tiles(r, num_experts, block_m)
+    p = t_max * block_m
     flat = expert_ids.reshape(-1).astype(jnp.int32)
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped rows sort last
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)       # sorted position -> flat row
     sorted_e = flat[order]
-    gs = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    kept = sorted_e < num_experts
+    gs = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # the sentinel is not counted
     tiles = (gs + block_m - 1) // block_m
     tiles_end = jnp.cumsum(tiles).astype(jnp.int32)
     tile_first = tiles_end - tiles
     group_first = (jnp.cumsum(gs) - gs).astype(jnp.int32)
-    rank = jnp.arange(r, dtype=jnp.int32) - group_first[sorted_e]
-    dest_sorted = tile_first[sorted_e] * block_m + rank
-    p = t_max * block_m
-    row_token = jnp.zeros((p,), jnp.int32).at[dest_sorted].set(order // k)
+    e_kept = jnp.minimum(sorted_e, num_experts - 1)
+    rank = jnp.arange(r, dtype=jnp.int32) - group_first[e_kept]
+    dest_sorted = jnp.where(kept, tile_first[e_kept] * block_m + rank, p)
+    row_token = jnp.zeros((p,), jnp.int32).at[dest_sorted].set(order // k, mode="drop")
     row_weight = jnp.zeros((p,), jnp.float32).at[dest_sorted].set(
-        weights.reshape(-1).astype(jnp.float32)[order])
+        weights.reshape(-1).astype(jnp.float32)[order], mode="drop")
     dest = jnp.zeros((r,), jnp.int32).at[order].set(dest_sorted).reshape(m, k)
     num_tiles = tiles_end[-1]
     t = jnp.arange(t_max, dtype=jnp.int32)
@@ -749,7 +753,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
                 interpret=None, weight_layout: str = "out_in", compute_dtype=jnp.bfloat16) -> jax.Array:
     """Routed-expert SwiGLU block (drop-in for `reference.moe_experts`, plus quantised weights).
 
-    x [M, D], expert_ids [M, k] int, weights [M, k] float32 (routing weights),
+    x [M, D], expert_ids [M, k] int (ids outside [0, E) are dropped: they cost nothing and add 0 -- an
+    expert-parallel shard passes the rows it does not own that way), weights [M, k] float32 (routing weights),
     w1/w3 [E, I, D], w2 [E, D, I] in storage format (dense; FP8 E4M3; FP4 packed [E, out, in/2]),
     scales: None or (s1, s2, s3) UE8M0 scales of w1, w2, w3 (see module docstring),
     backend: "auto" | "triton" | "mgpu"; config: TritonConfig / MgpuConfig (None -> by regime);
@@ -806,7 +811,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         zt = _gate_up_mgpu_swap(xt, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
                                 cfg=config, interpret=interp)
         yt = _down_mgpu_swap(zt, plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt, interpret=interp)
-        rows = jnp.take(yt, plan.dest.reshape(-1), axis=1).astype(jnp.float32).reshape(d, m, k)
+        rows = jnp.take(yt, plan.dest.reshape(-1), axis=1, mode="fill", fill_value=0).astype(jnp.float32)
+        rows = rows.reshape(d, m, k)
         return jnp.sum(rows, axis=2).T
     elif backend == "mgpu":
         if fmt != "dense" or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -822,7 +828,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             post = weights.astype(jnp.float32)
     else:
         raise ValueError(f"moe_experts: unknown backend {backend!r}")
-    rows = jnp.take(y, plan.dest.reshape(-1), axis=0).astype(jnp.float32).reshape(m, k, d)
+    rows = jnp.take(y, plan.dest.reshape(-1), axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    rows = rows.reshape(m, k, d)
     if post is not None:
         rows = rows * post[:, :, None]
     return jnp.sum(rows, axis=1)

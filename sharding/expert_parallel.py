@@ -25,10 +25,11 @@ Strategies (`EPConfig.strategy`):
   `ExpertParallel.choose(m)` / `describe(m)`, and `generate(..., mesh=...)` puts it in its stats.
 
 With tp > 1 each tp shard computes a slice of the intermediate width and a psum over tp adds them.
-Per shard the experts run as grouped `ragged_dot`s (the reference's arithmetic), also when the config
-asks for the Pallas MoE kernel on one device: plugging the kernel in per shard is future work.
-Row-for-row the arithmetic equals `pallas_kernels.reference.moe_experts`; only the order in which the
-k choices (and ep / tp partial sums) are added differs (float32, ~1e-7 relative).
+Per shard the experts run as the config says (`cfg.moe_impl`): grouped `ragged_dot`s (the reference's
+arithmetic) or the Pallas grouped-GEMM kernel, which drops the rows of other shards' experts itself
+(ids outside its local range cost nothing). Row-for-row the arithmetic equals
+`pallas_kernels.reference.moe_experts`; only the order in which the k choices (and ep / tp partial sums)
+are added differs (float32, ~1e-7 relative).
 
 Hook: `attach(model, mesh, config)` sets `MoE.expert_parallel` (a frozen, hashable ExpertParallel:
 part of the graphdef, so a different mesh or strategy retraces). `MoE.__call__` calls it instead of
@@ -133,18 +134,26 @@ class ExpertParallel:
             body = _gather_body
         else:
             body = _dispatch_body
-        fn = jax.shard_map(lambda *a: body(*a, limit=limit, transport=transport), mesh=self.mesh,
-                           in_specs=(tok, tok, tok, w13, w2s, w13), out_specs=tok)
+        # pallas_call declares no varying-axes type for its outputs: skip shard_map's check around it
+        fn = jax.shard_map(lambda *a: body(*a, limit=limit, transport=transport, impl=self.impl), mesh=self.mesh,
+                           in_specs=(tok, tok, tok, w13, w2s, w13), out_specs=tok,
+                           check_vma=self.impl != "pallas")
         return fn(x, ids.astype(jnp.int32), weights.astype(jnp.float32), w1, w2, w3)
 
 
 # ----------------------------------------------------------------------------- per-shard bodies
 
-def _local_experts(rows, slot, wts, valid, w1, w2, w3, limit):
+def _local_experts(rows, slot, wts, valid, w1, w2, w3, limit, impl):
     """Rows [N, D] for this shard's expert slots `slot` [N] (local ids), weights [N], valid [N] ->
-    [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid). Rows sorted by slot,
-    grouped matmuls as in the reference (slots without rows cost nothing)."""
+    [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid). "pallas": the grouped-GEMM
+    kernel with the invalid rows dropped; "reference": rows sorted by slot and grouped `ragged_dot`s
+    (slots without rows cost nothing either way)."""
     n_local = w1.shape[0]
+    if impl == "pallas":
+        from pallas_kernels import moe as pallas_moe
+
+        ids = jnp.where(valid, slot, n_local)[:, None]
+        return pallas_moe.moe_experts(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit)
     key = jnp.where(valid, slot, n_local)
     order = jnp.argsort(key, stable=True)
     xs = jnp.take(rows, order, axis=0).astype(w1.dtype)
@@ -157,24 +166,28 @@ def _local_experts(rows, slot, wts, valid, w1, w2, w3, limit):
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def _experts_for_all(x, ids, wts, w1, w2, w3, limit):
+def _experts_for_all(x, ids, wts, w1, w2, w3, limit, impl):
     """Every token [M, D] x its k choices against this shard's slots -> partial [M, D] float32."""
     m, k = ids.shape
     n_local = w1.shape[0]
     slot = ids - jax.lax.axis_index("ep") * n_local
     valid = (slot >= 0) & (slot < n_local)
+    if impl == "pallas":  # the kernel drops the other shards' rows itself (no broadcast copies of x)
+        from pallas_kernels import moe as pallas_moe
+
+        return pallas_moe.moe_experts(x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit)
     rows = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[-1])).reshape(m * k, -1)
-    y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, limit)
+    y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, limit, impl)
     return jnp.sum(y.reshape(m, k, -1), axis=1)
 
 
-def _replicate_body(x, ids, wts, w1, w2, w3, *, limit, transport):
-    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, limit), ("ep", "tp"))
+def _replicate_body(x, ids, wts, w1, w2, w3, *, limit, transport, impl):
+    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, limit, impl), ("ep", "tp"))
 
 
-def _gather_body(x, ids, wts, w1, w2, w3, *, limit, transport):
+def _gather_body(x, ids, wts, w1, w2, w3, *, limit, transport, impl):
     xg, ig, wg = (jax.lax.all_gather(a, "ep", tiled=True) for a in (x, ids, wts))
-    y = _experts_for_all(xg, ig, wg, w1, w2, w3, limit)
+    y = _experts_for_all(xg, ig, wg, w1, w2, w3, limit, impl)
     return jax.lax.psum(jax.lax.psum_scatter(y, "ep", scatter_dimension=0, tiled=True), "tp")
 
 
@@ -182,7 +195,7 @@ def _exclusive_cumsum(a, axis=0):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def _dispatch_body(x, ids, wts, w1, w2, w3, *, limit, transport):
+def _dispatch_body(x, ids, wts, w1, w2, w3, *, limit, transport, impl):
     """all-to-all dispatch -> local experts -> all-to-all combine, for this shard's [M_l] tokens."""
     a2a = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_all_to_all_padded
     m, k = ids.shape
@@ -207,7 +220,7 @@ def _dispatch_body(x, ids, wts, w1, w2, w3, *, limit, transport):
     recv_slot = a2a(send_slot, jnp.full((cap,), -1, jnp.int32), axis_name="ep", **args)
     recv_w = a2a(send_w, jnp.zeros((cap,), jnp.float32), axis_name="ep", **args)
     valid = jnp.arange(cap) < jnp.sum(recv_sizes)
-    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, limit)
+    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, limit, impl)
     # back: the rows from shard i sit contiguously at sum_{i'<i} recv_sizes[i'] of my buffer
     back = a2a(y, jnp.zeros((n, y.shape[-1]), y.dtype), axis_name="ep",
                input_offsets=_exclusive_cumsum(recv_sizes), send_sizes=recv_sizes,
@@ -253,8 +266,8 @@ def attach(model, mesh: Mesh | None, config: EPConfig | None = None, placements=
     """Set every MoE layer's `expert_parallel` (in place; returns the model).
 
     placements: None, one Placement for every layer, or {layer index: Placement}.
-    mesh=None with a placement / force_balance / record runs the experts on one device, with the layer's
-    own implementation (`cfg.moe_impl`); on a mesh each shard runs grouped `ragged_dot`s.
+    Experts run with the layer's own implementation (`cfg.moe_impl`): on one device (mesh=None, with a
+    placement / force_balance / record), or on each shard of the mesh.
     """
     config = config or EPConfig()
     ep = 1 if mesh is None else int(mesh.shape["ep"])

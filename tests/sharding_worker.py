@@ -105,6 +105,10 @@ def run_meshes(out_path: str, full: bool = False) -> None:
             mesh = ParallelConfig(2, 4, 1).make_mesh()
             case("all_to_all/padded", mesh, shard_model(model, mesh, EPConfig("all_to_all", "padded")))
             case("replicate", mesh, shard_model(model, mesh, EPConfig("replicate")))
+            # the Pallas grouped-GEMM kernel per shard (interpreted on CPU), dispatch and replicate
+            pallas = init_random(cfg.replace(moe_impl="pallas"), seed=0, dtype="float32")
+            for ep_cfg in (EPConfig("all_to_all", "padded"), EPConfig("replicate")):
+                case(f"pallas {ep_cfg.strategy}", mesh, shard_model(pallas, mesh, ep_cfg), impl="pallas")
             # born sharded: init_random(mesh=) and load_checkpoint(mesh=) give the same numbers
             case("init_random(mesh)", mesh, init_random(cfg, seed=0, dtype="float32", mesh=mesh))
             with tempfile.TemporaryDirectory() as d:

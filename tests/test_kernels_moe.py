@@ -132,6 +132,27 @@ def test_route_plan(block_m):
     assert plan.row_weight.sum() == pytest.approx(w.sum(), rel=1e-5)  # padding rows weigh 0
 
 
+def test_dropped_ids_cost_nothing():
+    """Ids outside [0, E) (an expert-parallel shard's rows for other shards' experts) get no tile and
+    combine to 0; the kept rows give the reference's result over the kept rows."""
+    m, k, e, d, i = 40, 3, 8, 128, 128
+    rng = fresh_rng()
+    x, ids, w, w1, w2, w3 = problem(rng, m, k, e, d, i, "uniform")
+    drop = rng.uniform(size=(m, k)) < 0.4
+    drop[0] = True                                                    # a token with every row dropped
+    ids_d = jnp.where(drop, jnp.where(rng.uniform(size=(m, k)) < 0.5, -1, e), ids)
+    plan = jax.tree.map(np.asarray, K.route_plan(ids_d, w, e, 16))
+    kept = np.asarray(ids)[~drop]
+    assert (plan.group_sizes == np.bincount(kept, minlength=e)).all()
+    assert (plan.dest[drop] == len(plan.row_token)).all() and len(set(plan.dest[~drop])) == (~drop).sum()
+    want = reference(x, ids, jnp.where(drop, 0.0, w), w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
+                     w3.astype(jnp.bfloat16))
+    got = kernel(x.astype(jnp.bfloat16), ids_d, w, *(a.astype(jnp.bfloat16) for a in (w1, w2, w3)),
+                 backend="triton", config=K.default_config("triton", m * k, e), interpret=True)
+    assert np.all(np.asarray(got)[0] == 0.0)
+    assert rel_err(got, want) < 1e-2
+
+
 def test_quantized_reference_matches_quant_io():
     from model import quant_io
     w = np.random.default_rng(0).normal(size=(2, 64, 96)).astype(np.float32)

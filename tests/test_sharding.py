@@ -232,7 +232,8 @@ def test_ep_variants_and_record(mesh_results):
 
 
 def test_born_sharded_and_placement_cases(mesh_results):
-    for name in ("init_random(mesh)", "load_checkpoint(mesh)", "redundant+rebalanced"):
+    for name in ("init_random(mesh)", "load_checkpoint(mesh)", "redundant+rebalanced", "pallas all_to_all",
+                 "pallas replicate"):
         (c,) = _cases(mesh_results, "tiny-v4", name)
         assert c["logits_rel_err"] < TOL, c
     (c,) = _cases(mesh_results, "tiny-v4", "redundant+rebalanced")

@@ -223,7 +223,7 @@ def command_line(argv, module: str = "experiments.bench") -> str:
 # ----------------------------------------------------------------------------------------------- config
 
 def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None = None,
-                   attention_impl: str | None = None):
+                   attention_impl: str | None = None, expert_weights: str | None = None):
     from model import ModelConfig
 
     from .roofline import scale_layers
@@ -231,13 +231,14 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
     cfg = ModelConfig.preset(preset)
     if layers:
         cfg = scale_layers(cfg, layers)
-    changes = {k: v for k, v in (("moe_impl", moe_impl), ("attention_impl", attention_impl)) if v}
+    changes = {k: v for k, v in (("moe_impl", moe_impl), ("attention_impl", attention_impl),
+                                 ("expert_weights", expert_weights)) if v}
     return cfg.replace(**changes) if changes else cfg
 
 
-def weight_format(dtype: str) -> str:
-    """The roofline's weight format for a model dtype (float32 models are costed as bf16, noted)."""
-    return "bf16"
+def weight_format(cfg) -> str:
+    """The roofline's weight format of a model (float32 models are costed as bf16, noted)."""
+    return "bf16-fp4-experts" if cfg.expert_weights == "fp4" else "bf16"
 
 
 def spec_kind(cfg) -> str:
@@ -642,7 +643,7 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
     cfg = setup.cfg
     rec: dict[str, Any] = {
         "bench": "bench", "key": p.key(), "preset": setup.preset, "config": cfg.name, "generation": cfg.generation,
-        "layers": cfg.num_layers, "dtype": setup.dtype, "moe_impl": cfg.moe_impl,
+        "layers": cfg.num_layers, "dtype": setup.dtype, "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
         "attention_impl": cfg.attention_impl, "mode": p.mode, "phase": p.phase, "step": p.kind,
         "mesh": {"dp": p.mesh[0], "ep": p.mesh[1], "tp": p.mesh[2]}, "devices": int(np.prod(p.mesh)),
         "batch": p.batch, "context": p.context, "new_tokens": p.rows, "num_draft": p.num_draft if
@@ -816,7 +817,7 @@ def roofline_of(cfg, dtype: str, p: Point, rec: dict) -> tuple[dict, float, dict
     """Roofline of the step (per device), achieved fraction = floor / median, and throughput figures."""
     from .roofline import roofline
 
-    res = roofline(cfg, p.phase, p.batch, p.context, p.rows, weight_format(dtype), "bf16", p.mesh,
+    res = roofline(cfg, p.phase, p.batch, p.context, p.rows, weight_format(cfg), "bf16", p.mesh,
                    forced_balance=p.mode == "deepinfer", drafter=p.kind == "spec")
     t = res["totals"]
     med_s = rec["step_ms"]["median"] / 1e3
@@ -866,7 +867,8 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
            "|" + "---|" * 21]
     for r in recs:
         mesh = "x".join(str(r["mesh"][a]) for a in ("dp", "ep", "tp"))
-        head = (f"| {r['phase']} | {r['mode']} | {r['step']} | {r['config']} | {r['dtype']} | "
+        dtype = r["dtype"] + (" + fp4 experts" if r.get("expert_weights") == "fp4" else "")
+        head = (f"| {r['phase']} | {r['mode']} | {r['step']} | {r['config']} | {dtype} | "
                 f"{r['attention_impl']}/{r['moe_impl']} | {mesh} | {r['batch']} | {r['context']} | {r['new_tokens']} |")
         if r["status"] != "ok":
             out.append(head + f" — | | | | | | | | | | {r['status']}: {r.get('reason', '')[:160]} |")
@@ -986,6 +988,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"))
     p.add_argument("--moe-impl", choices=("reference", "pallas"))
     p.add_argument("--attention-impl", choices=("reference", "pallas"))
+    p.add_argument("--expert-weights", choices=("dense", "fp4"), help="routed experts held dense or FP4-packed")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1), help="dp,ep,tp (default 1,1,1: one device)")
     p.add_argument("--repeats", type=int, help="timed steps (default: prefill 10, decode 60)")
     p.add_argument("--warmup", type=int, help="untimed steps after compilation (default 3)")
@@ -1019,7 +1022,8 @@ def main(argv=None) -> list[dict]:
     d = defaults(backend, args.quick)
     preset = args.preset or d["preset"]
     dtype = args.dtype or d["dtype"]
-    cfg = resolve_config(preset, args.layers, args.moe_impl or d["impl"], args.attention_impl or d["impl"])
+    cfg = resolve_config(preset, args.layers, args.moe_impl or d["impl"], args.attention_impl or d["impl"],
+                         args.expert_weights)
     phases = args.phase if isinstance(args.phase, list) else choice_list(PHASES)(args.phase)
     modes = args.mode if isinstance(args.mode, list) else choice_list(MODES)(args.mode)
     batches = args.batch or d["batch"]

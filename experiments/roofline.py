@@ -27,7 +27,8 @@ Model of the bytes (a floor: what a perfect kernel must move through HBM)
     group (batch/dp sequences). Formats as released (MODEL_SPEC 3.7, V41_NOTES 4): "bf16" = all 2 B;
     "fp8" = FP8 E4M3 + UE8M0 block scales (128x128 V4, 32x32 V4.1) for wq_a, wq_b, wkv, wo_a, wo_b,
     indexer wq_b, shared and routed experts, Engram wkv, MTP/DSpark projections; "fp4-experts" = the
-    same with routed experts in packed E2M1 + UE8M0 per 32 (0.53 B/param). Tensors the release keeps in
+    same with routed experts in packed E2M1 + UE8M0 per 32 (0.53 B/param); "bf16-fp4-experts" = this engine
+    with `expert_weights="fp4"` (dense tensors bf16, routed experts FP4, bf16 MMA). Tensors the release keeps in
     BF16 stay BF16 in every mode (embed, head, compressors, router gate, indexer weights_proj, V4.1 wk,
     Markov heads), fp32 ones fp32 (mHC, ape, attn_sink, gate bias). wo_a counts as FP8 (the official
     code dequantises it to BF16 at load: +0.03 GB/layer if an engine does the same). Engram tables are
@@ -101,7 +102,7 @@ H200_DATASHEET = {
 }
 
 PHASES = ("prefill", "decode")
-WEIGHT_DTYPES = ("bf16", "fp8", "fp4-experts")
+WEIGHT_DTYPES = ("bf16", "fp8", "fp4-experts", "bf16-fp4-experts")
 KV_DTYPES = ("bf16", "fp8", "packed")
 COMPONENTS = ("attn_proj", "attn_core", "indexer", "compressor", "moe_experts", "shared_expert", "router",
               "mhc", "head", "engram", "kv_write", "drafter")
@@ -128,7 +129,7 @@ def bytes_per_param(cfg, cls: str, weight_dtype: str) -> float:
         return fixed[cls]
     if cls not in ("dense", "expert"):
         raise ValueError(f"unknown tensor class {cls!r}")
-    if weight_dtype == "bf16":
+    if weight_dtype == "bf16" or (weight_dtype == "bf16-fp4-experts" and cls == "dense"):
         return 2.0
     fp8 = 1.0 + 1.0 / fp8_block(cfg) ** 2
     if cls == "dense" or weight_dtype == "fp8":
@@ -137,7 +138,9 @@ def bytes_per_param(cfg, cls: str, weight_dtype: str) -> float:
 
 
 def gemm_peak(cls: str, weight_dtype: str, ceilings: dict) -> float:
-    if cls in ("dense", "expert", "table") and weight_dtype != "bf16":
+    """FP8 MMA for the release's FP8 / FP4 tensors; "bf16-fp4-experts" (this engine's FP4-resident experts,
+    dequantised to bf16 in the kernel) multiplies in bf16."""
+    if cls in ("dense", "expert", "table") and weight_dtype not in ("bf16", "bf16-fp4-experts"):
         return ceilings["fp8_flops"]
     return ceilings["bf16_flops"]
 

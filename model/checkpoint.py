@@ -37,9 +37,9 @@ def path_to_official(path: tuple) -> str:
     """nnx state path -> official name (stacked experts give the pattern with '{e}')."""
     name = ".".join(str(p) for p in path)
     name = re.sub(r"(^|\.)(hc_(?:attn|ffn|head))\.(fn|base|scale)$", r"\1\2_\3", name)
-    m = re.match(r"^(.*\.experts)\.(w[123])$", name)
-    if m:
-        return f"{m.group(1)}.{{e}}.{m.group(2)}.weight"
+    m = re.match(r"^(.*\.experts)\.([ws])([123])$", name)
+    if m:  # stacked experts; FP4 scales s1..s3 are the official `w1.scale` ...
+        return f"{m.group(1)}.{{e}}.w{m.group(3)}.{'weight' if m.group(2) == 'w' else 'scale'}"
     return name
 
 
@@ -115,8 +115,11 @@ def _hf_tensors(items: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, 
             yield off, arr
 
 
-def _dequantised(items: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
-    """Pair each quantised `.weight` with its `.scale` and yield logical tensors."""
+def _dequantised(items: Iterator[tuple[str, np.ndarray]], fp4_experts: bool = False
+                 ) -> Iterator[tuple[str, np.ndarray]]:
+    """Pair each quantised `.weight` with its `.scale` and yield logical tensors; with `fp4_experts` the
+    routed experts come out as FP4 (packed int8 `.weight` + uint8 exponent-byte `.scale`): FP4 pairs as
+    stored, other formats quantised (exact for weights that were FP4 before)."""
     pending: dict[str, np.ndarray] = {}
     for name, arr in items:
         if name.endswith(".scale"):
@@ -125,15 +128,33 @@ def _dequantised(items: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str,
                                            or arr.dtype in (np.int8, np.uint8)):
             partner = name[:-len(".weight")] + ".scale"
         else:
-            yield from quant_io.dequantize_official({name: arr}).items()
+            yield from _expert_format({name: arr}, fp4_experts)
             continue
         if partner in pending:
-            pair = {name: arr, partner: pending.pop(partner)}
-            yield from quant_io.dequantize_official(pair).items()
+            yield from _expert_format({name: arr, partner: pending.pop(partner)}, fp4_experts)
         else:
             pending[name] = arr
     for name, arr in pending.items():  # unpaired: dequantize_official names the problem
         quant_io.dequantize_official({name: arr})
+
+
+def _expert_format(pair: dict[str, np.ndarray], fp4_experts: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """One stored tensor (+ its scale) -> logical tensors, routed experts as FP4 when asked."""
+    wname = next(n for n in pair if not n.endswith(".scale"))
+    if not (fp4_experts and _EXPERT.match(wname)):
+        yield from quant_io.dequantize_official(pair).items()
+        return
+    w = pair[wname]
+    sname = wname[:-len(".weight")] + ".scale"
+    if w.dtype in (np.int8, np.uint8) and sname in pair:  # FP4 as stored: keep the bytes
+        scale = np.asarray(pair[sname])
+        yield wname, w.view(np.int8)
+        yield sname, scale.view(np.uint8) if scale.dtype.itemsize == 1 else scale.astype(np.uint8)
+        return
+    (_, dense), = quant_io.dequantize_official(pair).items()
+    packed, scale = quant_io.quantize_fp4(dense)
+    yield wname, packed
+    yield sname, scale.view(np.uint8)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -166,8 +187,8 @@ def load_checkpoint(directory, dtype="bfloat16", mesh=None, token_map: np.ndarra
         from sharding.apply import local_expert_tensors
 
         items = local_expert_tensors(items, cfg, mesh)
-    return build_from_tensors(cfg, _dequantised(items), dtype=dtype, source=str(directory), token_map=token_map,
-                              mesh=mesh)
+    return build_from_tensors(cfg, _dequantised(items, cfg.expert_weights == "fp4"), dtype=dtype,
+                              source=str(directory), token_map=token_map, mesh=mesh)
 
 
 def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str = "<tensors>",

@@ -28,6 +28,7 @@ HF_MLP_LAYER_TYPES = ("hash_moe", "moe")
 SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")
 GENERATIONS = ("v4", "v41")
 IMPLS = ("reference", "pallas")
+EXPERT_WEIGHTS = ("dense", "fp4")
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,10 @@ class ModelConfig:
     # Implementations of the hot paths (pallas_kernels): "reference" (pure jnp, every backend) or "pallas".
     attention_impl: str = "reference"
     moe_impl: str = "reference"
+    # How the routed experts' weights are held in memory: "dense" (the model dtype) or "fp4" (packed E2M1 +
+    # UE8M0 per 32 values, as the official checkpoints ship them; dequantised inside the Pallas kernel, or
+    # in-graph by the reference path).
+    expert_weights: str = "dense"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -187,6 +192,13 @@ class ModelConfig:
             self._validate_v41(need)
         for f in ("attention_impl", "moe_impl"):
             need(getattr(self, f) in IMPLS, f"{f} must be one of {IMPLS}, got {getattr(self, f)!r}")
+        need(self.expert_weights in EXPERT_WEIGHTS,
+             f"expert_weights must be one of {EXPERT_WEIGHTS}, got {self.expert_weights!r}")
+        if self.expert_weights == "fp4":
+            widths = {"hidden_size": self.hidden_size, "moe_intermediate_size": self.moe_intermediate_size}
+            for n, v in widths.items():
+                need(v % 32 == 0, f"expert_weights='fp4' needs {n} ({v}) to be a multiple of 32 (one scale "
+                                  "per 32 values)")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
 

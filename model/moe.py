@@ -8,6 +8,8 @@ Expert: z = silu(min(W1 x, L)) * clip(W3 x, -L, L); routed z is scaled by its we
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -62,13 +64,27 @@ class Gate(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Stacked routed experts: w1, w3 [E, I, D] (gate, up), w2 [E, D, I] (down)."""
+    """Stacked routed experts: w1, w3 [E, I, D] (gate, up), w2 [E, D, I] (down).
+
+    cfg.expert_weights "fp4": w1, w3 packed int8 [E, I, D/2], w2 [E, D, I/2] (E2M1 codes, low nibble = even
+    column) with UE8M0 exponent bytes s1, s3 [E, I, D/32], s2 [E, D, I/32] (random weights are the FP4
+    quantisation of the dense random ones)."""
 
     def __init__(self, cfg: ModelConfig, n_experts: int, *, rngs: nnx.Rngs, dtype):
         e, i, d = n_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.w1 = nnx.Param(normal_init(rngs, (e, i, d), d ** -0.5, dtype=dtype))
-        self.w2 = nnx.Param(normal_init(rngs, (e, d, i), i ** -0.5, dtype=dtype))
-        self.w3 = nnx.Param(normal_init(rngs, (e, i, d), d ** -0.5, dtype=dtype))
+        fp4 = cfg.expert_weights == "fp4"
+        for name, shape, fan_in in (("w1", (e, i, d), d), ("w2", (e, d, i), i), ("w3", (e, i, d), d)):
+            w = normal_init(rngs, shape, fan_in ** -0.5, dtype=jnp.float32 if fp4 else dtype)
+            if fp4:
+                w, scale = ref.quantize_fp4_experts(w)
+                setattr(self, "s" + name[1], nnx.Param(scale))
+            setattr(self, name, nnx.Param(w))
+        self.fp4 = fp4
+
+    def stored(self) -> tuple[jax.Array, jax.Array, jax.Array, tuple | None]:
+        """(w1, w2, w3, scales): the weights as held (scales None when dense)."""
+        scales = (self.s1[...], self.s2[...], self.s3[...]) if self.fp4 else None
+        return self.w1[...], self.w2[...], self.w3[...], scales
 
 
 class MLP(nnx.Module):
@@ -84,6 +100,17 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         z = ref.clamped_swiglu(self.w1(x), self.w3(x), self.limit)
         return self.w2(z.astype(x.dtype))
+
+
+def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=None) -> jax.Array:
+    """The routed-expert block on one device: "pallas" (grouped-GEMM kernel, quantised weights dequantised
+    inside) or "reference" (jnp; quantised weights dequantised in-graph). x [M, D] -> [M, D] float32."""
+    if impl == "pallas":
+        return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales)
+    if scales is None:
+        return ref.moe_experts(x, ids, weights, w1, w2, w3, limit)
+    dense = (ref.dequant_experts(w, s).astype(x.dtype) for w, s in zip((w1, w2, w3), scales))
+    return ref.moe_experts(x, ids, weights, *dense, limit)
 
 
 class MoE(nnx.Module):
@@ -104,9 +131,9 @@ class MoE(nnx.Module):
         ids, w = self.route(h, tokens)
         x = h.reshape(-1, h.shape[-1])
         # sharding.expert_parallel.attach sets a static ExpertParallel (experts over the `ep` mesh axis).
-        local = pallas_moe.moe_experts if self.impl == "pallas" else ref.moe_experts
-        experts = getattr(self, "expert_parallel", None) or local
-        routed = experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1),
-                         self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], self.limit)
+        experts = getattr(self, "expert_parallel", None) or functools.partial(routed_experts, self.impl)
+        w1, w2, w3, scales = self.experts.stored()
+        routed = experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1), w1, w2, w3, self.limit,
+                         scales=scales)
         out = routed + self.shared_experts(x).astype(jnp.float32)
         return out.astype(h.dtype).reshape(h.shape)

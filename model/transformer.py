@@ -425,8 +425,16 @@ def abstract_model(cfg: ModelConfig, dtype="bfloat16", token_map: np.ndarray | N
 
 
 def parameter_count(model: Transformer, include_drafts: bool = True) -> int:
-    """Parameters of the model; `include_drafts=False` leaves out the MTP / DSpark stages."""
-    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    if not include_drafts:
-        total -= sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model.mtp, nnx.Param)))
-    return total
+    """Logical parameters of the model (FP4 experts: two per packed byte, scales not counted);
+    `include_drafts=False` leaves out the MTP / DSpark stages."""
+    def count(module) -> int:
+        total = 0
+        for path, x in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+            leaf = str(path[-1])
+            if path[-2:-1] == ("experts",) and leaf in ("s1", "s2", "s3"):
+                continue
+            n = int(np.prod(x.shape))
+            total += 2 * n if path[-2:-1] == ("experts",) and x.dtype == jnp.int8 else n
+        return total
+
+    return count(model) - (0 if include_drafts else count(model.mtp))

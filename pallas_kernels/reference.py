@@ -162,6 +162,29 @@ def dequant_fp4_experts(packed: jax.Array, scale: jax.Array, block: int = 32) ->
     return vals * s
 
 
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints between magnitudes; ties go to the even code
+
+
+def quantize_fp4_experts(w: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
+    """float [..., out, in] -> (packed int8 [..., out, in/2], UE8M0 exponent bytes uint8 [..., out, in/block]),
+    traceable (random FP4 models are made under jit / eval_shape). Same rule as model.quant_io.quantize_fp4:
+    scale 2^ceil(log2(amax / 6)) per block (amax floored at 6 * 2^-126), nearest E2M1 code, ties to even."""
+    *lead, n, k = w.shape
+    if k % block:
+        raise ValueError(f"FP4 quantisation needs the last dimension ({k}) to be a multiple of {block}")
+    w = w.astype(jnp.float32)
+    blocks = w.reshape(*lead, n, k // block, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(6.0 * 2.0 ** -126))
+    mant, ex = jnp.frexp(amax / jnp.float32(6.0))
+    exp = jnp.clip(jnp.where(mant == 0.5, ex - 1, ex), -127, 127)  # exact ceil(log2(amax / 6))
+    x = blocks * jnp.ldexp(jnp.ones_like(amax), -exp)[..., None]
+    a = jnp.abs(x)
+    mag = sum(((a > b) if c % 2 == 0 else (a >= b)).astype(jnp.int32) for c, b in enumerate(_E2M1_BOUNDS))
+    codes = (mag | (jnp.signbit(x).astype(jnp.int32) << 3)).reshape(*lead, n, k)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(packed, jnp.int8), (exp + 127).astype(jnp.uint8)
+
+
 def dequant_experts(w: jax.Array, scale: jax.Array | None) -> jax.Array:
     """Any expert weight format -> float32: dense (scale None), FP8 E4M3 (+ block scales), FP4 packed (+ /32)."""
     if scale is None:

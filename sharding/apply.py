@@ -188,7 +188,8 @@ def memory_per_device(cfg, dp: int = 1, ep: int = 1, tp: int = 1, seqs_per_devic
         size = count * np.dtype(leaf.dtype).itemsize
         name = _official_name(path)
         out["params"] += size
-        out["params_fp4_experts"] += count * (0.5 + 1 / 32) if ".experts." in name else size
+        dense_expert = ".experts." in name and np.dtype(leaf.dtype).itemsize > 1  # FP4 models: already packed
+        out["params_fp4_experts"] += count * (0.5 + 1 / 32) if dense_expert else size
         if ".engram." in name:
             out["engram"] += size
     out["cache"] = seqs_per_device * memory_estimate(cfg, max_len)["bytes_per_sequence_at_max_len"]

@@ -109,8 +109,11 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ the call
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
-                 w3: jax.Array, limit: float) -> jax.Array:
-        """Same contract as `reference.moe_experts`: x [M, D], ids/weights [M, k] -> [M, D] float32."""
+                 w3: jax.Array, limit: float, scales=None) -> jax.Array:
+        """Same contract as `model.moe.routed_experts`: x [M, D], ids/weights [M, k], weights as stored
+        (scales (s1, s2, s3) for FP4 experts, else None) -> [M, D] float32."""
+        from model.moe import routed_experts
+
         m, k = ids.shape
         if self.config.force_balance:
             ids = forced_balance_ids(m, k, w1.shape[0])
@@ -120,40 +123,45 @@ class ExpertParallel:
             ids = self.placement.slot_ids(ids)
             slots = jnp.asarray(self.placement.slot_to_expert, jnp.int32)
             w1, w2, w3 = (jnp.take(w, slots, axis=0) for w in (w1, w2, w3))
+            scales = None if scales is None else tuple(jnp.take(s, slots, axis=0) for s in scales)
         if self.mesh is None:
-            from pallas_kernels import moe as pallas_moe
-
-            local = pallas_moe.moe_experts if self.impl == "pallas" else ref.moe_experts
-            return local(x, ids, weights, w1, w2, w3, limit)
+            return routed_experts(self.impl, x, ids, weights, w1, w2, w3, limit, scales=scales)
         strategy, transport, tok_axes = self.choose(m)
         tok = P(tok_axes if tok_axes else None)
-        w13, w2s = P("ep", "tp", None), P("ep", None, "tp")
+        w13, w2s = P("ep", "tp", None), P("ep", None, "tp")  # FP4: packed weights and scales split alike
         if strategy == "replicate":
             body = _replicate_body
         elif transport == "gather":
             body = _gather_body
         else:
             body = _dispatch_body
+
+        def run(x, ids, wts, w1, w2, w3, *s):
+            return body(x, ids, wts, w1, w2, w3, s or None, limit=limit, transport=transport, impl=self.impl)
+
         # pallas_call declares no varying-axes type for its outputs: skip shard_map's check around it
-        fn = jax.shard_map(lambda *a: body(*a, limit=limit, transport=transport, impl=self.impl), mesh=self.mesh,
-                           in_specs=(tok, tok, tok, w13, w2s, w13), out_specs=tok,
-                           check_vma=self.impl != "pallas")
-        return fn(x, ids.astype(jnp.int32), weights.astype(jnp.float32), w1, w2, w3)
+        fn = jax.shard_map(run, mesh=self.mesh, out_specs=tok, check_vma=self.impl != "pallas",
+                           in_specs=(tok, tok, tok, w13, w2s, w13) + ((w13, w2s, w13) if scales else ()))
+        return fn(x, ids.astype(jnp.int32), weights.astype(jnp.float32), w1, w2, w3, *(scales or ()))
 
 
 # ----------------------------------------------------------------------------- per-shard bodies
 
-def _local_experts(rows, slot, wts, valid, w1, w2, w3, limit, impl):
+def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, impl):
     """Rows [N, D] for this shard's expert slots `slot` [N] (local ids), weights [N], valid [N] ->
     [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid). "pallas": the grouped-GEMM
     kernel with the invalid rows dropped; "reference": rows sorted by slot and grouped `ragged_dot`s
-    (slots without rows cost nothing either way)."""
+    (slots without rows cost nothing either way). FP4 `scales`: the kernel dequantises in registers, the
+    reference dequantises this shard's experts in-graph."""
     n_local = w1.shape[0]
     if impl == "pallas":
         from pallas_kernels import moe as pallas_moe
 
         ids = jnp.where(valid, slot, n_local)[:, None]
-        return pallas_moe.moe_experts(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit)
+        return pallas_moe.moe_experts(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit,
+                                      scales=scales)
+    if scales is not None:
+        w1, w2, w3 = (ref.dequant_experts(w, s).astype(rows.dtype) for w, s in zip((w1, w2, w3), scales))
     key = jnp.where(valid, slot, n_local)
     order = jnp.argsort(key, stable=True)
     xs = jnp.take(rows, order, axis=0).astype(w1.dtype)
@@ -166,7 +174,7 @@ def _local_experts(rows, slot, wts, valid, w1, w2, w3, limit, impl):
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def _experts_for_all(x, ids, wts, w1, w2, w3, limit, impl):
+def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl):
     """Every token [M, D] x its k choices against this shard's slots -> partial [M, D] float32."""
     m, k = ids.shape
     n_local = w1.shape[0]
@@ -175,19 +183,20 @@ def _experts_for_all(x, ids, wts, w1, w2, w3, limit, impl):
     if impl == "pallas":  # the kernel drops the other shards' rows itself (no broadcast copies of x)
         from pallas_kernels import moe as pallas_moe
 
-        return pallas_moe.moe_experts(x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit)
+        return pallas_moe.moe_experts(x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit, scales=scales)
     rows = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[-1])).reshape(m * k, -1)
-    y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, limit, impl)
+    y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, scales, limit,
+                       impl)
     return jnp.sum(y.reshape(m, k, -1), axis=1)
 
 
-def _replicate_body(x, ids, wts, w1, w2, w3, *, limit, transport, impl):
-    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, limit, impl), ("ep", "tp"))
+def _replicate_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl):
+    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl), ("ep", "tp"))
 
 
-def _gather_body(x, ids, wts, w1, w2, w3, *, limit, transport, impl):
+def _gather_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl):
     xg, ig, wg = (jax.lax.all_gather(a, "ep", tiled=True) for a in (x, ids, wts))
-    y = _experts_for_all(xg, ig, wg, w1, w2, w3, limit, impl)
+    y = _experts_for_all(xg, ig, wg, w1, w2, w3, scales, limit, impl)
     return jax.lax.psum(jax.lax.psum_scatter(y, "ep", scatter_dimension=0, tiled=True), "tp")
 
 
@@ -195,7 +204,7 @@ def _exclusive_cumsum(a, axis=0):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def _dispatch_body(x, ids, wts, w1, w2, w3, *, limit, transport, impl):
+def _dispatch_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl):
     """all-to-all dispatch -> local experts -> all-to-all combine, for this shard's [M_l] tokens."""
     a2a = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_all_to_all_padded
     m, k = ids.shape
@@ -220,7 +229,7 @@ def _dispatch_body(x, ids, wts, w1, w2, w3, *, limit, transport, impl):
     recv_slot = a2a(send_slot, jnp.full((cap,), -1, jnp.int32), axis_name="ep", **args)
     recv_w = a2a(send_w, jnp.zeros((cap,), jnp.float32), axis_name="ep", **args)
     valid = jnp.arange(cap) < jnp.sum(recv_sizes)
-    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, limit, impl)
+    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, scales, limit, impl)
     # back: the rows from shard i sit contiguously at sum_{i'<i} recv_sizes[i'] of my buffer
     back = a2a(y, jnp.zeros((n, y.shape[-1]), y.dtype), axis_name="ep",
                input_offsets=_exclusive_cumsum(recv_sizes), send_sizes=recv_sizes,

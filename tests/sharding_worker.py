@@ -76,11 +76,11 @@ def run_meshes(out_path: str, full: bool = False) -> None:
         ref_tokens = generate(model, prompts, max_new_tokens=new_tokens).tokens if full or preset == "tiny-v4" else None
         results["timings"][f"{preset} single device"] = time.perf_counter() - t0
 
-        def case(name, mesh, model_s, logits=True, gen=False, **extra):
+        def case(name, mesh, model_s, logits=True, gen=False, want=None, **extra):
             t = time.perf_counter()
             rec = {"preset": preset, "case": name, "mesh": dict(mesh.shape), **extra}
             if logits:
-                rec["logits_rel_err"] = rel_err(forward(model_s, mesh, tokens), ref_logits)
+                rec["logits_rel_err"] = rel_err(forward(model_s, mesh, tokens), ref_logits if want is None else want)
             if gen:
                 out = generate(model_s, prompts, max_new_tokens=new_tokens, mesh=mesh)
                 rec["tokens_equal"] = bool(np.array_equal(out.tokens, ref_tokens))
@@ -109,6 +109,11 @@ def run_meshes(out_path: str, full: bool = False) -> None:
             pallas = init_random(cfg.replace(moe_impl="pallas"), seed=0, dtype="float32")
             for ep_cfg in (EPConfig("all_to_all", "padded"), EPConfig("replicate")):
                 case(f"pallas {ep_cfg.strategy}", mesh, shard_model(pallas, mesh, ep_cfg), impl="pallas")
+            # FP4-resident experts (packed weights and scales split over ep alike), against one device
+            for impl in ("reference", "pallas"):
+                fp4 = init_random(cfg.replace(expert_weights="fp4", moe_impl=impl), seed=0, dtype="float32")
+                case(f"fp4 {impl}", mesh, shard_model(fp4, mesh, EPConfig("all_to_all", "padded")),
+                     want=np.asarray(fp4(tokens)), impl=impl)
             # born sharded: init_random(mesh=) and load_checkpoint(mesh=) give the same numbers
             case("init_random(mesh)", mesh, init_random(cfg, seed=0, dtype="float32", mesh=mesh))
             with tempfile.TemporaryDirectory() as d:

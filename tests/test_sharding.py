@@ -206,6 +206,12 @@ def mesh_results(tmp_path_factory):
     return _worker_results(tmp_path_factory, "meshes", timeout=900)
 
 
+def _tol(case: dict) -> float:
+    """The FP4 kernel rounds its SwiGLU output to bf16; a shard's tiles (other sizes, another accumulation
+    order) flip a few of those roundings: bf16-level agreement with the single-device kernel."""
+    return 2e-3 if case["case"] == "fp4 pallas" else TOL
+
+
 def _cases(results, preset, case=None):
     return [c for c in results["cases"] if c["preset"] == preset and (case is None or c["case"] == case)]
 
@@ -217,7 +223,7 @@ def test_meshes_match_single_device(mesh_results, preset):
     want = {(2, 4, 1), (1, 8, 1)} | ({(8, 1, 1), (4, 2, 1), (2, 2, 2)} if preset == "tiny-v4" else set())
     assert want <= meshes
     for c in cases:
-        assert c["logits_rel_err"] < TOL, c
+        assert c["logits_rel_err"] < _tol(c), c
         if "tokens_equal" in c:
             assert c["tokens_equal"], c
 
@@ -233,9 +239,9 @@ def test_ep_variants_and_record(mesh_results):
 
 def test_born_sharded_and_placement_cases(mesh_results):
     for name in ("init_random(mesh)", "load_checkpoint(mesh)", "redundant+rebalanced", "pallas all_to_all",
-                 "pallas replicate"):
+                 "pallas replicate", "fp4 reference", "fp4 pallas"):
         (c,) = _cases(mesh_results, "tiny-v4", name)
-        assert c["logits_rel_err"] < TOL, c
+        assert c["logits_rel_err"] < _tol(c), c
     (c,) = _cases(mesh_results, "tiny-v4", "redundant+rebalanced")
     assert len(c["slot_to_expert"]) == 16 and c["slot_to_expert"] != list(range(16))
 

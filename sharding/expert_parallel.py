@@ -79,7 +79,9 @@ class ExpertParallel:
     placement: Placement | None = None
     layer: int = -1
     record: str | None = None  # key of a load recorder (see `recording`)
-    impl: str = "reference"  # one device: the layer's routed-expert implementation ("reference" | "pallas")
+    # the routed-expert implementation ("reference" | "pallas"; "comm_only" skips the expert GEMMs on a mesh,
+    # so that experiments/bench_ep.py can time dispatch and combine alone)
+    impl: str = "reference"
 
     # ------------------------------------------------------------------ the choice
     def choose(self, m: int) -> tuple[str, str, tuple[str, ...]]:
@@ -139,8 +141,9 @@ class ExpertParallel:
         def run(x, ids, wts, w1, w2, w3, *s):
             return body(x, ids, wts, w1, w2, w3, s or None, limit=limit, transport=transport, impl=self.impl)
 
-        # pallas_call declares no varying-axes type for its outputs: skip shard_map's check around it
-        fn = jax.shard_map(run, mesh=self.mesh, out_specs=tok, check_vma=self.impl != "pallas",
+        # pallas_call declares no varying-axes type for its outputs, and comm_only's rows do not vary over
+        # tp: shard_map's varying-axes check runs with the reference arithmetic only
+        fn = jax.shard_map(run, mesh=self.mesh, out_specs=tok, check_vma=self.impl == "reference",
                            in_specs=(tok, tok, tok, w13, w2s, w13) + ((w13, w2s, w13) if scales else ()))
         return fn(x, ids.astype(jnp.int32), weights.astype(jnp.float32), w1, w2, w3, *(scales or ()))
 
@@ -154,6 +157,8 @@ def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, impl):
     (slots without rows cost nothing either way). FP4 `scales`: the kernel dequantises in registers, the
     reference dequantises this shard's experts in-graph."""
     n_local = w1.shape[0]
+    if impl == "comm_only":  # benchmarking the transport: rows come back as they went, scaled by their weights
+        return jnp.where(valid[:, None], rows.astype(jnp.float32) * wts[:, None], 0.0)
     if impl == "pallas":
         from pallas_kernels import moe as pallas_moe
 

@@ -18,16 +18,14 @@ Output: experiments/results/bench_ep_<stamp>_<backend>.{json,md} (and $OUT when 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments import records as records_io
 
 
 def int_list(text: str) -> list[int]:
@@ -142,14 +140,7 @@ def markdown(out: dict) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = run(args)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dirs = [Path(args.out) if args.out else RESULTS] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        base = d / f"bench_ep_{stamp}_{out['meta']['backend']}"
-        base.with_suffix(".json").write_text(json.dumps(out, indent=1))
-        base.with_suffix(".md").write_text(markdown(out))
-    print(markdown(out))
+    records_io.save(out, markdown(out), "bench_ep", out["meta"]["backend"], args.out)
     return out
 
 

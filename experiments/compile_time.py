@@ -16,13 +16,10 @@ experiments/results/compile_time_<stamp>_<backend>.{json,md} (and $OUT when set)
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments import records as records_io
 
 
 def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, num_draft: int = 3) -> dict:
@@ -113,14 +110,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {r['step']} | {r['batch']} x {r['rows']} | {r['context']} | {r['trace_lower_s']:.1f} "
                      f"| {r['compile_s']:.1f} | {temp} |")
     out = {"meta": meta, "records": records}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dirs = [Path(args.out) if args.out else RESULTS] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        base = d / f"compile_time_{stamp}_{backend}"
-        base.with_suffix(".json").write_text(json.dumps(out, indent=1))
-        base.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    records_io.save(out, "\n".join(lines) + "\n", "compile_time", backend, args.out)
     return out
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments import records as records_io
 
 
 def int_list(text: str) -> list[int]:
@@ -230,14 +229,7 @@ def main(argv=None) -> dict:
                     print(f"[peer_hf] {phase} B{batch} ctx {context} rows {rows}: {1e3 * rec['median_s']:.2f} ms "
                           f"({100 * rec['roofline']['fraction']:.1f}% of the roofline)", flush=True)
     out = {"meta": meta, "records": records}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dirs = [Path(args.out) if args.out else RESULTS] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        base = d / f"peer_hf_{stamp}_{'gpu' if gpu else 'cpu'}"
-        base.with_suffix(".json").write_text(json.dumps(out, indent=1))
-        base.with_suffix(".md").write_text(markdown(records, meta))
-    print(markdown(records, meta))
+    records_io.save(out, markdown(records, meta), "peer_hf", "gpu" if gpu else "cpu", args.out)
     return out
 
 

@@ -1,8 +1,9 @@
 """The jitted generation loop: prefill every prompt (ragged) into a fresh cache, then decode one
 token per sequence per iteration inside `lax.while_loop`, all under one `jit` with the cache donated.
 
-`generate(..., timing=True)` runs the very same two phases as two jitted calls instead of one, so
-prefill and decode can be timed (and their compile times reported) separately.
+`generate(..., timing=True)` runs the very same phases as separate jitted calls instead of one, so
+prefill and decode (speculative: prefill, verify and draft) can be timed, and their compile times
+reported, separately.
 """
 
 from __future__ import annotations

@@ -93,3 +93,24 @@ def test_memory_accounting():
     assert 85e9 < fp4["params"] < 95e9
     assert bytes_per_param(cfg, "dense", "bf16-fp4-experts") == 2.0
     assert bytes_per_param(cfg, "expert", "bf16-fp4-experts") == 0.5 + 1 / 32
+
+
+@pytest.mark.parametrize("name", ["v4", "v41"])
+def test_official_checkpoint_kept_fp4(golden_dir, name):
+    """The official reference checkpoints ship FP4 experts: loaded FP4 their bytes are kept as stored and
+    the prefill logits still match the official implementation's."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    d = golden_dir / name
+    model = load_checkpoint(d, dtype="float32", expert_weights="fp4")
+    stored = dict(quant_io.iter_checkpoint_tensors(d))
+    np.testing.assert_array_equal(np.asarray(model.layers[0].ffn.experts.w1[...][3]),
+                                  stored["layers.0.ffn.experts.3.w1.weight"])
+    np.testing.assert_array_equal(np.asarray(model.layers[0].ffn.experts.s2[...][3]),
+                                  stored["layers.0.ffn.experts.3.w2.scale"].view(np.uint8))
+    prompts = np.asarray(json.loads((d / "inputs.json").read_text())["prompts"])
+    want = load_file(d / "outputs.safetensors")["prefill_logits"]
+    got = np.asarray(model(prompts))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4

@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--speculative", choices=["mtp", "dspark"], help="speculative decoding with the model's drafter")
+    p.add_argument("--num-draft", type=int, default=3, help="drafts per speculative step")
     p.add_argument("--json", help="also write the stats record to this file")
     return p.parse_args(argv)
 
@@ -70,17 +72,24 @@ def main(argv=None) -> dict:
     progress("compiling and running prefill + decode (first run compiles, second is timed)")
     out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=[cfg.eos_token_id],
-                   timing=True)
+                   timing=True, speculative=args.speculative, num_draft=args.num_draft)
     s = out.stats
     print(f"next-token logits of prompt 0: mean {logits.mean():.4f} std {logits.std():.4f} "
           f"max {logits.max():.4f} argmax {int(logits.argmax())}")
     for i, (p, toks) in enumerate(zip(prompts, out.tokens)):
         gen = [int(t) for t in toks if t >= 0]
         print(f"[{i}] prompt ({len(p)} tokens) ... {p[-8:]} -> {gen}")
-    print(f"prefill: {sum(map(len, prompts))} tokens in {s['prefill_s'] * 1e3:.1f} ms = "
-          f"{s['prefill_tokens_per_s']:.1f} tokens/s (compile {s['prefill_compile_s']:.1f} s)")
-    print(f"decode:  {s['decode_steps']} steps x {len(prompts)} sequences in {s['decode_s'] * 1e3:.1f} ms = "
-          f"{s['decode_tokens_per_s']:.1f} tokens/s (compile {s['decode_compile_s']:.1f} s)")
+    n_prompt, decoded = sum(map(len, prompts)), int(out.lengths.sum()) - len(prompts)
+    print(f"prefill: {n_prompt} tokens in {s['prefill_s'] * 1e3:.1f} ms = {n_prompt / s['prefill_s']:.1f} "
+          f"tokens/s (compile {s['prefill_compile_s']:.1f} s)")
+    steps = s["spec_steps"] if args.speculative else s["decode_steps"]
+    print(f"decode:  {steps} steps x {len(prompts)} sequences, {decoded} tokens in {s['decode_s'] * 1e3:.1f} ms = "
+          f"{decoded / s['decode_s']:.1f} tokens/s (compile {s['decode_compile_s']:.1f} s)")
+    if args.speculative:
+        print(f"speculative ({args.speculative}, {args.num_draft} drafts): mean accepted length "
+              f"{s['mean_accepted_length']:.2f} tokens/step, per position "
+              f"{np.round(s['acceptance_per_position'], 3).tolist()}; verify {s['verify_s'] * 1e3:.1f} ms, "
+              f"draft {s['draft_s'] * 1e3:.1f} ms")
     record = {"model": cfg.name, "dtype": args.dtype, "batch": len(prompts), "backend": jax.default_backend(),
               "device": str(jax.devices()[0]), "jax": jax.__version__, **s}
     if args.json:

@@ -72,3 +72,18 @@ def test_bad_input(model):
         generate(model, np.ones((2, 4), int), lengths=[4, 5], max_new_tokens=2)
     with pytest.raises(ValueError, match="token ids"):
         generate(model, [[1, 999]], max_new_tokens=2)
+
+
+def test_main_command_plain_and_speculative(tmp_path, capsys):
+    """The README's main job (experiments/generate.py), plain and with MTP speculative decoding."""
+    import json
+
+    from experiments import generate as main_job
+
+    common = ["--preset", "tiny-v4", "--max-new-tokens", "6", "--batch", "2", "--prompt-len", "12"]
+    plain = main_job.main(common + ["--json", str(tmp_path / "plain.json")])
+    spec = main_job.main(common + ["--speculative", "mtp", "--num-draft", "2"])
+    out = capsys.readouterr().out
+    assert "prefill:" in out and "speculative (mtp, 2 drafts): mean accepted length" in out
+    assert json.loads((tmp_path / "plain.json").read_text())["decode_s"] == plain["decode_s"]
+    assert spec["verify_s"] > 0 and spec["draft_s"] > 0 and 1.0 <= spec["mean_accepted_length"] <= 3.0

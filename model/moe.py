@@ -109,8 +109,7 @@ def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=
         return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales)
     if scales is None:
         return ref.moe_experts(x, ids, weights, w1, w2, w3, limit)
-    dense = (ref.dequant_experts(w, s).astype(x.dtype) for w, s in zip((w1, w2, w3), scales))
-    return ref.moe_experts(x, ids, weights, *dense, limit)
+    return ref.moe_experts(x, ids, weights, *ref.dense_experts(w1, w2, w3, scales, x.dtype), limit)
 
 
 class MoE(nnx.Module):

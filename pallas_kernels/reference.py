@@ -196,6 +196,12 @@ def dequant_experts(w: jax.Array, scale: jax.Array | None) -> jax.Array:
     raise ValueError(f"scaled expert weights must be float8_e4m3fn or packed int8/uint8 FP4, got {w.dtype}")
 
 
+def dense_experts(w1: jax.Array, w2: jax.Array, w3: jax.Array, scales, dtype) -> tuple[jax.Array, ...]:
+    """Expert weights as stored (+ scales (s1, s2, s3), or None when dense) -> dense (w1, w2, w3) in `dtype`."""
+    s1, s2, s3 = (None, None, None) if scales is None else scales
+    return tuple(dequant_experts(w, s).astype(dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3)))
+
+
 def moe_experts_quantized(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
                           w3: jax.Array, limit: float, scales=None) -> jax.Array:
     """`moe_experts` with quantised weights, as the float32 math of the dequantised weights.
@@ -204,9 +210,8 @@ def moe_experts_quantized(x: jax.Array, expert_ids: jax.Array, weights: jax.Arra
     x is taken as float32 too, so this is the exact target the kernels are measured against.
     Returns [M, D] float32.
     """
-    s1, s2, s3 = (None, None, None) if scales is None else scales
-    return moe_experts(x.astype(jnp.float32), expert_ids, weights, dequant_experts(w1, s1),
-                       dequant_experts(w2, s2), dequant_experts(w3, s3), limit)
+    return moe_experts(x.astype(jnp.float32), expert_ids, weights, *dense_experts(w1, w2, w3, scales, jnp.float32),
+                       limit)
 
 
 # ----------------------------------------------------------------------------- sparse window attention

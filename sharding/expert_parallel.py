@@ -166,7 +166,7 @@ def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, impl):
         return pallas_moe.moe_experts(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit,
                                       scales=scales)
     if scales is not None:
-        w1, w2, w3 = (ref.dequant_experts(w, s).astype(rows.dtype) for w, s in zip((w1, w2, w3), scales))
+        w1, w2, w3 = ref.dense_experts(w1, w2, w3, scales, rows.dtype)
     key = jnp.where(valid, slot, n_local)
     order = jnp.argsort(key, stable=True)
     xs = jnp.take(rows, order, axis=0).astype(w1.dtype)

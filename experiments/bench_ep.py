@@ -19,22 +19,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
 
 from experiments import records as records_io
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+from experiments.bench import compile_timed, int_list, parse_mesh, summary_ms
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mesh", default="1,2,1", help="dp,ep,tp")
+    p.add_argument("--mesh", type=parse_mesh, default=(1, 2, 1), help="dp,ep,tp")
     p.add_argument("--tokens", type=int_list, default=[64, 256, 2048, 8192], help="tokens per step, whole mesh")
     p.add_argument("--strategy", default="all_to_all,replicate", help="comma list: all_to_all, replicate")
     p.add_argument("--transport", default="auto", choices=("auto", "ragged", "gather", "padded"))
@@ -53,9 +49,7 @@ def _timed(fn, args, warmup: int, repeats: int) -> tuple[float, float]:
     """(compile seconds, median seconds) of a jitted fn."""
     import jax
 
-    t0 = time.perf_counter()
-    compiled = fn.lower(*args).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s = compile_timed(fn, *args)
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     times = []
@@ -63,7 +57,7 @@ def _timed(fn, args, warmup: int, repeats: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
-    return compile_s, statistics.median(times)
+    return compile_s, summary_ms(times)["median"] / 1e3
 
 
 def run(args) -> dict:
@@ -76,7 +70,7 @@ def run(args) -> dict:
     from sharding.expert_parallel import ExpertParallel
     from sharding.placement import forced_balance_ids
 
-    dp, ep, tp = (int(x) for x in args.mesh.split(","))
+    dp, ep, tp = args.mesh
     mesh = ParallelConfig(dp, ep, tp).make_mesh(jax.devices()[:dp * ep * tp])
     e, d, i, k = (16, 128, 128, 2) if args.small else (256, 4096, 2048, 6)
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16

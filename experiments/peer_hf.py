@@ -31,21 +31,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from experiments import records as records_io
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from e
+from experiments.bench import int_list, summary_ms
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,10 +130,10 @@ def time_point(model, phase: str, batch: int, context: int, rows: int, vocab: in
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-    q = np.percentile(times, [10, 90])
-    return {"phase": phase, "batch": batch, "context": context, "rows": rows, "median_s": statistics.median(times),
-            "p10_s": float(q[0]), "p90_s": float(q[1]), "repeats": repeats, "warmup": warmup,
-            "tokens_per_s": batch * rows / statistics.median(times)}
+    ms = summary_ms(times)
+    return {"phase": phase, "batch": batch, "context": context, "rows": rows, "median_s": ms["median"] / 1e3,
+            "p10_s": ms["p10"] / 1e3, "p90_s": ms["p90"] / 1e3, "repeats": repeats, "warmup": warmup,
+            "tokens_per_s": batch * rows * 1e3 / ms["median"]}
 
 
 # ----------------------------------------------------------------------------- comparison

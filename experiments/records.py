@@ -5,23 +5,20 @@ machine sends $OUT back)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments.bench import RESULTS_DIR, copy_to_out
 
 
 def save(record: dict, table: str, prefix: str, tag: str, out_dir: str | Path | None = None) -> list[Path]:
-    """Write the JSON record and the markdown table; print the table. -> the JSON paths written."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dirs = [Path(out_dir) if out_dir else RESULTS] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    written = []
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        base = d / f"{prefix}_{stamp}_{tag}"
-        base.with_suffix(".json").write_text(json.dumps(record, indent=1))
-        base.with_suffix(".md").write_text(table)
-        written.append(base.with_suffix(".json"))
+    """Write the JSON record and the markdown table (copied to $OUT); print the table. -> both paths."""
+    d = Path(out_dir) if out_dir else RESULTS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    base = d / f"{prefix}_{time.strftime('%Y%m%d-%H%M%S')}_{tag}"
+    paths = [base.with_suffix(".json"), base.with_suffix(".md")]
+    paths[0].write_text(json.dumps(record, indent=1))
+    paths[1].write_text(table)
+    copy_to_out(paths)
     print(table)
-    return written
+    return paths

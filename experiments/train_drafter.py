@@ -47,8 +47,8 @@ length 4.0 of 4 on its training prompts, ~1.02-1.04 held out).
 
 With a target pre-trained on the Markov language (300 steps, LM loss 6.0 -> 1.11 against the chain's
 1.08 floor, ~5 min) the same self-distillation reaches the issue's >= 2.0 quickly: teacher-forced
-held-out accepted length 2.1 after 25 drafter steps, 3.99 after 100; held-out greedy generation (32
-prompts, 48 new tokens, 3 drafts) 1.001 -> 4.000 (tiny-v4, MTP) and 1.20 -> 3.995 (tiny-v41, DSpark),
+accepted length 2.1 on the training batches after 25 drafter steps, 3.99 held out after 100; held-out
+greedy generation (32 prompts, 48 new tokens, 3 drafts) 1.001 -> 4.000 (tiny-v4, MTP) and 1.20 -> 3.995 (tiny-v41, DSpark),
 tokens equal to plain greedy; 200 drafter steps in 278 s / 383 s, ~85% of it generating the 3200 target
 continuations (experiments/results/train_drafter_tiny-v4{,1}_markov.json). Its greedy continuations
 follow the chain's most likely successor, which a one-block drafter learns exactly: an upper bound,

@@ -59,6 +59,8 @@ class Attention(nnx.Module):
         self.eps = cfg.rms_norm_eps
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
         self.impl = cfg.attention_impl  # "reference" | "pallas" (_attention_kernel, _topk_kernel)
+        # on a mesh: runs the Pallas kernels per batch shard (sharding.batch_parallel.attach)
+        self.batch_parallel = None
 
     def queries(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D] -> (q [B, T, H, Dh] rotated, c_q [B, T, q_lora])."""
@@ -159,7 +161,15 @@ class Attention(nnx.Module):
         """Fused indexer scores + top-k (pallas_kernels.indexer); V4.1 candidate layers use `select`."""
         from pallas_kernels import indexer as pk_indexer
 
-        return pk_indexer.indexer_topk(iq, iw, keys, pos, ratio=self.indexer.ratio, k=self.indexer.topk)
+        def kernel(iq, iw, keys, pos):
+            return pk_indexer.indexer_topk(iq, iw, keys, pos, ratio=self.indexer.ratio, k=self.indexer.topk)
+        return self._per_sequence(kernel, (iq, iw, keys, pos))
+
+    def _per_sequence(self, fn, batched: tuple, replicated: tuple = ()):
+        """fn(*batched, *replicated), on a mesh once per batch shard (GSPMD cannot split a pallas_call)."""
+        if self.batch_parallel is None:
+            return fn(*batched, *replicated)
+        return self.batch_parallel(fn, batched, replicated)
 
     def _attention_kernel(self, q: jax.Array, step: Step, keys: list, ring_pos: jax.Array, own_pos: jax.Array,
                           shared: Shared) -> jax.Array:
@@ -169,10 +179,12 @@ class Attention(nnx.Module):
 
         comp = keys[2] if len(keys) > 2 else None
         idx = shared.topk if comp is not None and self.spec.topk_source is not None else None
-        return pk_attention.sparse_attention(
-            q, step.positions, keys[1], own_pos, self.attn_sink[...],
-            scale=self.head_dim ** -0.5, window=self.window, ring_kv=keys[0], ring_pos=ring_pos,
-            comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1))
+        def kernel(q, q_pos, own_kv, own_pos, ring_kv, ring_pos, comp, idx, sink):
+            return pk_attention.sparse_attention(
+                q, q_pos, own_kv, own_pos, sink, scale=self.head_dim ** -0.5, window=self.window, ring_kv=ring_kv,
+                ring_pos=ring_pos, comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1))
+        return self._per_sequence(kernel, (q, step.positions, keys[1], own_pos, keys[0], ring_pos, comp, idx),
+                                  (self.attn_sink[...],))
 
     def draft_block(self, h: jax.Array, positions: jax.Array, ctx_kv: jax.Array, ctx_visible: jax.Array) -> jax.Array:
         """[DSpark] non-causal attention of a draft block: h [B, beta, D] at positions [B, beta] attends to

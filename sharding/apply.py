@@ -16,9 +16,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from . import expert_parallel as ep_mod
+from . import batch_parallel, expert_parallel as ep_mod
 from .mesh import check_batch, parallel_config
 from .rules import batch_sharding, cache_shardings, param_shardings, param_spec
+
+
+def _attach(model, mesh: Mesh, config=None, placements=None):
+    """The mesh's hooks: expert parallel MoE and per-batch-shard attention kernels."""
+    batch_parallel.attach(model, mesh)
+    return ep_mod.attach(model, mesh, config, placements)
 
 
 def _validate(cfg, mesh: Mesh, config=None, placements=None) -> None:
@@ -46,7 +52,7 @@ def init_sharded(cfg, seed: int = 0, dtype="float32", mesh: Mesh | None = None, 
 
     with _fast_tracing():
         state = jax.jit(make, out_shardings=shardings)()
-    return ep_mod.attach(nnx.merge(graphdef, state), mesh, config, placements)
+    return _attach(nnx.merge(graphdef, state), mesh, config, placements)
 
 
 def shard_model(model, mesh: Mesh, config=None, placements=None):
@@ -55,7 +61,7 @@ def shard_model(model, mesh: Mesh, config=None, placements=None):
     _validate(model.config, mesh, config, placements)
     graphdef, state = nnx.split(model)
     state = jax.tree.map(_place, state, param_shardings(state, mesh))
-    return ep_mod.attach(nnx.merge(graphdef, state), mesh, config, placements)
+    return _attach(nnx.merge(graphdef, state), mesh, config, placements)
 
 
 def _place(x, sharding: NamedSharding):
@@ -157,7 +163,7 @@ def place_loaded(graphdef, flat, buffers, mesh: Mesh, config=None):
         leaves.append((path, var.replace(arr)))
     model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
     parallel_config(mesh).validate(model.config, num_devices=int(mesh.devices.size))
-    return ep_mod.attach(model, mesh, config)
+    return _attach(model, mesh, config)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -114,6 +114,10 @@ def run_meshes(out_path: str, full: bool = False) -> None:
                 fp4 = init_random(cfg.replace(expert_weights="fp4", moe_impl=impl), seed=0, dtype="float32")
                 case(f"fp4 {impl}", mesh, shard_model(fp4, mesh, EPConfig("all_to_all", "padded")),
                      want=np.asarray(fp4(tokens)), impl=impl)
+            # Pallas attention + indexer per batch shard (sharding.batch_parallel), the 8 sequences 1 per device
+            attn = init_random(cfg.replace(attention_impl="pallas"), seed=0, dtype="float32")
+            case("pallas attention", mesh, shard_model(attn, mesh), want=np.asarray(attn(tokens)),
+                 shards=shard_model(attn, mesh).layers[0].attn.batch_parallel.shards())
             # born sharded: init_random(mesh=) and load_checkpoint(mesh=) give the same numbers
             case("init_random(mesh)", mesh, init_random(cfg, seed=0, dtype="float32", mesh=mesh))
             with tempfile.TemporaryDirectory() as d:

@@ -239,9 +239,11 @@ def test_ep_variants_and_record(mesh_results):
 
 def test_born_sharded_and_placement_cases(mesh_results):
     for name in ("init_random(mesh)", "load_checkpoint(mesh)", "redundant+rebalanced", "pallas all_to_all",
-                 "pallas replicate", "fp4 reference", "fp4 pallas"):
+                 "pallas replicate", "fp4 reference", "fp4 pallas", "pallas attention"):
         (c,) = _cases(mesh_results, "tiny-v4", name)
         assert c["logits_rel_err"] < _tol(c), c
+    (c,) = _cases(mesh_results, "tiny-v4", "pallas attention")
+    assert c["shards"] == 8  # the kernels ran once per (dp, ep) shard, not replicated
     (c,) = _cases(mesh_results, "tiny-v4", "redundant+rebalanced")
     assert len(c["slot_to_expert"]) == 16 and c["slot_to_expert"] != list(range(16))
 

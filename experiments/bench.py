@@ -223,7 +223,8 @@ def command_line(argv, module: str = "experiments.bench") -> str:
 # ----------------------------------------------------------------------------------------------- config
 
 def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None = None,
-                   attention_impl: str | None = None, expert_weights: str | None = None):
+                   attention_impl: str | None = None, expert_weights: str | None = None,
+                   dense_weights: str | None = None):
     from model import ModelConfig
 
     from .roofline import scale_layers
@@ -232,13 +233,15 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
     if layers:
         cfg = scale_layers(cfg, layers)
     changes = {k: v for k, v in (("moe_impl", moe_impl), ("attention_impl", attention_impl),
-                                 ("expert_weights", expert_weights)) if v}
+                                 ("expert_weights", expert_weights), ("dense_weights", dense_weights)) if v}
     return cfg.replace(**changes) if changes else cfg
 
 
 def weight_format(cfg) -> str:
-    """The roofline's weight format of a model (float32 models are costed as bf16, noted)."""
-    return "bf16-fp4-experts" if cfg.expert_weights == "fp4" else "bf16"
+    """The roofline's weight format of a model (float32 models are costed as bf16, noted): the bytes it holds,
+    and bf16 MMA (the engine dequantises FP8 / FP4 weights to bf16 before multiplying)."""
+    return {("model", "dense"): "bf16", ("model", "fp4"): "bf16-fp4-experts", ("fp8", "dense"): "fp8-dense",
+            ("fp8", "fp4"): "fp8-fp4-experts"}[cfg.dense_weights, cfg.expert_weights]
 
 
 def spec_kind(cfg) -> str:
@@ -644,6 +647,7 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
     rec: dict[str, Any] = {
         "bench": "bench", "key": p.key(), "preset": setup.preset, "config": cfg.name, "generation": cfg.generation,
         "layers": cfg.num_layers, "dtype": setup.dtype, "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
+        "dense_weights": cfg.dense_weights,
         "attention_impl": cfg.attention_impl, "mode": p.mode, "phase": p.phase, "step": p.kind,
         "mesh": {"dp": p.mesh[0], "ep": p.mesh[1], "tp": p.mesh[2]}, "devices": int(np.prod(p.mesh)),
         "batch": p.batch, "context": p.context, "new_tokens": p.rows, "num_draft": p.num_draft if
@@ -867,7 +871,8 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
            "|" + "---|" * 21]
     for r in recs:
         mesh = "x".join(str(r["mesh"][a]) for a in ("dp", "ep", "tp"))
-        dtype = r["dtype"] + (" + fp4 experts" if r.get("expert_weights") == "fp4" else "")
+        dtype = r["dtype"] + (" + fp8 dense" if r.get("dense_weights") == "fp8" else "") + (
+            " + fp4 experts" if r.get("expert_weights") == "fp4" else "")
         head = (f"| {r['phase']} | {r['mode']} | {r['step']} | {r['config']} | {dtype} | "
                 f"{r['attention_impl']}/{r['moe_impl']} | {mesh} | {r['batch']} | {r['context']} | {r['new_tokens']} |")
         if r["status"] != "ok":
@@ -989,6 +994,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-impl", choices=("reference", "pallas"))
     p.add_argument("--attention-impl", choices=("reference", "pallas"))
     p.add_argument("--expert-weights", choices=("dense", "fp4"), help="routed experts held dense or FP4-packed")
+    p.add_argument("--dense-weights", choices=("model", "fp8"),
+                   help="the release's FP8 tensors held in the model dtype or FP8 + block scales")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1), help="dp,ep,tp (default 1,1,1: one device)")
     p.add_argument("--repeats", type=int, help="timed steps (default: prefill 10, decode 60)")
     p.add_argument("--warmup", type=int, help="untimed steps after compilation (default 3)")
@@ -1023,7 +1030,7 @@ def main(argv=None) -> list[dict]:
     preset = args.preset or d["preset"]
     dtype = args.dtype or d["dtype"]
     cfg = resolve_config(preset, args.layers, args.moe_impl or d["impl"], args.attention_impl or d["impl"],
-                         args.expert_weights)
+                         args.expert_weights, args.dense_weights)
     phases = args.phase if isinstance(args.phase, list) else choice_list(PHASES)(args.phase)
     modes = args.mode if isinstance(args.mode, list) else choice_list(MODES)(args.mode)
     batches = args.batch or d["batch"]

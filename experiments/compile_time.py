@@ -69,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-impl", choices=("reference", "pallas"), default="reference")
     p.add_argument("--attention-impl", choices=("reference", "pallas"), default="reference")
     p.add_argument("--expert-weights", choices=("dense", "fp4"), default="dense")
+    p.add_argument("--dense-weights", choices=("model", "fp8"), default="model")
     p.add_argument("--out", help="results directory (default experiments/results; $OUT also gets a copy)")
     return p.parse_args(argv)
 
@@ -83,7 +84,8 @@ def main(argv=None) -> dict:
     cfg = ModelConfig.preset(args.preset)
     if args.layers:
         cfg = scale_layers(cfg, args.layers)
-    cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl, expert_weights=args.expert_weights)
+    cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl, expert_weights=args.expert_weights,
+                      dense_weights=args.dense_weights)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if not steps or any(s not in ("prefill", "verify") for s in steps):
         raise SystemExit(f"--steps must list prefill and/or verify, got {args.steps!r}")
@@ -98,10 +100,11 @@ def main(argv=None) -> dict:
         records.append(rec)
     meta = {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "backend": backend,
             "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,
-            "expert_weights": cfg.expert_weights,
+            "expert_weights": cfg.expert_weights, "dense_weights": cfg.dense_weights,
             "attention_impl": cfg.attention_impl, "command": "python -m experiments.compile_time " + " ".join(
                 sys.argv[1:] if argv is None else argv)}
-    lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype} ({cfg.expert_weights} experts), "
+    lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype} ({cfg.dense_weights} dense, {cfg.expert_weights} "
+             f"experts), "
              f"{backend} ({meta['device']}), "
              f"jax {jax.__version__}", "", f"`{meta['command']}`", "",
              "| step | batch x rows | context | trace + lower s | compile s | temp GiB |", "|---|---|---|---|---|---|"]

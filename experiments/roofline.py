@@ -27,8 +27,12 @@ Model of the bytes (a floor: what a perfect kernel must move through HBM)
     group (batch/dp sequences). Formats as released (MODEL_SPEC 3.7, V41_NOTES 4): "bf16" = all 2 B;
     "fp8" = FP8 E4M3 + UE8M0 block scales (128x128 V4, 32x32 V4.1) for wq_a, wq_b, wkv, wo_a, wo_b,
     indexer wq_b, shared and routed experts, Engram wkv, MTP/DSpark projections; "fp4-experts" = the
-    same with routed experts in packed E2M1 + UE8M0 per 32 (0.53 B/param); "bf16-fp4-experts" = this engine
-    with `expert_weights="fp4"` (dense tensors bf16, routed experts FP4, bf16 MMA). Tensors the release keeps in
+    same with routed experts in packed E2M1 + UE8M0 per 32 (0.53 B/param). This engine's formats (its XLA
+    and Pallas matmuls dequantise FP8 / FP4 weights to bf16 and multiply in bf16, so they run the BF16 peak):
+    "bf16-fp4-experts" (`expert_weights="fp4"`: dense tensors bf16, routed experts FP4), "fp8-dense"
+    (`dense_weights="fp8"`: the FP8 tensors as released, routed experts bf16) and "fp8-fp4-experts" (both:
+    the release's bytes, bf16 MMA). Which tensors are FP8 is one rule, model.quant_io.release_fp8
+    (`matrix_class`), the same the model's `dense_weights="fp8"` follows. Tensors the release keeps in
     BF16 stay BF16 in every mode (embed, head, compressors, router gate, indexer weights_proj, V4.1 wk,
     Markov heads), fp32 ones fp32 (mHC, ape, attn_sink, gate bias). wo_a counts as FP8 (the official
     code dequantises it to BF16 at load: +0.03 GB/layer if an engine does the same). Engram tables are
@@ -102,7 +106,18 @@ H200_DATASHEET = {
 }
 
 PHASES = ("prefill", "decode")
-WEIGHT_DTYPES = ("bf16", "fp8", "fp4-experts", "bf16-fp4-experts")
+# Weight formats: name -> (the release's FP8 "dense" tensors held as, routed experts held as, MMA of their
+# GEMMs). The first three are the release and an ideal engine for it; the others what this engine runs
+# (bench.weight_format: cfg.dense_weights / cfg.expert_weights), which dequantises to bf16 before its MMA.
+WEIGHT_FORMATS = {
+    "bf16": ("bf16", "bf16", "bf16"),
+    "fp8": ("fp8", "fp8", "fp8"),
+    "fp4-experts": ("fp8", "fp4", "fp8"),
+    "bf16-fp4-experts": ("bf16", "fp4", "bf16"),
+    "fp8-dense": ("fp8", "bf16", "bf16"),
+    "fp8-fp4-experts": ("fp8", "fp4", "bf16"),
+}
+WEIGHT_DTYPES = tuple(WEIGHT_FORMATS)
 KV_DTYPES = ("bf16", "fp8", "packed")
 COMPONENTS = ("attn_proj", "attn_core", "indexer", "compressor", "moe_experts", "shared_expert", "router",
               "mhc", "head", "engram", "kv_write", "drafter")
@@ -111,9 +126,13 @@ BYTE_KINDS = ("weight_bytes", "kv_read_bytes", "kv_write_bytes", "other_bytes")
 
 # ----------------------------------------------------------------------------------------------- formats
 
-def fp8_block(cfg) -> int:
-    """Block edge of the FP8 weight scales: 128x128 (V4) or 32x32 (V4.1) (MODEL_SPEC 3.7)."""
-    return 128 if cfg.generation == "v4" else 32
+def matrix_class(name: str) -> str:
+    """Tensor class of a weight matrix by its official module name ("attn.wq_a", "ffn.shared_experts.w1",
+    "mtp.0.main_proj", ...): "dense" where the release stores it FP8 (model.quant_io.release_fp8, the rule
+    the model's cfg.dense_weights="fp8" follows), else "bf16"."""
+    from model.quant_io import release_fp8
+
+    return "dense" if release_fp8(name + ".weight") else "bf16"
 
 
 def bytes_per_param(cfg, cls: str, weight_dtype: str) -> float:
@@ -129,18 +148,15 @@ def bytes_per_param(cfg, cls: str, weight_dtype: str) -> float:
         return fixed[cls]
     if cls not in ("dense", "expert"):
         raise ValueError(f"unknown tensor class {cls!r}")
-    if weight_dtype == "bf16" or (weight_dtype == "bf16-fp4-experts" and cls == "dense"):
-        return 2.0
-    fp8 = 1.0 + 1.0 / fp8_block(cfg) ** 2
-    if cls == "dense" or weight_dtype == "fp8":
-        return fp8
-    return 0.5 + 1.0 / 32
+    dense, expert, _ = WEIGHT_FORMATS[weight_dtype]
+    held = dense if cls == "dense" else expert
+    return {"bf16": 2.0, "fp8": 1.0 + 1.0 / cfg.fp8_block ** 2, "fp4": 0.5 + 1.0 / 32}[held]
 
 
 def gemm_peak(cls: str, weight_dtype: str, ceilings: dict) -> float:
-    """FP8 MMA for the release's FP8 / FP4 tensors; "bf16-fp4-experts" (this engine's FP4-resident experts,
-    dequantised to bf16 in the kernel) multiplies in bf16."""
-    if cls in ("dense", "expert", "table") and weight_dtype not in ("bf16", "bf16-fp4-experts"):
+    """The GEMM peak for a tensor class in a weight format: the format's MMA (WEIGHT_FORMATS) for the
+    release's FP8 / FP4 tensors and Engram rows, the BF16 peak for everything else."""
+    if cls in ("dense", "expert", "table") and WEIGHT_FORMATS[weight_dtype][2] == "fp8":
         return ceilings["fp8_flops"]
     return ceilings["bf16_flops"]
 
@@ -323,11 +339,11 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
         acc.tensor("mhc", f"{sub}_norm", D, "bf16", rows, flops_per_param_row=4.0)
 
     # ---- attention projections (every layer, all modes)
-    acc.tensor("attn_proj", "wq_a", qr * D, "dense", rows)
-    acc.tensor("attn_proj", "wq_b", H * Dh * qr, "dense", rows, shard=tp)
-    acc.tensor("attn_proj", "wkv", Dh * D, "dense", rows)
-    acc.tensor("attn_proj", "wo_a", G * orank * (H * Dh // G), "dense", rows, shard=tp)
-    acc.tensor("attn_proj", "wo_b", D * G * orank, "dense", rows, shard=tp)
+    acc.tensor("attn_proj", "wq_a", qr * D, matrix_class("attn.wq_a"), rows)
+    acc.tensor("attn_proj", "wq_b", H * Dh * qr, matrix_class("attn.wq_b"), rows, shard=tp)
+    acc.tensor("attn_proj", "wkv", Dh * D, matrix_class("attn.wkv"), rows)
+    acc.tensor("attn_proj", "wo_a", G * orank * (H * Dh // G), matrix_class("attn.wo_a"), rows, shard=tp)
+    acc.tensor("attn_proj", "wo_b", D * G * orank, matrix_class("attn.wo_b"), rows, shard=tp)
     acc.tensor("attn_proj", "norms_sink", qr + Dh, "bf16", rows, flops_per_param_row=4.0)
     acc.tensor("attn_proj", "attn_sink", H, "fp32", 0)
 
@@ -355,8 +371,8 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
 
     # ---- indexer (V4 CSA; V4.1 Full and Reindex)
     if spec.indexer:
-        acc.tensor("indexer", "wq_b", HI * DI * qr, "dense", rows, shard=tp)
-        acc.tensor("indexer", "weights_proj", HI * D, "bf16", rows)
+        acc.tensor("indexer", "wq_b", HI * DI * qr, matrix_class("attn.indexer.wq_b"), rows, shard=tp)
+        acc.tensor("indexer", "weights_proj", HI * D, matrix_class("attn.indexer.weights_proj"), rows)
         cap = None
         if spec.uses_candidates:
             cap = cfg.candidate_topk_blocks * cfg.candidate_block_size
@@ -376,10 +392,10 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
         for name, d, gated in parts:
             c = 2 if spec.overlap else 1
             if cfg.generation == "v41" and r == 1:
-                acc.tensor("compressor", f"{name}.wkv", d * D, "bf16", rows)        # no gate, no state
+                acc.tensor("compressor", f"{name}.wkv", d * D, matrix_class("attn.compressor.wkv"), rows)        # no gate, no state
             else:
-                acc.tensor("compressor", f"{name}.wkv", c * d * D, "bf16", rows)
-                acc.tensor("compressor", f"{name}.wgate", c * d * D, "bf16", rows)
+                acc.tensor("compressor", f"{name}.wkv", c * d * D, matrix_class("attn.compressor.wkv"), rows)
+                acc.tensor("compressor", f"{name}.wgate", c * d * D, matrix_class("attn.compressor.wgate"), rows)
                 if cfg.generation == "v4":
                     acc.tensor("compressor", f"{name}.ape", r * c * d, "fp32", 0)
                 # fp32 carry: raw (a, g) rows of unfinished blocks written, pooled when a block closes
@@ -392,7 +408,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
                         kv_read_bytes=carry_read * S, flops=emitted * carry_rows * c * d * 6 * S)
             acc.tensor("compressor", f"{name}.norm", d, "bf16", 0)
         if cfg.generation == "v41" and spec.indexer:
-            acc.tensor("compressor", "index.wk", DI * Dh, "bf16", 0)
+            acc.tensor("compressor", "index.wk", DI * Dh, matrix_class("attn.indexer.wk"), 0)
             acc.tensor("compressor", "index.k_norm", DI, "bf16", 0)
             acc.add("compressor", "index.wk_apply", flops=2.0 * DI * Dh * emitted * S)
         if kv_write:
@@ -406,7 +422,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
         hd = cfg.engram_head_dim
         row_bytes = hd * bytes_per_param(cfg, "table", acc.wd)
         acc.add("engram", "table_rows", other_bytes=rows * cols * row_bytes)
-        acc.tensor("engram", "wkv", (n + 1) * D * cols * hd, "dense", rows)
+        acc.tensor("engram", "wkv", (n + 1) * D * cols * hd, matrix_class("engram.wkv"), rows)
         acc.tensor("engram", "q_k_weight", 2 * n * D, "bf16", rows)
         acc.add("engram", "gate", flops=rows * n * D * 10)
         if acc.count_resident and not acc.group:
@@ -419,7 +435,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
 
     # ---- MoE: router, routed experts (distinct experts touched), shared expert (MODEL_SPEC 2.8)
     E, k, I = spec.n_experts, spec.n_experts_per_tok, cfg.moe_intermediate_size
-    acc.tensor("router", "gate", E * D, "bf16", rows)
+    acc.tensor("router", "gate", E * D, matrix_class("ffn.gate"), rows)
     if not spec.hash_routed:  # aux-loss-free selection bias ([V4.1] + the image bias_vl)
         acc.tensor("router", "bias", E * (2 if cfg.generation == "v41" else 1), "fp32", 0)
     if spec.hash_routed:
@@ -436,7 +452,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
         acc.resident[key] += E / step.ep * ebytes / tp
         acc.params[key] += E * 3 * D * I
         acc.active += k * 3 * D * I
-    acc.tensor("shared_expert", "w1_w3_w2", 3 * D * I, "dense", rows, shard=tp)
+    acc.tensor("shared_expert", "w1_w3_w2", 3 * D * I, matrix_class("ffn.shared_experts.w1"), rows, shard=tp)
 
 
 def _head(acc: _Acc, cfg, step: _Step, head_rows: float, *, hc_head: bool, shared: bool = False):
@@ -445,12 +461,12 @@ def _head(acc: _Acc, cfg, step: _Step, head_rows: float, *, hc_head: bool, share
     if hc_head:
         acc.tensor("head", "hc_head_fn", n * n * D + n + 1, "fp32", head_rows)
     acc.tensor("head", "norm", D, "bf16", head_rows, flops_per_param_row=4.0)
-    acc.tensor("head", "head", V * D, "bf16", head_rows, shard=tp, resident=not shared)
+    acc.tensor("head", "head", V * D, matrix_class("head"), head_rows, shard=tp, resident=not shared)
 
 
 def _embed(acc: _Acc, cfg, step: _Step, rows: float):
     D, V = cfg.hidden_size, cfg.vocab_size
-    acc.tensor("head", "embed", V * D, "bf16", 0, shard=step.tp, touched=False, active=False)
+    acc.tensor("head", "embed", V * D, matrix_class("embed"), 0, shard=step.tp, touched=False, active=False)
     acc.add("head", "embed_rows", other_bytes=rows * D * 2)
 
 
@@ -470,15 +486,15 @@ def _drafter(acc: _Acc, cfg, step: _Step, num_draft: int):
         for i in range(num_draft):
             acc.count_resident = i == 0
             one = dataclasses.replace(step, T=1, ctx=step.ctx + i)
-            acc.tensor("mtp", "e_proj", D * D, "dense", S)
-            acc.tensor("mtp", "h_proj", D * D, "dense", S * n)
+            acc.tensor("mtp", "e_proj", D * D, matrix_class("mtp.0.e_proj"), S)
+            acc.tensor("mtp", "h_proj", D * D, matrix_class("mtp.0.h_proj"), S * n)
             acc.tensor("mtp", "norms", 3 * D, "bf16", S, flops_per_param_row=4.0)
             for s in slots:
                 _layer(acc, cfg, cfg.layer_spec(s), one)
             _head(acc, cfg, one, S, hc_head=True, shared=True)
     else:
         beta = cfg.dspark_block_size
-        acc.tensor("dspark", "main_proj", D * 3 * D, "dense", S * step.T)
+        acc.tensor("dspark", "main_proj", D * 3 * D, matrix_class("mtp.0.main_proj"), S * step.T)
         acc.tensor("dspark", "main_norm", D, "bf16", S * step.T, flops_per_param_row=4.0)
         block = dataclasses.replace(step, T=beta)
         for s in slots:
@@ -488,13 +504,13 @@ def _drafter(acc: _Acc, cfg, step: _Step, num_draft: int):
             _layer(acc, cfg, cfg.layer_spec(s), block, window_extra=beta, kv_write=False)
         _head(acc, cfg, block, S * beta, hc_head=False, shared=True)
         r = cfg.dspark_markov_rank
-        acc.tensor("dspark", "markov_embed", V * r, "bf16", 0, touched=False)
+        acc.tensor("dspark", "markov_embed", V * r, matrix_class("mtp.2.markov_head.embed"), 0, touched=False)
         acc.add("dspark", "markov_embed_rows", other_bytes=S * beta * r * 2)
         acc.count_resident = True
-        acc.tensor("dspark", "markov_head", V * r, "bf16", S * beta)
+        acc.tensor("dspark", "markov_head", V * r, matrix_class("mtp.2.markov_head.head"), S * beta)
         # sequential: block_size GEMVs over the [V, r] head (66 MB, larger than L2), re-read each time
         acc.add("dspark", "markov_head_rereads", weight_bytes=(beta - 1) * V * r * 2)
-        acc.tensor("dspark", "confidence", D + r, "bf16", S * beta)
+        acc.tensor("dspark", "confidence", D + r, matrix_class("mtp.2.confidence_head.proj"), S * beta)
     acc.group = None
     acc.count_resident = True
     acc.active = active
@@ -507,7 +523,7 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
 
     cfg: a ModelConfig. phase: "prefill" | "decode". batch: global sequences. context: cached positions per
     sequence before the step. new_tokens: prefill chunk per sequence, or 1 + num_draft rows in decode.
-    weight_dtype: "bf16" | "fp8" | "fp4-experts". kv_dtype: "bf16" | "fp8" | "packed". mesh: (dp, ep, tp).
+    weight_dtype: one of WEIGHT_FORMATS ("bf16", "fp8", "fp4-experts", ...). kv_dtype: "bf16" | "fp8" | "packed". mesh: (dp, ep, tp).
     forced_balance: routing forced to perfect balance (else uniform random). drafter: add the drafter's
     cost (decode, new_tokens - 1 drafts). Returns a JSON-ready dict (see the module docstring).
     """
@@ -581,7 +597,7 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
     totals["arithmetic_intensity"] = totals["flops"] / totals["bytes"]
     # the FLOP rate a kernel would need to hit the memory floor, and the bandwidth to hit the compute floor
     totals["flops_at_uniform_peak_s"] = totals["flops"] / (
-        ceilings["bf16_flops"] if weight_dtype == "bf16" else ceilings["fp8_flops"])
+        ceilings[WEIGHT_FORMATS[weight_dtype][2] + "_flops"])
 
     # ---- memory per device
     kv_np_dtype, packed = _memory_estimate_args(kv_dtype)
@@ -661,7 +677,7 @@ def markdown(res: dict, accepted: float | None = None) -> str:
         tail.append(f"Decode at {acc:g} accepted tokens per step: {seqs * acc / t['floor_s']:,.0f} tokens/s per device "
                     f"(sequences x accepted / floor).")
     else:
-        pk = "bf16" if res["weight_dtype"] == "bf16" else "fp8"
+        pk = WEIGHT_FORMATS[res["weight_dtype"]][2]  # the format's MMA
         tail.append(f"All FLOPs at the {pk} peak: {t['flops_at_uniform_peak_s'] * 1e3:.3f} ms; MFU of a step at the floor "
                     f"{t['flops'] / t['floor_s'] / res['ceilings'][pk + '_flops'] * 100:.0f}% of the {pk} peak.")
     if exp:

@@ -10,8 +10,8 @@ The grid is the product of: mesh x phase x mode x context x batch x num_draft (d
 line replaces the spec's. Spec keys (all optional):
 
     name: h200-decode                 # results: experiments/results/sweep_<name>.jsonl / .md / *.png
-    preset: v4-flash-4l               # plus layers, dtype, moe_impl, attention_impl, expert_weights, seed,
-                                      # checkpoint
+    preset: v4-flash-4l               # plus layers, dtype, moe_impl, attention_impl, expert_weights,
+                                      # dense_weights, seed, checkpoint
     phase: [decode]                   # prefill | decode
     mode: [deepinfer, realistic]
     step: verify                      # decode step for deepinfer mode (realistic always times spec)
@@ -48,8 +48,8 @@ from pathlib import Path
 from . import bench
 
 # what makes two records the same point (besides bench.Point.key()); warm-up / repeat counts do not
-KEY_FIELDS = ("preset", "config", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "real_prefill",
-              "checkpoint")
+KEY_FIELDS = ("preset", "config", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights",
+              "real_prefill", "checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------- spec
@@ -74,7 +74,8 @@ def load_spec(path: str | None) -> dict:
     return spec
 
 
-SPEC_KEYS = {"name", "preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "seed", "checkpoint",
+SPEC_KEYS = {"name", "preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights", "seed",
+             "checkpoint",
              "phase",
              "mode", "step", "mesh", "batch", "prefill_batch", "context", "num_draft", "new_tokens", "replay",
              "warmup", "repeats", "real_prefill", "quick", "results"}
@@ -126,7 +127,7 @@ def grid(spec: dict, backend: str) -> tuple[dict, list[bench.Point]]:
         "preset": spec.get("preset") or d["preset"], "layers": spec.get("layers"),
         "dtype": spec.get("dtype") or d["dtype"], "moe_impl": spec.get("moe_impl") or d["impl"],
         "attention_impl": spec.get("attention_impl") or d["impl"], "seed": int(spec.get("seed", 0)),
-        "expert_weights": spec.get("expert_weights") or "dense",
+        "expert_weights": spec.get("expert_weights") or "dense", "dense_weights": spec.get("dense_weights") or "model",
         "checkpoint": spec.get("checkpoint"), "real_prefill": bool(spec.get("real_prefill", False)),
         "warmup": int(spec["warmup"]) if spec.get("warmup") is not None else d["warmup"],
     }
@@ -172,7 +173,7 @@ def grid(spec: dict, backend: str) -> tuple[dict, list[bench.Point]]:
 def run_key(run: dict, cfg, p: bench.Point) -> str:
     fields = {"preset": run["preset"], "config": cfg.name, "layers": cfg.num_layers, "dtype": run["dtype"],
               "moe_impl": cfg.moe_impl, "attention_impl": cfg.attention_impl, "expert_weights": cfg.expert_weights,
-              "real_prefill": run["real_prefill"],
+              "dense_weights": cfg.dense_weights, "real_prefill": run["real_prefill"],
               "checkpoint": run["checkpoint"]}
     return json.dumps({**fields, **p.key()}, sort_keys=True)
 
@@ -181,7 +182,8 @@ def record_key(rec: dict) -> str | None:
     if "key" not in rec:
         return None
     fields = {k: rec.get(k) for k in KEY_FIELDS}
-    fields["expert_weights"] = fields["expert_weights"] or "dense"  # records from before the field
+    fields["expert_weights"] = fields["expert_weights"] or "dense"  # records from before the fields
+    fields["dense_weights"] = fields["dense_weights"] or "model"
     return json.dumps({**fields, **rec["key"]}, sort_keys=True)
 
 
@@ -281,6 +283,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-impl", choices=("reference", "pallas"))
     p.add_argument("--attention-impl", choices=("reference", "pallas"))
     p.add_argument("--expert-weights", choices=("dense", "fp4"))
+    p.add_argument("--dense-weights", choices=("model", "fp8"))
     p.add_argument("--phase", type=str_list, help="comma list of prefill,decode")
     p.add_argument("--mode", type=str_list, help="comma list of deepinfer,realistic")
     p.add_argument("--step", choices=bench.STEPS, help="deepinfer decode step (default verify)")
@@ -306,7 +309,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     spec = load_spec(args.spec)
-    for key in ("preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "phase", "mode", "step",
+    for key in ("preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights", "phase",
+                "mode", "step",
                 "mesh", "batch",
                 "prefill_batch", "context", "num_draft", "new_tokens", "replay", "warmup", "repeats", "real_prefill",
                 "seed", "checkpoint", "quick", "name", "results"):
@@ -323,7 +327,7 @@ def main(argv=None) -> dict:
     progress = bench.Progress(quiet=args.quiet)
     run, points = grid(spec, backend)
     cfg = bench.resolve_config(run["preset"], run["layers"], run["moe_impl"], run["attention_impl"],
-                               run["expert_weights"])
+                               run["expert_weights"], run["dense_weights"])
     env = bench.environment(bench.command_line(argv, "experiments.sweep"))
     old = read_results(results)
     done = {record_key(r) for r in old if r.get("status") in DONE}

@@ -110,7 +110,7 @@ class Attention(nnx.Module):
         """o [B, T, H, Dh] -> inverse RoPE -> grouped output projection -> [B, T, D]."""
         o = apply_rope(o, positions[..., None], self.freqs, inverse=True)
         o = o.reshape(*o.shape[:-2], self.o_groups, -1)
-        w_a = self.wo_a.weight[...].reshape(self.o_groups, self.o_lora_rank, -1)
+        w_a = self.wo_a.dense_weight().reshape(self.o_groups, self.o_lora_rank, -1)
         u = jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
         return self.wo_b(u.reshape(*u.shape[:-2], -1))
 

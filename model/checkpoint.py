@@ -8,7 +8,9 @@ submodules `hc_attn.fn` etc., and routed experts are stacked (`ffn.experts.w1` [
 
 Loading never executes code: safetensors + JSON only. FP8 (E4M3 + UE8M0 block scales) and FP4
 (E2M1 packed low-nibble-first + UE8M0 per 32) are dequantised tensor by tensor and cast straight
-to the parameter dtype. Missing, unexpected or mis-shaped tensors raise errors naming them.
+to the parameter dtype, except where the config holds them quantised (`_held_format`: FP4 routed
+experts with cfg.expert_weights="fp4", the release's FP8 matrices with cfg.dense_weights="fp8"):
+kept as shipped, or quantised on load. Missing, unexpected or mis-shaped tensors raise errors naming them.
 """
 
 from __future__ import annotations
@@ -115,11 +117,9 @@ def _hf_tensors(items: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, 
             yield off, arr
 
 
-def _dequantised(items: Iterator[tuple[str, np.ndarray]], fp4_experts: bool = False
-                 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Pair each quantised `.weight` with its `.scale` and yield logical tensors; with `fp4_experts` the
-    routed experts come out as FP4 (packed int8 `.weight` + uint8 exponent-byte `.scale`): FP4 pairs as
-    stored, other formats quantised (exact for weights that were FP4 before)."""
+def _dequantised(items: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Pair each quantised `.weight` with its `.scale` and yield logical tensors in the formats `cfg` holds
+    (`_as_held`)."""
     pending: dict[str, np.ndarray] = {}
     for name, arr in items:
         if name.endswith(".scale"):
@@ -128,33 +128,52 @@ def _dequantised(items: Iterator[tuple[str, np.ndarray]], fp4_experts: bool = Fa
                                            or arr.dtype in (np.int8, np.uint8)):
             partner = name[:-len(".weight")] + ".scale"
         else:
-            yield from _expert_format({name: arr}, fp4_experts)
+            yield from _as_held({name: arr}, cfg)
             continue
         if partner in pending:
-            yield from _expert_format({name: arr, partner: pending.pop(partner)}, fp4_experts)
+            yield from _as_held({name: arr, partner: pending.pop(partner)}, cfg)
         else:
             pending[name] = arr
     for name, arr in pending.items():  # unpaired: dequantize_official names the problem
         quant_io.dequantize_official({name: arr})
 
 
-def _expert_format(pair: dict[str, np.ndarray], fp4_experts: bool) -> Iterator[tuple[str, np.ndarray]]:
-    """One stored tensor (+ its scale) -> logical tensors, routed experts as FP4 when asked."""
+def _held_format(cfg: ModelConfig, name: str) -> str | None:
+    """How `cfg` holds the official tensor `name`: "fp4" (routed experts, cfg.expert_weights), "fp8" (the
+    release's FP8 matrices, cfg.dense_weights) or None (dequantised to the model dtype)."""
+    if cfg.expert_weights == "fp4" and _EXPERT.match(name):
+        return "fp4"
+    if cfg.dense_weights == "fp8" and quant_io.release_fp8(name):
+        return "fp8"
+    return None
+
+
+def _as_held(pair: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """One stored tensor (+ its scale) -> logical tensors. Tensors the model holds quantised keep their bytes
+    when stored in that format (FP4: packed int8 + UE8M0 per 32; FP8: E4M3 + UE8M0 on the model's
+    cfg.fp8_block grid) with UE8M0 scales (uint8 exponent bytes in memory); otherwise they are dequantised and
+    quantised again (exact for weights that were in the format before). The rest are dequantised."""
     wname = next(n for n in pair if not n.endswith(".scale"))
-    if not (fp4_experts and _EXPERT.match(wname)):
+    fmt = _held_format(cfg, wname)
+    if fmt is None:
         yield from quant_io.dequantize_official(pair).items()
         return
     w = pair[wname]
     sname = wname[:-len(".weight")] + ".scale"
-    if w.dtype in (np.int8, np.uint8) and sname in pair:  # FP4 as stored: keep the bytes
-        scale = np.asarray(pair[sname])
-        yield wname, w.view(np.int8)
-        yield sname, scale.view(np.uint8) if scale.dtype.itemsize == 1 else scale.astype(np.uint8)
+    scale = pair.get(sname)
+    if fmt == "fp4":
+        stored = w.dtype in (np.int8, np.uint8)
+    else:
+        grid = tuple(-(-n // cfg.fp8_block) for n in w.shape)
+        stored = w.dtype == quant_io.F8_E4M3 and scale is not None and np.shape(scale) == grid
+    if stored and scale is not None and np.asarray(scale).dtype in (quant_io.F8_E8M0, np.uint8):
+        yield wname, w.view(np.int8) if fmt == "fp4" else w
+        yield sname, np.asarray(scale).view(np.uint8)
         return
     (_, dense), = quant_io.dequantize_official(pair).items()
-    packed, scale = quant_io.quantize_fp4(dense)
-    yield wname, packed
-    yield sname, scale.view(np.uint8)
+    q, qs = quant_io.quantize_fp4(dense) if fmt == "fp4" else quant_io.quantize_fp8_blocks(dense, cfg.fp8_block)
+    yield wname, q
+    yield sname, qs.view(np.uint8)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -187,7 +206,7 @@ def load_checkpoint(directory, dtype="bfloat16", mesh=None, token_map: np.ndarra
         from sharding.apply import local_expert_tensors
 
         items = local_expert_tensors(items, cfg, mesh)
-    return build_from_tensors(cfg, _dequantised(items, cfg.expert_weights == "fp4"), dtype=dtype,
+    return build_from_tensors(cfg, _dequantised(items, cfg), dtype=dtype,
                               source=str(directory), token_map=token_map, mesh=mesh)
 
 
@@ -270,11 +289,14 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
 # ----------------------------------------------------------------------------- saving
 
 def official_tensors(model: Transformer) -> dict[str, np.ndarray]:
-    """The model's parameters under official names (logical, unquantised, experts unstacked)."""
+    """The model's parameters under official names, experts unstacked: as held (dense in the model dtype;
+    FP8 / FP4 weights with their scales as float8_e8m0fnu, the official scale dtype)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
         name = path_to_official(path)
         arr = np.asarray(jax.device_get(var[...]))
+        if arr.dtype == np.uint8:  # UE8M0 exponent bytes in memory
+            arr = arr.view(quant_io.F8_E8M0)
         if "{e}" in name:
             for e in range(arr.shape[0]):
                 out[name.format(e=e)] = arr[e]

@@ -29,6 +29,7 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")
 GENERATIONS = ("v4", "v41")
 IMPLS = ("reference", "pallas")
 EXPERT_WEIGHTS = ("dense", "fp4")
+DENSE_WEIGHTS = ("model", "fp8")
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,11 @@ class ModelConfig:
     # UE8M0 per 32 values, as the official checkpoints ship them; dequantised inside the Pallas kernel, or
     # in-graph by the reference path).
     expert_weights: str = "dense"
+    # How the tensors the release stores FP8 (quant_io.release_fp8: attention projections, indexer wq_b,
+    # shared expert, Engram wkv, MTP / DSpark projections) are held: "model" (the model dtype) or "fp8" (E4M3 +
+    # one UE8M0 byte per fp8_block x fp8_block block, as shipped; dequantised in-graph before each matmul).
+    # Any width works: the scale grid is ceil(out/B) x ceil(in/B), edge blocks partial.
+    dense_weights: str = "model"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -199,6 +205,8 @@ class ModelConfig:
             for n, v in widths.items():
                 need(v % 32 == 0, f"expert_weights='fp4' needs {n} ({v}) to be a multiple of 32 (one scale "
                                   "per 32 values)")
+        need(self.dense_weights in DENSE_WEIGHTS,
+             f"dense_weights must be one of {DENSE_WEIGHTS}, got {self.dense_weights!r}")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
 
@@ -246,6 +254,11 @@ class ModelConfig:
     def num_blocks(self) -> int:
         """Backbone layers plus MTP slots."""
         return self.num_layers + self.num_mtp_layers
+
+    @property
+    def fp8_block(self) -> int:
+        """Edge B of the square FP8 weight-scale blocks: 128 (V4) or 32 (V4.1) (MODEL_SPEC 3.7)."""
+        return 128 if self.generation == "v4" else 32
 
     @property
     def nope_head_dim(self) -> int:

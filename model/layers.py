@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import reference as ref
+
 from .config import Yarn
 
 
@@ -26,15 +28,34 @@ def normal_init(rngs: nnx.Rngs, shape, std: float, mean: float = 0.0, dtype=jnp.
 
 
 class Linear(nnx.Module):
-    """y = x @ W.T with W `[out, in]`; `fp32=True` computes in float32 (router, compressor, head)."""
+    """y = x @ W.T with W `[out, in]`; `fp32=True` computes in float32 (router, compressor, head).
+
+    After `quantise(B)` (cfg.dense_weights="fp8", the tensors of quant_io.release_fp8) W is held as the
+    release ships it: `weight` float8_e4m3fn [out, in] and `scale` UE8M0 exponent bytes uint8
+    [ceil(out/B), ceil(in/B)]; each call dequantises it in-graph to the model dtype, then multiplies as usual.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  fp32: bool = False):
         self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), in_features ** -0.5, dtype=dtype))
+        self.scale: nnx.Param | None = nnx.data(None)  # a Param once quantised
+        self.dtype = dtype
         self.fp32 = fp32
 
+    def quantise(self, block: int) -> None:
+        """Hold the weight as FP8 E4M3 with one UE8M0 scale per `block` x `block` block (traceable)."""
+        w, s = ref.quantize_fp8_blocks(self.weight[...], block)
+        self.weight = nnx.Param(w)
+        self.scale = nnx.Param(s)
+
+    def dense_weight(self) -> jax.Array:
+        """W [out, in] in the model dtype (dequantised when held FP8)."""
+        if self.scale is None:
+            return self.weight[...]
+        return ref.dequant_fp8_blocks(self.weight[...], self.scale[...]).astype(self.dtype)
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight[...]
+        w = self.dense_weight()
         if self.fp32:
             return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32))
         return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)

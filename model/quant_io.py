@@ -14,6 +14,8 @@ Contents
     - FP4 = E2M1 codes packed two per byte (low nibble = even column) in I8/U8 [out, in/2] with
       one UE8M0 scale per 32 inputs [out, in/32]: W[i,j] = e2m1(code) * 2^(S[i, j//32] - 127).
     - FP8 rows (V4.1 Engram tables): E4M3 [rows, d] with one UE8M0 scale per 32 values of a row.
+* ``release_fp8``: which tensors the release stores block-scaled FP8 (the one rule the model's
+  ``dense_weights="fp8"`` and experiments/roofline.py's "dense" class both use).
 * ``dequantize_official``: turns a dict of official-named tensors into logical float32 tensors,
   consuming the ``.scale`` entries.
 """
@@ -24,6 +26,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -53,6 +56,7 @@ __all__ = [
     "quantize_fp4",
     "fp4_codes_from_float",
     "infer_fp8_block",
+    "release_fp8",
     "dequantize_official",
 ]
 
@@ -582,6 +586,25 @@ def quantize_fp4(w, block: int = 32, amax_floor: float = 6.0 * 2.0 ** -126) -> t
     kfull = np.repeat(k, block, axis=-1)[..., :d]
     codes = fp4_codes_from_float(np.ldexp(w, -kfull))
     return pack_fp4(codes), float32_to_e8m0(k)
+
+
+# --------------------------------------------------------------------------------------------
+# which tensors the release stores FP8
+# --------------------------------------------------------------------------------------------
+
+# Official names (MODEL_SPEC 2.13 / 3.7) of the block-scaled FP8 matrices of both generations, in every
+# block incl. the MTP / DSpark ones: attention wq_a, wq_b, wkv, wo_a (which the official code dequantises
+# at load), wo_b; indexer wq_b; shared expert w1..w3; [V4.1] Engram wkv; [V4] MTP e_proj, h_proj; DSpark
+# main_proj. Routed experts are FP4; everything else (embed, head, compressors, router, weights_proj, V4.1
+# wk, Markov / confidence heads, norms, mHC) BF16 or fp32; the Engram tables are FP8 rows (per 32 values).
+_RELEASE_FP8 = re.compile(r"(?:.+\.)?(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
+                          r"|ffn\.shared_experts\.w[123]|engram\.wkv|e_proj|h_proj|main_proj)\.weight")
+
+
+def release_fp8(name: str) -> bool:
+    """True for the official `<module>.weight` names the release stores as FP8 E4M3 + UE8M0 block scales
+    (`<module>.scale`, [ceil(out/B), ceil(in/B)], B = 128 V4 / 32 V4.1)."""
+    return _RELEASE_FP8.fullmatch(name) is not None
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import quant_io
 from .attention import Attention, Shared
 from .cache import Cache, LayerCache, Step, allocate, allocate_layer, ring_gather, ring_write
 from .config import LayerSpec, ModelConfig
@@ -184,6 +185,10 @@ class Transformer(nnx.Module):
             self.hc_head = None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype, fp32=True)
+        if cfg.dense_weights == "fp8":  # the release's FP8 matrices held FP8 (random ones quantised here)
+            for path, module in nnx.iter_modules(self):
+                if isinstance(module, Linear) and quant_io.release_fp8(".".join(map(str, path)) + ".weight"):
+                    module.quantise(cfg.fp8_block)
 
     # ---------------------------------------------------------------- pieces
     def logits(self, y: jax.Array) -> jax.Array:
@@ -425,16 +430,15 @@ def abstract_model(cfg: ModelConfig, dtype="bfloat16", token_map: np.ndarray | N
 
 
 def parameter_count(model: Transformer, include_drafts: bool = True) -> int:
-    """Logical parameters of the model (FP4 experts: two per packed byte, scales not counted);
-    `include_drafts=False` leaves out the MTP / DSpark stages."""
+    """Logical parameters of the model (FP4 experts: two per packed int8 byte; the uint8 UE8M0 scales of FP4
+    experts and FP8 dense weights are not counted); `include_drafts=False` leaves out the MTP / DSpark stages."""
     def count(module) -> int:
         total = 0
-        for path, x in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-            leaf = str(path[-1])
-            if path[-2:-1] == ("experts",) and leaf in ("s1", "s2", "s3"):
+        for x in jax.tree.leaves(nnx.state(module, nnx.Param)):
+            if x.dtype == jnp.uint8:  # UE8M0 scale bytes
                 continue
             n = int(np.prod(x.shape))
-            total += 2 * n if path[-2:-1] == ("experts",) and x.dtype == jnp.int8 else n
+            total += 2 * n if x.dtype == jnp.int8 else n
         return total
 
     return count(model) - (0 if include_drafts else count(model.mtp))

@@ -104,8 +104,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
 
 
 # ------------------------------------------------------------------ quantised expert weights
-# Layouts match model/quant_io.py (MODEL_SPEC 3.7), stacked over experts:
-#   FP8: w float8_e4m3fn [E, out, in], scale [E, ceil(out/B), ceil(in/B)] (UE8M0: float8_e8m0fnu or the
+# Layouts match model/quant_io.py (MODEL_SPEC 3.7), stacked over experts (FP8 also unstacked, dense weights):
+#   FP8: w float8_e4m3fn [(E,) out, in], scale [(E,) ceil(out/B), ceil(in/B)] (UE8M0: float8_e8m0fnu or the
 #        uint8 exponent byte b, value 2^(b-127)); W[e,i,j] = w[e,i,j] * s[e, i//B, j//B].
 #   FP4: w int8/uint8 [E, out, in/2] (E2M1 codes, low nibble = even column), scale [E, out, in/32] UE8M0;
 #        W[e,i,j] = e2m1(code[e,i,j]) * s[e, i, j//32].
@@ -124,26 +124,56 @@ def e8m0_to_f32(scale: jax.Array) -> jax.Array:
     return jnp.where(b == 255, jnp.nan, v)
 
 
-def dequant_fp8_experts(w: jax.Array, scale: jax.Array) -> jax.Array:
-    """FP8 E4M3 [E, out, in] + UE8M0 block scales [E, ceil(out/B), ceil(in/B)] -> float32 [E, out, in].
+def dequant_fp8_blocks(w: jax.Array, scale: jax.Array) -> jax.Array:
+    """FP8 E4M3 [..., out, in] + UE8M0 block scales [..., ceil(out/B), ceil(in/B)] -> float32 [..., out, in]
+    (stacked experts, or one dense weight: model.layers.Linear with cfg.dense_weights="fp8").
 
     The block size B is inferred from the shapes (square blocks, as quant_io.infer_fp8_block)."""
-    e, n, k = w.shape
+    n, k = w.shape[-2:]
     block = fp8_block_size(w.shape, scale.shape)
     s = e8m0_to_f32(scale)
-    s = jnp.repeat(jnp.repeat(s, block, axis=1), block, axis=2)[:, :n, :k]
+    s = jnp.repeat(jnp.repeat(s, block, axis=-2), block, axis=-1)[..., :n, :k]
     return w.astype(jnp.float32) * s
 
 
 def fp8_block_size(w_shape, s_shape) -> int:
-    """Smallest power-of-two square block B with s_shape == (E, ceil(out/B), ceil(in/B))."""
-    e, n, k = w_shape
+    """Smallest power-of-two square block B with s_shape == (..., ceil(out/B), ceil(in/B)); where several fit
+    (a 1-block grid) they all dequantise alike."""
+    *lead, n, k = w_shape
     b = 1
     while b <= max(n, k, 1) * 2:
-        if tuple(s_shape) == (e, -(-n // b), -(-k // b)):
+        if tuple(s_shape) == (*lead, -(-n // b), -(-k // b)):
             return b
         b *= 2
-    raise ValueError(f"FP8 expert scale {tuple(s_shape)} matches no square block grid of weight {tuple(w_shape)}")
+    raise ValueError(f"FP8 scale {tuple(s_shape)} matches no square block grid of weight {tuple(w_shape)}")
+
+
+def ue8m0_exponent(amax: jax.Array, qmax: float) -> jax.Array:
+    """Exponent e of the power-of-two block scale 2^e = 2^ceil(log2(amax / qmax)) (exact, via frexp), clamped
+    to the UE8M0 range [-127, 127]; 0 (scale 1) where amax is 0. int32, amax's shape. The rule of
+    model.quant_io._pow2_scale_exponent; the stored byte is e + 127."""
+    mant, ex = jnp.frexp(amax / jnp.float32(qmax))
+    exp = jnp.where(mant == 0.5, ex - 1, ex)
+    return jnp.clip(jnp.where(amax > 0, exp, 0), -127, 127)
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8_blocks(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """float [..., out, in] -> (float8_e4m3fn [..., out, in], UE8M0 exponent bytes uint8
+    [..., ceil(out/B), ceil(in/B)]), traceable (random FP8 models are made under jit / eval_shape). Same rule as
+    model.quant_io.quantize_fp8_blocks: scale 2^ceil(log2(amax / 448)) per B x B block (edge blocks partial),
+    values cast round-to-nearest-even."""
+    *lead, n, k = w.shape
+    go, gi = -(-n // block), -(-k // block)
+    w = w.astype(jnp.float32)
+    pad = [(0, 0)] * len(lead) + [(0, go * block - n), (0, gi * block - k)]
+    amax = jnp.max(jnp.pad(jnp.abs(w), pad).reshape(*lead, go, block, gi, block), axis=(-3, -1))
+    exp = ue8m0_exponent(amax, FP8_E4M3_MAX)
+    full = jnp.repeat(jnp.repeat(exp, block, axis=-2), block, axis=-1)[..., :n, :k]
+    q = jnp.clip(jnp.ldexp(w, -full), -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q, (exp + 127).astype(jnp.uint8)
 
 
 def dequant_fp4_experts(packed: jax.Array, scale: jax.Array, block: int = 32) -> jax.Array:
@@ -175,8 +205,7 @@ def quantize_fp4_experts(w: jax.Array, block: int = 32) -> tuple[jax.Array, jax.
     w = w.astype(jnp.float32)
     blocks = w.reshape(*lead, n, k // block, block)
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(6.0 * 2.0 ** -126))
-    mant, ex = jnp.frexp(amax / jnp.float32(6.0))
-    exp = jnp.clip(jnp.where(mant == 0.5, ex - 1, ex), -127, 127)  # exact ceil(log2(amax / 6))
+    exp = ue8m0_exponent(amax, 6.0)
     x = blocks * jnp.ldexp(jnp.ones_like(amax), -exp)[..., None]
     a = jnp.abs(x)
     mag = sum(((a > b) if c % 2 == 0 else (a >= b)).astype(jnp.int32) for c, b in enumerate(_E2M1_BOUNDS))
@@ -190,7 +219,7 @@ def dequant_experts(w: jax.Array, scale: jax.Array | None) -> jax.Array:
     if scale is None:
         return w.astype(jnp.float32)
     if w.dtype == jnp.float8_e4m3fn:
-        return dequant_fp8_experts(w, scale)
+        return dequant_fp8_blocks(w, scale)
     if w.dtype in (jnp.int8, jnp.uint8):
         return dequant_fp4_experts(w, scale)
     raise ValueError(f"scaled expert weights must be float8_e4m3fn or packed int8/uint8 FP4, got {w.dtype}")

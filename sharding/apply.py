@@ -171,7 +171,8 @@ def place_loaded(graphdef, flat, buffers, mesh: Mesh, config=None):
 def memory_per_device(cfg, dp: int = 1, ep: int = 1, tp: int = 1, seqs_per_device: int = 1,
                       max_len: int = 131072, dtype="bfloat16") -> dict:
     """Bytes per device of parameters and caches from abstract shapes (no devices needed) under the
-    table's layout. `params` holds weights as this model keeps them (dequantised to `dtype`);
+    table's layout. `params` holds weights as this model keeps them (`dtype`, or as shipped where the config
+    says: FP8 + block scales with cfg.dense_weights="fp8", FP4 + scales with cfg.expert_weights="fp4");
     `params_fp4_experts` counts routed experts as released (FP4 + one UE8M0 scale per 32 values);
     `engram` is the part of `params` in replicated Engram tables (V4.1, device placement);
     `cache` is `seqs_per_device` sequences of `max_len` positions (each sequence lives on one device)."""

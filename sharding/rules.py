@@ -48,19 +48,22 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "engram_rows": None,
 }
 
-# First match wins. Logical tuples shorter than the array's rank are padded with None.
+# First match wins. Logical tuples shorter than the array's rank are padded with None. The UE8M0 block
+# scales of weights held FP8 (cfg.dense_weights="fp8", `<name>.scale` [ceil(out/B), ceil(in/B)]) follow
+# their weight's rule, so a shard holds the scales of its own blocks; a mesh axis must then divide the
+# scale grid too (each shard whole blocks: true at full size, not for every tiny config with tp > 1).
 PARAM_RULES: list[tuple[str, tuple]] = [
     (r"embed\.weight", ("vocab", "embed")),
     (r"head\.weight", ("vocab", "embed")),
     # attention (data parallel; tp splits heads and output groups)
-    (r".*\.attn\.wq_b\.weight", ("heads", "q_lora")),
+    (r".*\.attn\.wq_b\.(weight|scale)", ("heads", "q_lora")),
     (r".*\.attn\.attn_sink", ("heads",)),
-    (r".*\.attn\.wo_a\.weight", ("o_groups", None)),
-    (r".*\.attn\.wo_b\.weight", ("embed", "o_groups")),
-    (r".*\.attn\.(wq_a|wkv)\.weight", (None, "embed")),
+    (r".*\.attn\.wo_a\.(weight|scale)", ("o_groups", None)),
+    (r".*\.attn\.wo_b\.(weight|scale)", ("embed", "o_groups")),
+    (r".*\.attn\.(wq_a|wkv)\.(weight|scale)", (None, "embed")),
     (r".*\.attn\.(indexer\.)?compressor\.(wkv|wgate)\.weight", ("compressor", "embed")),
     (r".*\.attn\.(indexer\.)?compressor\.ape", (None, "compressor")),
-    (r".*\.attn\.indexer\.wq_b\.weight", ("index_heads", "q_lora")),
+    (r".*\.attn\.indexer\.wq_b\.(weight|scale)", ("index_heads", "q_lora")),
     (r".*\.attn\.indexer\.weights_proj\.weight", ("index_heads", "embed")),
     (r".*\.attn\.indexer\.wk\.weight", (None, "embed")),                     # [V4.1] own index keys
     (r".*\.attn\.indexer\.k_norm\.weight", ("norm",)),
@@ -70,17 +73,17 @@ PARAM_RULES: list[tuple[str, tuple]] = [
     (r".*\.ffn\.gate\.weight", ("router", "embed")),
     (r".*\.ffn\.gate\.bias", ("router",)),
     (r".*\.ffn\.gate\.tid2eid", ("vocab", "router")),
-    (r".*\.ffn\.shared_experts\.w[13]\.weight", ("mlp", "embed")),
-    (r".*\.ffn\.shared_experts\.w2\.weight", ("embed", "mlp")),
+    (r".*\.ffn\.shared_experts\.w[13]\.(weight|scale)", ("mlp", "embed")),
+    (r".*\.ffn\.shared_experts\.w2\.(weight|scale)", ("embed", "mlp")),
     # norms, hyper-connections, MTP input projections
     (r"(.*\.)?(norm|attn_norm|ffn_norm|q_norm|kv_norm|enorm|hnorm)\.weight", ("norm",)),
     (r"(.*\.)?hc_(attn|ffn|head)_(fn|base|scale)", ("hc",)),
-    (r"mtp\.\d+\.(e_proj|h_proj)\.weight", (None, "embed")),
+    (r"mtp\.\d+\.(e_proj|h_proj)\.(weight|scale)", (None, "embed")),
     # [V4.1] Engram: the tables stay replicated (the full-size row counts do not divide evenly by a
     # mesh; host / sharded Engram placement is its own issue); DSpark heads replicated
     (r".*\.engram\.embed\.weight", ("engram_rows", None)),
-    (r".*\.engram\.(wkv\.weight|k_weight|q_weight)", (None, "embed")),
-    (r"mtp\.\d+\.main_proj\.weight", ("embed", None)),
+    (r".*\.engram\.(wkv\.(weight|scale)|k_weight|q_weight)", (None, "embed")),
+    (r"mtp\.\d+\.main_proj\.(weight|scale)", ("embed", None)),
     (r"mtp\.\d+\.main_norm\.weight", ("norm",)),
     (r"mtp\.\d+\.(markov_head\.(embed|head)|confidence_head\.proj)\.weight", ("vocab", None)),
 ]

@@ -4,6 +4,7 @@ be set before jax is imported, so the pytest process, which has one device, laun
     python tests/sharding_worker.py meshes OUT.json            # 8 devices: meshes x EP variants
     python tests/sharding_worker.py generations OUT.json       # 8 devices: greedy generate on every mesh
     python tests/sharding_worker.py multihost OUT PORT PID CKPT  # one of 2 processes x 4 devices
+    python tests/sharding_worker.py fp8 OUT.json                # 8 devices: FP8-resident dense weights
 
 Results go to OUT as JSON (or .npy logits) for the test to check; this file asserts nothing.
 """
@@ -134,6 +135,43 @@ def run_meshes(out_path: str, full: bool = False) -> None:
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
+def run_fp8(out_path: str) -> None:
+    """cfg.dense_weights="fp8": init_random(mesh=) and load_checkpoint(mesh=) against one device, with the
+    FP8 weights and their scales laid out alike (tiny-v41's B=32 grids also split over tp=2)."""
+    import jax
+    import numpy as np
+
+    from model import init_random
+    from model.checkpoint import load_checkpoint, save_safetensors
+    from sharding import ParallelConfig, shard_batch, to_host
+
+    assert jax.device_count() == 8, jax.devices()
+    cases = []
+    for preset, layouts in (("tiny-v4", [(2, 4, 1)]), ("tiny-v41", [(2, 2, 2)])):
+        cfg = small_config(preset).replace(dense_weights="fp8")
+        tokens, _ = inputs(cfg)
+        one = init_random(cfg, seed=0, dtype="float32")
+        want = np.asarray(one(tokens))
+        with tempfile.TemporaryDirectory() as d:
+            save_safetensors(one, d)
+            for dp, ep, tp in layouts:
+                mesh = ParallelConfig(dp, ep, tp).make_mesh()
+                for how, model in (("init_random(mesh)", init_random(cfg, seed=0, dtype="float32", mesh=mesh)),
+                                   ("load_checkpoint(mesh)", load_checkpoint(d, dtype="float32", mesh=mesh,
+                                                                             dense_weights="fp8"))):
+                    wq_b = model.layers[0].attn.wq_b
+                    with jax.set_mesh(mesh):
+                        got = to_host(model(shard_batch(tokens, mesh)))
+                    cases.append({"preset": preset, "case": how, "mesh": [dp, ep, tp],
+                                  "logits_rel_err": rel_err(got, want),
+                                  "weight_dtype": str(wq_b.weight[...].dtype),
+                                  "weight_spec": str(wq_b.weight[...].sharding.spec),
+                                  "scale_spec": str(wq_b.scale[...].sharding.spec),
+                                  "bytes_equal": bool(np.array_equal(np.asarray(wq_b.scale[...]),
+                                                                     np.asarray(one.layers[0].attn.wq_b.scale[...])))})
+    Path(out_path).write_text(json.dumps(cases, indent=1))
+
+
 def run_multihost(out_prefix: str, port: str, pid: str, checkpoint: str) -> None:
     """One of two processes: join the job, load the checkpoint onto an ep=8 mesh spanning both
     (each process reads only its own experts), run a forward (expert all-to-all across processes)."""
@@ -170,5 +208,7 @@ if __name__ == "__main__":
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     if mode in ("meshes", "generations"):
         run_meshes(sys.argv[2], full=mode == "generations")
+    elif mode == "fp8":
+        run_fp8(sys.argv[2])
     else:
         run_multihost(*sys.argv[2:6])

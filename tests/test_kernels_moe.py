@@ -161,7 +161,7 @@ def test_quantized_reference_matches_quant_io():
     assert np.array_equal(np.asarray(jax.jit(R.dequant_fp4_experts)(p, s)), want)
     q, s = K.quantize_experts_fp8(w, 32)
     want = np.stack([quant_io.dequant_fp8_blocks(np.asarray(q[i]), np.asarray(s[i]), 32) for i in range(2)])
-    assert np.array_equal(np.asarray(jax.jit(R.dequant_fp8_experts)(q, s.view(jnp.float8_e8m0fnu))), want)
+    assert np.array_equal(np.asarray(jax.jit(R.dequant_fp8_blocks)(q, s.view(jnp.float8_e8m0fnu))), want)
 
 
 def test_e2m1_decoder_covers_all_codes():

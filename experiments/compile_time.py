@@ -5,53 +5,106 @@ the cache hold shapes only, so nothing is allocated and any backend can compile 
     python -m experiments.compile_time --preset v4-flash --prefill-batch 1 --decode-batch 64 \\
         --context 126976 --new-tokens 4096
     python -m experiments.compile_time --preset v4-flash-4l --moe-impl pallas --attention-impl pallas   # GPU
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m experiments.compile_time --preset v4-flash-4l \
+        --steps verify --context 32768 --mesh 1,2,1 --collectives      # what a mesh step communicates
 
 The step functions are experiments/bench.py's (`step_functions`: prefill = `new_tokens` rows per sequence
 after `context` cached positions; verify = 1 + num_draft rows per sequence), so the programs are the ones
 bench.py times. Reported per step: trace + lowering seconds, XLA compile seconds, and the compiled
-program's temporary buffer bytes where the backend reports them. Output: JSON + markdown under
+program's temporary buffer bytes where the backend reports them. With `--mesh dp,ep,tp` the step is compiled
+partitioned (weights, caches and tokens laid out by sharding/rules.py, the mesh hooks attached) and
+`--collectives` lists what it communicates per device (kind, result shape and bytes, the jax op that made
+it): on a CPU this shows the XLA partitioning of everything but the GPU kernels' custom calls. Output: JSON + markdown under
 experiments/results/compile_time_<stamp>_<backend>.{json,md} (and $OUT when set).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 import time
 
 from experiments import records as records_io
+from experiments.bench import parse_mesh
 
 
-def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, num_draft: int = 3) -> dict:
-    """Lower and compile one step (kind "prefill" or "verify") on abstract inputs -> timings."""
+COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|ragged-all-to-all|reduce-scatter|"
+                        r"collective-permute)(?:-start)?\(")
+OP_NAME = re.compile(r'op_name="([^"]*)"')
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+            "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def collectives(hlo_text: str) -> list[dict]:
+    """The collectives of a compiled (SPMD-partitioned) HLO module: kind, result shape, bytes of the result
+    per device and the jax op that made it, aggregated by (kind, shape, op) with a count."""
+    out: dict[tuple, dict] = {}
+    for line in hlo_text.splitlines():
+        m = COLLECTIVE.search(line)
+        if not m:
+            continue
+        op = OP_NAME.search(line)
+        shape, kind, op = m.group(1), m.group(2), "/".join(op.group(1).split("/")[1:]) if op else ""
+        nbytes = 0
+        for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", shape):
+            nbytes += ITEMSIZE.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        rec = out.setdefault((kind, shape, op), {"kind": kind, "shape": shape, "op": op, "bytes": nbytes, "count": 0})
+        rec["count"] += 1
+    return sorted(out.values(), key=lambda r: -r["bytes"] * r["count"])
+
+
+def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, num_draft: int = 3,
+                 mesh_shape: tuple = (1, 1, 1), list_collectives: bool = False) -> dict:
+    """Lower and compile one step (kind "prefill" or "verify") on abstract inputs -> timings (and, on a
+    (dp, ep, tp) mesh of visible devices, the collectives of the partitioned program)."""
     import jax
     import jax.numpy as jnp
 
-    from experiments.bench import Point, Setup, step_functions
+    from experiments.bench import Point, Setup, make_mesh, step_functions
     from model.cache import allocate
     from model.transformer import abstract_model
 
     t0 = time.perf_counter()
     model = abstract_model(cfg, dtype)
-    setup = Setup(cfg=cfg, preset=cfg.name, dtype=dtype, mesh_shape=(1, 1, 1), mesh=None, model=model, init_s=0.0)
+    mesh = make_mesh(mesh_shape)
+    if mesh is not None:
+        from sharding import batch_parallel, expert_parallel
+
+        batch_parallel.attach(model, mesh)
+        expert_parallel.attach(model, mesh)
+    setup = Setup(cfg=cfg, preset=cfg.name, dtype=dtype, mesh_shape=tuple(mesh_shape), mesh=mesh, model=model,
+                  init_s=0.0)
     point = Point("prefill" if kind == "prefill" else "decode", "deepinfer", batch, context, rows, num_draft,
-                  step="" if kind == "prefill" else "verify")
+                  step="" if kind == "prefill" else "verify", mesh=tuple(mesh_shape))
     state, fns, _ = step_functions(setup, point)
     max_len = min(-(-(context + rows + num_draft + 2) // 64) * 64, cfg.max_position_embeddings)
     cache = jax.eval_shape(lambda: allocate(cfg, batch, max_len, dtype, max(8, num_draft + 2)))
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)
+    if mesh is not None:
+        from sharding.rules import batch_sharding, cache_shardings, param_shardings
+
+        placed = lambda tree, shardings: jax.tree.map(  # noqa: E731
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+        state = placed(state, param_shardings(state, mesh))
+        cache = placed(cache, cache_shardings(cache, mesh))
+        tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=batch_sharding(mesh, 2))
     t1 = time.perf_counter()
-    lowered = fns[kind].lower(state, cache, tokens)
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
+    with setup.context():
+        lowered = fns[kind].lower(state, cache, tokens)
+        t2 = time.perf_counter()
+        compiled = lowered.compile()
     t3 = time.perf_counter()
-    rec = {"step": kind, "batch": batch, "context": context, "rows": rows, "abstract_model_s": round(t1 - t0, 3),
-           "trace_lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3)}
+    rec = {"step": kind, "batch": batch, "context": context, "rows": rows, "mesh": list(mesh_shape),
+           "abstract_model_s": round(t1 - t0, 3), "trace_lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3)}
     try:
         mem = compiled.memory_analysis()
         rec["temp_bytes"] = int(mem.temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - not every backend reports it
         pass
+    if list_collectives:
+        rec["collectives"] = collectives(compiled.as_text())
     return rec
 
 
@@ -70,6 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-impl", choices=("reference", "pallas"), default="reference")
     p.add_argument("--expert-weights", choices=("dense", "fp4"), default="dense")
     p.add_argument("--dense-weights", choices=("model", "fp8"), default="model")
+    p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1),
+                   help="dp,ep,tp over the visible devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    p.add_argument("--collectives", action="store_true",
+                   help="list the partitioned program's collectives (kind, shape, bytes per device, source op)")
     p.add_argument("--out", help="results directory (default experiments/results; $OUT also gets a copy)")
     return p.parse_args(argv)
 
@@ -94,9 +151,12 @@ def main(argv=None) -> dict:
     for kind in steps:
         batch, rows = ((args.prefill_batch, args.new_tokens) if kind == "prefill"
                        else (args.decode_batch, 1 + args.num_draft))
-        rec = compile_step(cfg, args.dtype, kind, batch, args.context, rows, args.num_draft)
+        rec = compile_step(cfg, args.dtype, kind, batch, args.context, rows, args.num_draft, args.mesh,
+                           args.collectives)
         print(f"[compile_time] {cfg.name} {kind} B{batch} x {rows} rows at {args.context}: trace+lower "
               f"{rec['trace_lower_s']:.1f} s, compile {rec['compile_s']:.1f} s", flush=True)
+        for c in rec.get("collectives", [])[:12]:
+            print(f"    {c['count']:3d} x {c['kind']:<14} {c['shape']:<40} {c['bytes'] / 2**20:9.2f} MiB  {c['op']}")
         records.append(rec)
     meta = {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "backend": backend,
             "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,

@@ -14,7 +14,11 @@ Strategies (`EPConfig.strategy`):
                  per-peer chunks padded to the worst case (runs anywhere; tests the bookkeeping);
     - "gather":  all-gather the tokens over ep, run the local experts on the rows routed to them,
                  psum-scatter the results home (the CPU fallback);
-    - "auto":    "ragged" on GPU/TPU, "gather" elsewhere.
+    - "auto":    "gather" everywhere. Measured on nvidia-h200-x2 (jax 0.11.2, FP4 experts, one
+                 V4-Flash layer; experiments/results/bench_ep_20261129-211902_gpu.md), "ragged" took
+                 2.6 / 33 / 125 ms for 64 / 2048 / 8192 tokens (its transport 47-93% of that) against
+                 1.9 / 4.0 / 9.7 ms for replicate-and-reduce, whose collectives "gather" shares (an
+                 all-gather and a reduce-scatter instead of an all-reduce). Ask for "ragged" by name.
   The receive buffer is sized for the worst case (every row of every peer to one shard), so no
   token is ever dropped; a capacity factor is future work.
 * "replicate": replicate-and-reduce for small decode batches: every ep shard sees all tokens of
@@ -53,7 +57,6 @@ from .placement import Placement, forced_balance_ids
 
 STRATEGIES = ("auto", "all_to_all", "replicate")
 TRANSPORTS = ("auto", "ragged", "padded", "gather")
-RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +102,7 @@ class ExpertParallel:
             return strategy, "psum", (("dp",) if m % dp == 0 else ())
         transport = cfg.transport
         if transport == "auto":
-            platform = self.mesh.devices.flat[0].platform
-            transport = "ragged" if platform in RAGGED_PLATFORMS else "gather"
+            transport = "gather"
         return strategy, transport, ("dp", "ep")
 
     def describe(self, m: int) -> str:

@@ -17,3 +17,37 @@ def test_compiles_abstract_steps(tmp_path):
     assert out["meta"]["layers"] == 3
     saved = json.loads(next(tmp_path.glob("compile_time_*.json")).read_text())
     assert saved["records"] == out["records"]
+
+
+def test_collectives_parser():
+    hlo = "\n".join([
+        '  %ag = f32[64,4,512]{2,1,0} all-gather(f32[32,4,512]{2,1,0} %x), dimensions={0}, '
+        'metadata={op_name="jit(verify_fn)/scatter" source_file="x.py"}',
+        '  %ag2 = f32[64,4,512]{2,1,0} all-gather(f32[32,4,512]{2,1,0} %y), dimensions={0}, '
+        'metadata={op_name="jit(verify_fn)/scatter"}',
+        '  %ar = bf16[128,4096]{1,0} all-reduce-start(bf16[128,4096]{1,0} %z), to_apply=%add',
+        '  %d = f32[8]{0} add(f32[8]{0} %a, f32[8]{0} %b)',
+    ])
+    got = compile_time.collectives(hlo)
+    assert got == [
+        {"kind": "all-gather", "shape": "f32[64,4,512]{2,1,0}", "op": "scatter", "bytes": 64 * 4 * 512 * 4, "count": 2},
+        {"kind": "all-reduce", "shape": "bf16[128,4096]{1,0}", "op": "", "bytes": 128 * 4096 * 2, "count": 1},
+    ]
+
+
+def test_mesh_collectives_subprocess(tmp_path):
+    """On 2 simulated devices (dp=2) the partitioned verify step compiles and lists its collectives."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "experiments.compile_time", "--preset", "tiny-v4", "--layers", "3", "--steps",
+           "verify", "--context", "40", "--decode-batch", "4", "--mesh", "2,1,1", "--collectives", "--out",
+           str(tmp_path)]
+    subprocess.run(cmd, check=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=600,
+                   capture_output=True)
+    (rec,) = json.loads(next(tmp_path.glob("compile_time_*.json")).read_text())["records"]
+    assert rec["mesh"] == [2, 1, 1] and rec["collectives"]
+    assert all(c["bytes"] > 0 and c["count"] > 0 for c in rec["collectives"])

@@ -137,6 +137,24 @@ def test_memory_estimate_refuses_what_cannot_fit():
     assert "--attention-impl pallas" in memory_message(big, "the H200")
 
 
+def test_v41_widths_fit_one_gpu_with_fp4_experts_and_a_small_engram_vocabulary():
+    """V4.1 widths at 4 layers: the Engram tables (16M hash vocabulary: 197 GB bf16) and bf16 experts do not
+    fit an H200; FP4 experts and --engram-vocab do, with the rows read per token unchanged."""
+    import pytest
+
+    from experiments.bench import Point, estimate_memory, resolve_config
+
+    h200 = 139 * 2 ** 30
+    point = Point("decode", "deepinfer", 64, 32768)
+    full = resolve_config("v41-flash", 4, "pallas", "pallas", "fp4")
+    assert not estimate_memory(full, "bfloat16", point, 33024, h200)["fits"]
+    small = resolve_config("v41-flash", 4, "pallas", "pallas", "fp4", engram_vocab=160000)
+    assert small.engram_vocab_size == 160000 and small.engram_n_heads == full.engram_n_heads
+    assert estimate_memory(small, "bfloat16", point, 33024, h200)["fits"]
+    with pytest.raises(ValueError, match="no Engram layers"):
+        resolve_config("v4-flash-4l", engram_vocab=1000)
+
+
 def test_sweep_grid_from_spec(tmp_path):
     pytest.importorskip("yaml")
     from experiments import sweep

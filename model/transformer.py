@@ -11,6 +11,8 @@ sublayer's. Draft slots: [V4] the MTP-1 block `mtp.0`; [V4.1] three DSpark stage
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +141,64 @@ class DSparkBlock(Block):
                                 if last else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One top-level module of the Transformer: `name` (`layers`, `mtp`: `index` in the list), the static
+    description it is built from (`key`: pieces with equal keys build equal shapes, e.g. layers of one
+    spec) and `make(rngs)`. `build` also holds the release's FP8 matrices as FP8 when the config asks."""
+
+    name: str
+    index: int | None
+    key: tuple
+    make: Callable[[nnx.Rngs], nnx.Module | None]
+    fp8_block: int | None
+
+    @property
+    def path(self) -> str:
+        return self.name if self.index is None else f"{self.name}.{self.index}"
+
+    def build(self, rngs: nnx.Rngs) -> nnx.Module | None:
+        module = self.make(rngs)
+        if module is not None and self.fp8_block:  # random FP8 matrices: quantised here (no randomness)
+            for path, sub in nnx.iter_modules(module):
+                name = ".".join(map(str, (self.path, *path, "weight")))
+                if isinstance(sub, Linear) and quant_io.release_fp8(name):
+                    sub.quantise(self.fp8_block)
+        return module
+
+
+def _weights_key(spec: LayerSpec) -> LayerSpec:
+    """What a block's weights depend on: the spec without its position (kept for Engram layers, whose table
+    is the layer's own), the KV / top-k sources only as "own" or "another layer's"."""
+    rel = lambda src: None if src is None else ("own" if src == spec.index else "other")  # noqa: E731
+    return dataclasses.replace(spec, index=spec.index if spec.engram else -1, kv_source=rel(spec.kv_source),
+                               topk_source=rel(spec.topk_source))
+
+
+def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> list[Piece]:
+    """The Transformer's top-level modules in construction order: each draws its random weights from the one
+    `nnx.Rngs` in turn, so building the pieces one by one in this order (sharding.apply.init_sharded: one
+    compiled program per distinct piece) gives the same weights as building the model at once."""
+    dtype = resolve_dtype(dtype)
+    fp8 = cfg.fp8_block if cfg.dense_weights == "fp8" else None
+    d, spec = cfg.hidden_size, cfg.layer_spec
+    plan = [Piece("embed", None, ("embed",), lambda r: Embedding(cfg.vocab_size, d, rngs=r, dtype=dtype), fp8)]
+    plan += [Piece("layers", i, ("layers", _weights_key(spec(i))),
+                   lambda r, s=spec(i): Block(cfg, s, rngs=r, dtype=dtype, hasher=hasher), fp8)
+             for i in range(cfg.num_layers)]
+    for j in range(cfg.num_mtp_layers):
+        s = spec(cfg.num_layers + j)
+        make = ((lambda r, s=s: MTPBlock(cfg, s, rngs=r, dtype=dtype)) if cfg.generation == "v4" else
+                (lambda r, s=s, j=j: DSparkBlock(cfg, s, j, rngs=r, dtype=dtype)))
+        plan.append(Piece("mtp", j, ("mtp", j, _weights_key(s)), make, fp8))
+    plan.append(Piece("hc_head", None, ("hc_head",), (lambda r: HyperHead(cfg.hc_mult, d, rngs=r))
+                      if cfg.generation == "v4" else (lambda r: None), fp8))
+    plan.append(Piece("norm", None, ("norm",), lambda r: RMSNorm(d, cfg.rms_norm_eps, rngs=r), fp8))
+    plan.append(Piece("head", None, ("head",), lambda r: Linear(d, cfg.vocab_size, rngs=r, dtype=dtype, fp32=True),
+                      fp8))
+    return plan
+
+
 def engram_hasher(cfg: ModelConfig, token_map: np.ndarray | None = None,
                   placeholder_map: bool = False) -> EngramHasher | None:
     """The host-side n-gram hasher of a V4.1 config.
@@ -172,23 +232,15 @@ class Transformer(nnx.Module):
         self.config = cfg
         self.dtype = dtype
         self.hasher = engram_hasher(cfg, token_map, placeholder_map)
-        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
-        self.layers = nnx.List([Block(cfg, cfg.layer_spec(i), rngs=rngs, dtype=dtype, hasher=self.hasher)
-                                for i in range(cfg.num_layers)])
-        if cfg.generation == "v4":
-            self.mtp = nnx.List([MTPBlock(cfg, cfg.layer_spec(cfg.num_layers + j), rngs=rngs, dtype=dtype)
-                                 for j in range(cfg.num_mtp_layers)])
-            self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, rngs=rngs)
-        else:
-            self.mtp = nnx.List([DSparkBlock(cfg, cfg.layer_spec(cfg.num_layers + j), j, rngs=rngs, dtype=dtype)
-                                 for j in range(cfg.num_mtp_layers)])
-            self.hc_head = None
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype, fp32=True)
-        if cfg.dense_weights == "fp8":  # the release's FP8 matrices held FP8 (random ones quantised here)
-            for path, module in nnx.iter_modules(self):
-                if isinstance(module, Linear) and quant_io.release_fp8(".".join(map(str, path)) + ".weight"):
-                    module.quantise(cfg.fp8_block)
+        parts: dict[str, list] = {}
+        for piece in construction_plan(cfg, dtype, self.hasher):
+            parts.setdefault(piece.name, []).append(piece.build(rngs))
+        self.embed, = parts["embed"]
+        self.layers = nnx.List(parts.get("layers", []))
+        self.mtp = nnx.List(parts.get("mtp", []))
+        self.hc_head, = parts["hc_head"]
+        self.norm, = parts["norm"]
+        self.head, = parts["head"]
 
     # ---------------------------------------------------------------- pieces
     def logits(self, y: jax.Array) -> jax.Array:

@@ -135,6 +135,24 @@ def run_meshes(out_path: str, full: bool = False) -> None:
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
+def param_diff(a, b) -> dict:
+    """Every parameter of two models: the largest relative difference of the floating ones (per array, to its
+    max magnitude) and the fraction of differing elements of the integer / FP8 ones."""
+    import numpy as np
+    from flax import nnx
+
+    fa, fb = nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))
+    assert [p for p, _ in fa] == [p for p, _ in fb]
+    worst, mismatch = 0.0, 0.0
+    for (_, x), (_, y) in zip(fa, fb):
+        x, y = np.asarray(x[...]), np.asarray(y[...])
+        if x.dtype.kind == "f" and x.dtype.itemsize > 1:
+            worst = max(worst, float(np.max(np.abs(x.astype(np.float64) - y)) / (np.max(np.abs(x)) + 1e-30)))
+        else:
+            mismatch = max(mismatch, float(np.mean(x.view(np.uint8) != y.view(np.uint8))))
+    return {"params_max_rel_diff": worst, "params_int_mismatch": mismatch}
+
+
 def run_fp8(out_path: str) -> None:
     """cfg.dense_weights="fp8": init_random(mesh=) and load_checkpoint(mesh=) against one device, with the
     FP8 weights and their scales laid out alike (tiny-v41's B=32 grids also split over tp=2)."""
@@ -163,7 +181,7 @@ def run_fp8(out_path: str) -> None:
                     with jax.set_mesh(mesh):
                         got = to_host(model(shard_batch(tokens, mesh)))
                     cases.append({"preset": preset, "case": how, "mesh": [dp, ep, tp],
-                                  "logits_rel_err": rel_err(got, want),
+                                  "logits_rel_err": rel_err(got, want), **param_diff(one, model),
                                   "weight_dtype": str(wq_b.weight[...].dtype),
                                   "weight_spec": str(wq_b.weight[...].sharding.spec),
                                   "scale_spec": str(wq_b.scale[...].sharding.spec),

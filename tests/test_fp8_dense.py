@@ -191,6 +191,9 @@ def test_sharded_on_8_devices(tmp_path_factory):
         assert c["logits_rel_err"] < (1e-4 if c["case"] == "init_random(mesh)" else 1e-5), c
         assert c["weight_dtype"] == "float8_e4m3fn" and c["bytes_equal"], c
         assert c["scale_spec"] == c["weight_spec"], c
+        # every weight, not only the logits: the piecewise born-sharded build (one program per distinct
+        # layer, tiny-v41's reuse / reindex layers included) equals the one-device build
+        assert c["params_max_rel_diff"] < 1e-6 and c["params_int_mismatch"] < 1e-3, c
     assert any(c["scale_spec"] == "P('tp',)" for c in cases)
 
 

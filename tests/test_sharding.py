@@ -199,6 +199,21 @@ def test_placement_and_forced_balance_on_one_device():
         assert load.tolist() == [4] * 8, (layer, load)
 
 
+def test_born_sharded_build_shares_one_program_per_distinct_piece():
+    """init_sharded builds the model piece by piece (model.transformer.construction_plan) and compiles one
+    program per distinct piece: 9 for the 48 pieces of V4-Flash (15 for V4.1's 47), whose 43-layer one-program build did not
+    finish compiling in 430 s on the H200 host."""
+    from model.transformer import construction_plan, engram_hasher
+
+    for preset, distinct in (("v4-flash", 9), ("v41-flash", 15)):
+        cfg = ModelConfig.preset(preset)
+        plan = construction_plan(cfg, "bfloat16", engram_hasher(cfg, None, placeholder_map=True))
+        assert [p.name for p in plan[:2]] == ["embed", "layers"] and plan[-1].name == "head"
+        assert len({p.key for p in plan}) == distinct, preset
+        engram = [p for p in plan if p.name == "layers" and cfg.layer_spec(p.index).engram]
+        assert len({p.key for p in engram}) == len(engram)  # each Engram layer owns its table
+
+
 # ----------------------------------------------------------------------------- 8 simulated devices
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One nvidia-h200-x2 device call (<= 10 minutes) for issues 10 and 11; run from the repo root, .whl carried
 # (transformers 5.24 for the HF peer). Two-GPU runs first, then two single-GPU chains in parallel, one per
-# GPU (each process sees one GPU). Every script copies its results to $OUT.
+# GPU (each process sees one GPU). Every script copies its results to $OUT, archived at the end.
 #   bash experiments/device/h200x2_tables.sh
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
@@ -36,4 +36,5 @@ gpu0 > "$OUT"/gpu0.log 2>&1 &
 gpu1 > "$OUT"/gpu1.log 2>&1 &
 wait
 tail -n 5 "$OUT"/gpu0.log "$OUT"/gpu1.log
-ls "$OUT"
+# a call returns at most 8 files: one archive
+(cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

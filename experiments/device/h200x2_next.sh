@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as three nvidia-h200-x2
+# device calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3
+# Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
+# most 8 files).
+set -u
+export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
+case "${1:?part 1, 2 or 3}" in
+1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
+    timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
+        --quiet | tail -1
+    timeout 120 python -m experiments.bench_ep --mesh 1,2,1 --expert-weights fp4 --transport gather | tail -8
+    timeout 120 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
+        --mode realistic --phase decode --batch 64 --quiet | tail -1
+    cp experiments/results/sweep_h200x2-ep-gather* "$OUT"/ ;;
+2)  # issue 11: the full 43-layer V4-Flash in the release's formats on two GPUs
+    timeout 560 $B --preset v4-flash --dense-weights fp8 --expert-weights fp4 --mesh 1,2,1 \
+        --phase decode,prefill --batch 64,256 --prefill-batch 2 --context 32768 --time-budget 420 \
+        --tag h200x2_full43 ;;
+3)  # issue 10: V4.1 widths (GPU 0); the lost FP4 prefill rows and the 43-layer verify compile (GPU 1)
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 400 $B --preset v41-flash --layers 4 --expert-weights fp4 --engram-vocab 160000 \
+         --phase decode,prefill --batch 8,64,256 --prefill-batch 1 --context 4096,32768 --tag h200_v41_4l
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 150 $B --phase prefill --prefill-batch 1,4 --context 32768 --expert-weights fp4 --tag h200_fp4_prefill
+     timeout 240 python -m experiments.compile_time --preset v4-flash --moe-impl pallas --attention-impl pallas \
+         --expert-weights fp4 --steps verify
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    tail -n 4 "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
+*)  echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+esac
+(cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -30,6 +30,7 @@ also takes its Opts (see normalise_args).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -194,7 +195,8 @@ def _ours_fn(backend, cfg, interpret=False):
 
 
 def configs(impl: str, regime: str, fmt: str, quick: bool):
-    """Small sweeps; the first entry is the default (and the only one with --quick)."""
+    """Small sweeps; the first entry is the default (and the only one with --quick, but for Triton FP4: the
+    default tiling with both decoders)."""
     from pallas_kernels.moe import MgpuConfig, TritonConfig
     if impl == "jax_mgpu":
         c = lambda bm, bn, bk, s, g: dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=s,  # noqa
@@ -238,6 +240,9 @@ def configs(impl: str, regime: str, fmt: str, quick: bool):
                    TritonConfig(16, 32, 256, 32, 256, num_warps=2, num_stages=4)]
             if fmt == "fp8":          # FP8 tiles must sit inside one 128x128 scale block
                 out = [c for c in out if c.block_k <= 128 and c.block_k_down <= 128] or out[:1]
+        if fmt == "fp4":              # each tiling with both FP4 decoders (f16 bit trick, integer-only bf16)
+            out = [v for c in out for v in (c, dataclasses.replace(c, fp4_decode="bits"))]
+            return out[:2] if quick else out
     else:
         out = [None]
     return out[:1] if quick else out

@@ -197,6 +197,15 @@ class TritonConfig:
     block_k_down: int = 128  # down: slice of I per step
     num_warps: int = 4
     num_stages: int = 4
+    # FP4 weights: "f16" builds f16 bit patterns (value / 2^14), converts them to f32, multiplies by the scale and
+    # converts to the operand dtype (about 3 type conversions per packed byte); "bits" builds the scaled bf16
+    # operands with integer operations only (`_e2m1_scaled_bf16`; exact for UE8M0 exponents 2..252). The
+    # FP4 decode stream is at 1.22 TB/s, possibly conversion-bound (docs/benchmarks.md): "bits" tests that.
+    fp4_decode: str = "f16"
+
+    def __post_init__(self):
+        if self.fp4_decode not in ("f16", "bits"):
+            raise ValueError(f"TritonConfig.fp4_decode must be 'f16' or 'bits', got {self.fp4_decode!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +278,24 @@ def _e2m1_pair(p):
     return f(lo), f(hi)
 
 
+def _e2m1_scaled_bf16(p, s):
+    """Packed E2M1 bytes p (int32, sign-extended) and their UE8M0 exponent bytes s (int32, p's shape) ->
+    (even, odd) column values x 2^(s-127) as bf16, from integer operations and a bitcast only.
+
+    A nibble's magnitude code c = e1 e0 m (values 0, .5, 1, 1.5, 2, 3, 4, 6) put at bf16 bits 8..6 and the
+    exponent field raised by s - 1 gives, for c >= 2, exponent e - 1 + s and mantissa m: exactly c's value
+    times 2^(s-127). c = 1 (0.5) drops the mantissa bit (exponent s - 1), c = 0 is zero; the sign goes to
+    bit 15. Exact while the exponent field stays normal: s in 2..252 (1 turns 0.5 x 2^-126 into 0; the
+    quantiser emits s = 1 only for blocks of magnitude <= 6 x 2^-126)."""
+    def one(nibble):
+        c = nibble & 0x7
+        bits = (c << 6) + ((s - 1) << 7)
+        bits = jnp.where(c == 1, bits - 0x40, bits)
+        bits = jnp.where(c == 0, 0, bits) | ((nibble & 0x8) << 12)
+        return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+    return one(p), one(p >> 4)
+
+
 def _precision(dtype):
     # float32 operands (the model's parity mode): IEEE, not Triton's default TF32
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else None
@@ -280,11 +307,12 @@ def _dot_nt(a, b):
                            preferred_element_type=jnp.float32)
 
 
-def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False):
+def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False, fp4_decode="f16"):
     """Tile rows against expert e's weight rows n0:n0+bn over stored columns k0:k0+bk -> [bm, bn] f32.
 
     dense/fp8: xk = (x [bm, bk],); fp4: xk = (x_even, x_odd), each [bm, bk] against bk packed bytes
-    (2*bk logical columns); the fp4 result is E2M1-folded (times 2^-14, see _e2m1_pair).
+    (2*bk logical columns); with fp4_decode "f16" the fp4 result is E2M1-folded (times 2^-14, see
+    _e2m1_pair; `_fp4_post` undoes it), with "bits" it is exact.
     """
     if kn:  # dense weights stored [E, in, out]
         w = w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]
@@ -300,10 +328,20 @@ def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False):
         return _dot_nt(xk[0], w) * s
     # fp4: bytes k0:k0+bk hold logical columns 2*k0 .. 2*(k0+bk); one UE8M0 scale per 16 bytes
     xe, xo = xk
-    lo, hi = _e2m1_pair(w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.int32))
-    s = _e8m0(s_ref[e, pl.ds(n0, bn), pl.ds(k0 // 16, bk // 16)])            # [bn, bk/16]
-    s = jnp.broadcast_to(s[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)
+    packed = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.int32)
+    s = s_ref[e, pl.ds(n0, bn), pl.ds(k0 // 16, bk // 16)]                   # [bn, bk/16]
+    if fp4_decode == "bits":
+        s = jnp.broadcast_to(s.astype(jnp.int32)[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)
+        lo, hi = _e2m1_scaled_bf16(packed, s)
+        return _dot_nt(xe, lo.astype(xe.dtype)) + _dot_nt(xo, hi.astype(xo.dtype))
+    lo, hi = _e2m1_pair(packed)
+    s = jnp.broadcast_to(_e8m0(s)[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)
     return _dot_nt(xe, (lo * s).astype(xe.dtype)) + _dot_nt(xo, (hi * s).astype(xo.dtype))
+
+
+def _fp4_post(fmt: str, cfg: TritonConfig) -> float:
+    """The factor that undoes the f16 decoder's 2^-14 fold on the f32 accumulators (1 otherwise)."""
+    return FP4_FOLD if fmt == "fp4" and cfg.fp4_decode == "f16" else 1.0
 
 
 def _swiglu(g, u, limit):
@@ -362,7 +400,7 @@ def _gate_up_triton(xparts, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, lim
     bm = cfg.block_m
     bn, bk, fp8_block = _tiles(cfg.block_n, cfg.block_k, i_dim, ks, fmt, w1, s1, "gate/up")
     nx, nk = len(xparts), ks // bk
-    post = FP4_FOLD if fmt == "fp4" else 1.0
+    post = _fp4_post(fmt, cfg)
 
     def kernel(te_ref, *refs):
         x_refs, rw_ref, w1_ref, w3_ref = refs[:nx], refs[nx], refs[nx + 1], refs[nx + 2]
@@ -372,7 +410,8 @@ def _gate_up_triton(xparts, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, lim
 
         @pl.when(e >= 0)
         def _():
-            wd = functools.partial(_wdot, e=e, n0=j * bn, fmt=fmt, bn=bn, bk=bk, fp8_block=fp8_block, kn=kn)
+            wd = functools.partial(_wdot, e=e, n0=j * bn, fmt=fmt, bn=bn, bk=bk, fp8_block=fp8_block, kn=kn,
+                                   fp4_decode=cfg.fp4_decode)
 
             def body(kk, carry):
                 g, u = carry
@@ -401,7 +440,7 @@ def _down_triton(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dty
     bm = cfg.block_m
     bn, bk, fp8_block = _tiles(cfg.block_n_down, cfg.block_k_down, d, ks, fmt, w2, s2, "down")
     nz, nk = len(zparts), ks // bk
-    post = FP4_FOLD if fmt == "fp4" else 1.0
+    post = _fp4_post(fmt, cfg)
 
     def kernel(te_ref, *refs):
         z_refs, w2_ref = refs[:nz], refs[nz]
@@ -415,7 +454,7 @@ def _down_triton(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dty
                 k0 = pl.multiple_of(kk * bk, bk)
                 zk = tuple(r[:, pl.ds(k0, bk)] for r in z_refs)
                 return acc + _wdot(zk, w2_ref, s2_ref, e, j * bn, k0, fmt=fmt, bn=bn, bk=bk,
-                                   fp8_block=fp8_block, kn=kn)
+                                   fp8_block=fp8_block, kn=kn, fp4_decode=cfg.fp4_decode)
 
             acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
             if post != 1.0:

@@ -7,6 +7,7 @@ ShapeDtypeStructs (no GPU, no big arrays). GPU (`-m gpu`, skipped elsewhere): th
     timeout 300 pytest -q tests/test_kernels_moe.py --durations=10
 """
 
+import dataclasses
 import time
 
 import jax
@@ -179,6 +180,26 @@ def test_e2m1_decoder_covers_all_codes():
     assert np.isnan(np.asarray(s)[5])
 
 
+def test_e2m1_integer_decoder_is_exact():
+    """The conversion-free decoder (fp4_decode="bits") against the table times 2^(s-127), every packed byte and
+    every scale exponent it is exact for (2..252); at 1 only the 0.5 code flushes to zero."""
+    b = jnp.arange(256, dtype=jnp.int32)
+    b = jnp.where(b > 127, b - 256, b)
+    mags = np.array(R.E2M1_MAGNITUDES, np.float32)
+    val = lambda c: np.where(c >= 8, -mags[c & 7], mags[c & 7])      # noqa: E731
+    u = np.arange(256)
+    for s in (2, 100, 127, 140, 252, 1):
+        lo, hi = K._e2m1_scaled_bf16(b, jnp.full((256,), s, jnp.int32))
+        assert lo.dtype == jnp.bfloat16
+        want_lo, want_hi = val(u & 15) * 2.0 ** (s - 127), val(u >> 4) * 2.0 ** (s - 127)
+        if s == 1:
+            want_lo, want_hi = (np.where(np.abs(w) == 2.0 ** -127, 0.0, w) for w in (want_lo, want_hi))
+        assert np.array_equal(np.asarray(lo, np.float64), want_lo), s
+        assert np.array_equal(np.asarray(hi, np.float64), want_hi), s
+    with pytest.raises(ValueError, match="fp4_decode"):
+        K.TritonConfig(fp4_decode="lut")
+
+
 # ------------------------------------------------------------------------------- kernels vs reference
 
 
@@ -199,6 +220,10 @@ def test_triton_matches_reference(fmt, kind, m, d):
     got = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend="triton", config=cfg, interpret=True)
     assert got.shape == (m, d) and got.dtype == jnp.float32
     assert rel_err(got, want) < 1e-2
+    if fmt == "fp4":  # the conversion-free decoder gives the same bf16 operands, so the same result
+        bits = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend="triton",
+                      config=dataclasses.replace(cfg, fp4_decode="bits"), interpret=True)
+        np.testing.assert_allclose(np.asarray(bits), np.asarray(got), rtol=1e-6, atol=1e-6 * float(jnp.abs(got).max()))
     if kind == "skewed":
         assert int(np.sum(np.bincount(np.asarray(ids).ravel(), minlength=e) == 0)) >= 2
 
@@ -294,6 +319,7 @@ SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=1
     ("triton", "fp4", 256, "out_in", None),
     ("triton", "fp8", 8192, "out_in", None),      # quantised prefill (Triton first version)
     ("triton", "fp4", 8192, "out_in", None),
+    ("triton", "fp4", 256, "out_in", K.TritonConfig(fp4_decode="bits")),  # conversion-free FP4 decode
     ("mgpu", "bf16", 8192, "out_in", None),       # prefill: 49152 rows, the model's layout
     ("mgpu", "bf16", 8192, "in_out", None),
     ("mgpu", "bf16", 64, "out_in", SWAP_DECODE),  # swapped operands, decode tiles of 16 tokens

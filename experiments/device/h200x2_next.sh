@@ -18,12 +18,14 @@ case "${1:?part 1, 2 or 3}" in
     timeout 560 $B --preset v4-flash --dense-weights fp8 --expert-weights fp4 --mesh 1,2,1 \
         --phase decode,prefill --batch 64,256 --prefill-batch 2 --context 32768 --time-budget 420 \
         --tag h200x2_full43 ;;
-3)  # issue 10: V4.1 widths (GPU 0); the lost FP4 prefill rows and the 43-layer verify compile (GPU 1)
+3)  # issue 10: V4.1 widths (GPU 0); issue 6: the two FP4 decoders (f16 bit trick vs integer-only bf16),
+    # the lost FP4 prefill rows and the 43-layer verify compile (GPU 1)
     (export CUDA_VISIBLE_DEVICES=0
      timeout 400 $B --preset v41-flash --layers 4 --expert-weights fp4 --engram-vocab 160000 \
          --phase decode,prefill --batch 8,64,256 --prefill-batch 1 --context 4096,32768 --tag h200_v41_4l
     ) > "$OUT"/gpu0.log 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1
+     timeout 150 python -m experiments.bench_moe --regime decode --formats fp4 --impls triton,xla
      timeout 150 $B --phase prefill --prefill-batch 1,4 --context 32768 --expert-weights fp4 --tag h200_fp4_prefill
      timeout 240 python -m experiments.compile_time --preset v4-flash --moe-impl pallas --attention-impl pallas \
          --expert-weights fp4 --steps verify

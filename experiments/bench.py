@@ -390,6 +390,7 @@ class Setup:
     repeats_prefill: int = 10
     repeats_decode: int = 60
     real_prefill: bool = False
+    kernel_steps: int = 0  # > 0: that many extra steps under CUPTI, per-kernel times recorded (kernel_breakdown)
     assumed_accepted: float = DEEPINFER_ACCEPTED
     checkpoint: str | None = None
     progress: Progress = dataclasses.field(default_factory=Progress)
@@ -774,6 +775,8 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
                 times.append(dt_)
             prog.update(label, i + 1, total, [t * 1e3 for t in times])
         out["finite_outputs"] = bool(res[1])
+        if setup.kernel_steps:
+            out["kernels"], cache = kernel_breakdown(fn, state, cache, sets, setup.kernel_steps)
     else:  # the whole speculative iteration
         dc = allocate_draft(setup.model, p.batch, max_len, spec_room)
         dc_shardings = None
@@ -821,6 +824,29 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
     out["step_times_ms"] = [round(t * 1e3, 4) for t in times]
     del cache
     return out
+
+
+def kernel_breakdown(fn, state, cache, sets: list, steps: int, top: int = 12) -> tuple[dict, Any]:
+    """`steps` more calls of a prefill / verify step under CUPTI (jax.experimental.mosaic.gpu.profiler), the
+    cache threaded as in the timing loop -> ({kernel_ms_per_step, top: [name, ms per step, calls per step]}
+    or {error}, cache). The sum of kernel times against the wall-clock step says how much of a step is
+    host time or idle gaps; the top kernels say which part of the model takes the rest."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        per_kernel: dict[str, list[float]] = {}
+        totals = []
+        for i in range(steps):
+            (res, cache), timed = profiler.measure(fn, aggregate=False, iterations=1)(state, cache, sets[i % 2])
+            (kernels,) = timed
+            totals.append(sum(ms for _, ms in kernels))
+            for name, ms in kernels:
+                per_kernel.setdefault(name, []).append(ms)
+    except Exception as e:  # noqa: BLE001 - no CUPTI (CPU) or another profiler failure: the timing stands
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}, cache
+    ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"steps": steps, "kernel_ms_per_step": round(float(np.median(totals)), 4),
+            "top": [[name[:80], round(sum(ms) / steps, 4), round(len(ms) / steps, 2)] for name, ms in ranked]}, cache
 
 
 # ----------------------------------------------------------------------------------------------- roofline
@@ -896,6 +922,16 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
                    f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | {acc_s} | "
                    f"{r['roofline']['floor_ms']:.3f} | {100 * r['roofline_fraction']:.1f}% | {mfu} | "
                    f"{r['warmup']}/{r['repeats']} | ok |")
+    timed = [r for r in recs if r.get("status") == "ok" and "kernel_ms_per_step" in r.get("kernels", {})]
+    if timed:
+        out += ["", "Kernel time per step (`--kernel-times`: CUPTI, summed over the step's kernels) and the top "
+                "kernels, ms per step (calls):", ""]
+        for r in timed:
+            k = r["kernels"]
+            gap = r["step_ms"]["median"] - k["kernel_ms_per_step"]
+            tops = "; ".join(f"{n} {ms:.3f} ({c:g})" for n, ms, c in k["top"][:6])
+            out.append(f"- {r['phase']} B{r['batch']} x {r['new_tokens']} at {r['context']}: kernels "
+                       f"{k['kernel_ms_per_step']:.3f} of {r['step_ms']['median']:.3f} ms (gap {gap:.3f}); {tops}")
     notes = sorted({n for r in recs for n in r.get("notes", [])})
     if notes:
         out += [""] + [f"Note: {n}." for n in notes]
@@ -1004,6 +1040,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-weights", choices=("dense", "fp4"), help="routed experts held dense or FP4-packed")
     p.add_argument("--dense-weights", choices=("model", "fp8"),
                    help="the release's FP8 tensors held in the model dtype or FP8 + block scales")
+    p.add_argument("--kernel-times", type=int, default=0, metavar="STEPS",
+                   help="prefill / verify: STEPS more steps under CUPTI; record per-kernel times (GPU only)")
     p.add_argument("--engram-vocab", type=int, help="[V4.1] Engram hash vocabulary (smaller tables, same rows "
                    "read per token), e.g. 160000 for V4.1 widths on one GPU")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1), help="dp,ep,tp (default 1,1,1: one device)")
@@ -1074,7 +1112,7 @@ def main(argv=None) -> list[dict]:
     if len(recs_refused) < len(points):
         setup = build(cfg, preset, dtype, args.mesh, args.seed, args.checkpoint, progress, warmup=warm,
                       repeats_prefill=reps["prefill"], repeats_decode=reps["decode"],
-                      real_prefill=args.real_prefill)
+                      real_prefill=args.real_prefill, kernel_steps=args.kernel_times)
     for i, pt in enumerate(points):
         progress.log(f"[{i + 1}/{len(points)}] {pt.label()}")
         if args.time_budget and time.perf_counter() - progress.t0 > args.time_budget and pt not in recs_refused:

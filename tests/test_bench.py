@@ -43,7 +43,8 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     out = tmp_path / "results"
     copy = tmp_path / "out"
     res = run_cli(["experiments.bench", "--quick", "--preset", "tiny-v4", "--layers", "4", "--mode", "both",
-                   "--phase", "both", "--out", str(out), "--tag", "test"], 240, {"OUT": str(copy), **jax_cache})
+                   "--phase", "both", "--out", str(out), "--tag", "test", "--kernel-times", "1"], 240,
+                  {"OUT": str(copy), **jax_cache})
     files = sorted(out.glob("bench_*_test.json"))
     assert len(files) == 1, list(out.iterdir())
     recs = json.loads(files[0].read_text())
@@ -73,6 +74,9 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     assert dec["tokens_per_s"] == pytest.approx(b * 3.25 / (dec["step_ms"]["median"] / 1e3))
     assert pre["tokens_per_s"] == pytest.approx(pre["batch"] * pre["new_tokens"] / (pre["step_ms"]["median"] / 1e3))
     assert "mfu" in pre and pre["roofline"]["forced_balance"]
+    # --kernel-times: CUPTI per-kernel times on a GPU; here the reason it could not, and the timing stands
+    assert "CUPTI" in dec["kernels"]["error"] and "CUPTI" in pre["kernels"]["error"]
+    assert "kernels" not in got[("decode", "realistic")]
     real = got[("decode", "realistic")]
     assert real["step"] == "spec" and real["routing"].startswith("router") and real["prefix"] == "distinct"
     acc = real["acceptance"]
@@ -81,6 +85,22 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     assert real["tokens_per_s"] == pytest.approx(
         b * acc["mean_accepted_length"] / (real["step_ms"]["median"] / 1e3))
     assert real["roofline"]["drafter"] and not real["roofline"]["forced_balance"]
+
+
+def test_markdown_kernel_breakdown():
+    """What --kernel-times adds to the table on a GPU: kernel time against the step, and the top kernels."""
+    from experiments.bench import markdown
+
+    env = {"date_utc": "now", "command": "c", "git_revision": "r", "git_dirty": False, "device": "H200",
+           "device_count": 1, "backend": "gpu", "jax": "j", "flax": "f"}
+    rec = {"phase": "prefill", "mode": "deepinfer", "step": "prefill", "config": "m", "dtype": "bfloat16",
+           "attention_impl": "pallas", "moe_impl": "pallas", "mesh": {"dp": 1, "ep": 1, "tp": 1}, "batch": 1,
+           "context": 0, "new_tokens": 4096, "status": "ok", "step_ms": {"median": 38.5, "p10": 38.0, "p90": 39.0},
+           "compile_s": {"prefill": 17.0}, "tokens_per_s": 1.0, "tokens_per_s_per_device": 1.0,
+           "roofline": {"floor_ms": 15.8}, "roofline_fraction": 0.41, "warmup": 3, "repeats": 10,
+           "kernels": {"steps": 2, "kernel_ms_per_step": 30.5, "top": [["moe_gate_up_dense", 9.1, 4.0]]}}
+    text = markdown(env, [rec])
+    assert "kernels 30.500 of 38.500 ms (gap 8.000); moe_gate_up_dense 9.100 (4)" in text
 
 
 def test_sweep_two_points_then_resume(tmp_path, jax_cache):

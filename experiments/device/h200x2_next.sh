@@ -18,11 +18,14 @@ case "${1:?part 1, 2 or 3}" in
     timeout 560 $B --preset v4-flash --dense-weights fp8 --expert-weights fp4 --mesh 1,2,1 \
         --phase decode,prefill --batch 64,256 --prefill-batch 2 --context 32768 --time-budget 420 \
         --tag h200x2_full43 ;;
-3)  # issue 10: V4.1 widths (GPU 0); issue 6: the two FP4 decoders (f16 bit trick vs integer-only bf16),
+3)  # issue 10: V4.1 widths and a per-kernel step breakdown (GPU 0); issue 6: the two FP4 decoders (f16 bit trick vs integer-only bf16),
     # the lost FP4 prefill rows and the 43-layer verify compile (GPU 1)
     (export CUDA_VISIBLE_DEVICES=0
      timeout 400 $B --preset v41-flash --layers 4 --expert-weights fp4 --engram-vocab 160000 \
          --phase decode,prefill --batch 8,64,256 --prefill-batch 1 --context 4096,32768 --tag h200_v41_4l
+     # issue 10: where the B1 prefill and B256 decode steps spend their time (CUPTI, per kernel)
+     timeout 130 $B --phase decode,prefill --batch 256 --prefill-batch 1 --context 32768 --kernel-times 3 \
+         --tag h200_kernels
     ) > "$OUT"/gpu0.log 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1
      timeout 150 python -m experiments.bench_moe --regime decode --formats fp4 --impls triton,xla

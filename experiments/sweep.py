@@ -74,11 +74,9 @@ def load_spec(path: str | None) -> dict:
     return spec
 
 
-SPEC_KEYS = {"name", "preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights", "seed",
-             "checkpoint",
-             "phase",
-             "mode", "step", "mesh", "batch", "prefill_batch", "context", "num_draft", "new_tokens", "replay",
-             "warmup", "repeats", "real_prefill", "quick", "results"}
+SPEC_KEYS = {"name", "preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights",
+             "seed", "checkpoint", "phase", "mode", "step", "mesh", "batch", "prefill_batch", "context", "num_draft",
+             "new_tokens", "replay", "warmup", "repeats", "real_prefill", "quick", "results"}
 
 
 def as_list(v) -> list:
@@ -309,11 +307,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     spec = load_spec(args.spec)
-    for key in ("preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights", "phase",
-                "mode", "step",
-                "mesh", "batch",
-                "prefill_batch", "context", "num_draft", "new_tokens", "replay", "warmup", "repeats", "real_prefill",
-                "seed", "checkpoint", "quick", "name", "results"):
+    for key in SPEC_KEYS:  # every list or value given on the command line replaces the spec's
         v = getattr(args, key, None)
         if v is not None:
             spec[key] = v

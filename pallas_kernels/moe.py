@@ -330,13 +330,13 @@ def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False, fp4_
     xe, xo = xk
     packed = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.int32)
     s = s_ref[e, pl.ds(n0, bn), pl.ds(k0 // 16, bk // 16)]                   # [bn, bk/16]
+    per_byte = lambda a: jnp.broadcast_to(a[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)  # noqa: E731
     if fp4_decode == "bits":
-        s = jnp.broadcast_to(s.astype(jnp.int32)[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)
-        lo, hi = _e2m1_scaled_bf16(packed, s)
-        return _dot_nt(xe, lo.astype(xe.dtype)) + _dot_nt(xo, hi.astype(xo.dtype))
-    lo, hi = _e2m1_pair(packed)
-    s = jnp.broadcast_to(_e8m0(s)[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)
-    return _dot_nt(xe, (lo * s).astype(xe.dtype)) + _dot_nt(xo, (hi * s).astype(xo.dtype))
+        lo, hi = _e2m1_scaled_bf16(packed, per_byte(s.astype(jnp.int32)))
+    else:
+        scale = per_byte(_e8m0(s))
+        lo, hi = (v * scale for v in _e2m1_pair(packed))
+    return _dot_nt(xe, lo.astype(xe.dtype)) + _dot_nt(xo, hi.astype(xo.dtype))
 
 
 def _fp4_post(fmt: str, cfg: TritonConfig) -> float:

@@ -54,7 +54,8 @@ def init_sharded(cfg, seed: int = 0, dtype="float32", mesh: Mesh | None = None, 
     programs: dict = {}
     with _fast_tracing():
         for piece in construction_plan(cfg, dtype, hasher):
-            parent = state if piece.index is None else state[piece.name]
+            # where the piece's state goes (and its layout): the top level, or one entry of a layer list
+            parent, layout = (state, shardings) if piece.index is None else (state[piece.name], shardings[piece.name])
             key = piece.name if piece.index is None else piece.index
             if piece.key not in programs:  # pieces with equal keys share a program (same shapes and layout)
                 def build(rng_state, piece=piece):
@@ -62,9 +63,7 @@ def init_sharded(cfg, seed: int = 0, dtype="float32", mesh: Mesh | None = None, 
                     nnx.update(rngs, rng_state)
                     module = piece.build(rngs)
                     return (None if module is None else nnx.state(module)), nnx.state(rngs)
-                piece_shardings = None if parent.get(key) is None else (
-                    shardings[piece.name] if piece.index is None else shardings[piece.name][piece.index])
-                programs[piece.key] = jax.jit(build, out_shardings=(piece_shardings, replicated))
+                programs[piece.key] = jax.jit(build, out_shardings=(layout.get(key), replicated))
             value, rng_state = programs[piece.key](rng_state)
             if value is not None:
                 parent[key] = value

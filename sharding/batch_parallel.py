@@ -18,13 +18,13 @@ unset (None), the kernels are called directly. A batch not divisible by the shar
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Sequence
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from .mesh import parallel_config
 from .rules import batch_spec
 
 
@@ -33,11 +33,8 @@ class BatchParallel:
     mesh: Mesh
 
     def shards(self) -> int:
-        """How many ways the batch is split (the product of the mesh axes of the batch spec)."""
-        spec = batch_spec(self.mesh)
-        axes = spec[0] if len(spec) else None
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        return math.prod(int(self.mesh.shape[a]) for a in axes)
+        """How many ways the batch is split (dp x ep, as for every batched activation and cache)."""
+        return parallel_config(self.mesh).batch_shards
 
     def __call__(self, fn: Callable, batched: Sequence, replicated: Sequence = ()):
         """fn(*batched, *replicated) with batched arrays [B, ...] (None allowed) split over the batch shards;

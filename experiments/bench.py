@@ -827,18 +827,33 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
 
 
 def kernel_breakdown(fn, state, cache, sets: list, steps: int, top: int = 12) -> tuple[dict, Any]:
-    """`steps` more calls of a prefill / verify step under CUPTI (jax.experimental.mosaic.gpu.profiler), the
-    cache threaded as in the timing loop -> ({kernel_ms_per_step, top: [name, ms per step, calls per step]}
-    or {error}, cache). The sum of kernel times against the wall-clock step says how much of a step is
-    host time or idle gaps; the top kernels say which part of the model takes the rest."""
-    try:
-        from jax.experimental.mosaic.gpu import profiler
+    """`steps` more calls of a prefill / verify step under CUPTI, the cache threaded as in the timing loop ->
+    ({kernel_ms_per_step, top: [name, ms per step, calls per step]} or {error}, cache). The sum of kernel
+    times against the wall-clock step says how much of a step is host time or idle gaps; the top kernels say
+    which part of the model takes the rest.
 
-        per_kernel: dict[str, list[float]] = {}
-        totals = []
+    CUPTI is driven through jax's Mosaic GPU extension directly (private: `_cupti_init` /
+    `_cupti_get_timings`, what `mosaic.gpu.profiler.measure` wraps): `measure` runs its function twice on the
+    same arguments (a warm-up), which a step that donates its cache cannot do."""
+    import jax
+
+    per_kernel: dict[str, list[float]] = {}
+    totals = []
+    try:
+        if jax.default_backend() != "gpu":
+            raise RuntimeError(f"CUPTI needs a GPU (backend: {jax.default_backend()})")
+        from jax._src.lib import mosaic_gpu as mgpu_lib
+
+        if mgpu_lib is None:
+            raise RuntimeError("CUPTI is reached through jax's Mosaic GPU library, absent here")
+        ext = mgpu_lib._mosaic_gpu_ext
         for i in range(steps):
-            (res, cache), timed = profiler.measure(fn, aggregate=False, iterations=1)(state, cache, sets[i % 2])
-            (kernels,) = timed
+            ext._cupti_init()
+            try:
+                res, cache = fn(state, cache, sets[i % 2])
+                jax.block_until_ready((res, cache))
+            finally:
+                kernels = ext._cupti_get_timings(True) or []
             totals.append(sum(ms for _, ms in kernels))
             for name, ms in kernels:
                 per_kernel.setdefault(name, []).append(ms)

@@ -63,22 +63,33 @@ class Gate(nnx.Module):
         return ids, weights * cfg.routed_scaling_factor
 
 
+def _random_experts(keys: jax.Array, shape: tuple[int, int], std: float, fp4: bool, dtype):
+    """One N(0, std^2) [out, in] matrix per key -> dense [E, out, in] in dtype, or FP4 (packed, scales) made
+    one expert at a time (lax.map) so peak memory is one float32 expert, not all of them."""
+    def draw(key):
+        return std * jax.random.normal(key, shape, jnp.float32)
+    if fp4:
+        return jax.lax.map(lambda key: ref.quantize_fp4_experts(draw(key)), keys)
+    return jax.vmap(draw)(keys).astype(dtype), None
+
+
 class Experts(nnx.Module):
     """Stacked routed experts: w1, w3 [E, I, D] (gate, up), w2 [E, D, I] (down).
 
     cfg.expert_weights "fp4": w1, w3 packed int8 [E, I, D/2], w2 [E, D, I/2] (E2M1 codes, low nibble = even
     column) with UE8M0 exponent bytes s1, s3 [E, I, D/32], s2 [E, D, I/32] (random weights are the FP4
-    quantisation of the dense random ones)."""
+    quantisation of the dense random ones). Each expert draws from its own key and FP4 experts are made one
+    at a time, so no float32 [E, out, in] tensor is ever held (V4.1's w1 would be 18 GB)."""
 
     def __init__(self, cfg: ModelConfig, n_experts: int, *, rngs: nnx.Rngs, dtype):
         e, i, d = n_experts, cfg.moe_intermediate_size, cfg.hidden_size
         fp4 = cfg.expert_weights == "fp4"
-        for name, shape, fan_in in (("w1", (e, i, d), d), ("w2", (e, d, i), i), ("w3", (e, i, d), d)):
-            w = normal_init(rngs, shape, fan_in ** -0.5, dtype=jnp.float32 if fp4 else dtype)
-            if fp4:
-                w, scale = ref.quantize_fp4_experts(w)
-                setattr(self, "s" + name[1], nnx.Param(scale))
+        for name, shape, fan_in in (("w1", (i, d), d), ("w2", (d, i), i), ("w3", (i, d), d)):
+            keys = jax.random.split(rngs.params(), e)
+            w, scale = _random_experts(keys, shape, fan_in ** -0.5, fp4, dtype)
             setattr(self, name, nnx.Param(w))
+            if fp4:
+                setattr(self, "s" + name[1], nnx.Param(scale))
         self.fp4 = fp4
 
     def stored(self) -> tuple[jax.Array, jax.Array, jax.Array, tuple | None]:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as three nvidia-h200-x2
-# device calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3
+# The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3|4
+# (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
+# after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1, 2 or 3}" in
+case "${1:?part 1, 2, 3 or 4}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -35,6 +37,19 @@ case "${1:?part 1, 2 or 3}" in
     ) > "$OUT"/gpu1.log 2>&1 &
     wait
     tail -n 4 "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
-*)  echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+4)  # issue 10: V4.1 widths and the per-kernel breakdown (GPU 0 / GPU 1); issue 6: FP4 MMA operands bf16 vs f16
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 330 $B --preset v41-flash --layers 4 --expert-weights fp4 --engram-vocab 160000 \
+         --phase decode,prefill --batch 8,64,256 --prefill-batch 1 --context 4096,32768 --time-budget 280 \
+         --tag h200_v41_4l
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 150 python -m experiments.bench_moe --regime decode --formats fp4 --impls triton
+     timeout 170 $B --phase decode,prefill --batch 256 --prefill-batch 1 --context 32768 --kernel-times 3 \
+         --tag h200_kernels
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    tail -n 4 "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
+*)  echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -30,7 +30,6 @@ also takes its Opts (see normalise_args).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import json
@@ -240,9 +239,6 @@ def configs(impl: str, regime: str, fmt: str, quick: bool):
                    TritonConfig(16, 32, 256, 32, 256, num_warps=2, num_stages=4)]
             if fmt == "fp8":          # FP8 tiles must sit inside one 128x128 scale block
                 out = [c for c in out if c.block_k <= 128 and c.block_k_down <= 128] or out[:1]
-        if fmt == "fp4":              # each tiling with both FP4 MMA operand types (bf16 scaled, f16 as decoded)
-            out = [v for c in out for v in (c, dataclasses.replace(c, fp4_mma="f16"))]
-            return out[:2] if quick else out
     else:
         out = [None]
     return out[:1] if quick else out

@@ -197,17 +197,6 @@ class TritonConfig:
     block_k_down: int = 128  # down: slice of I per step
     num_warps: int = 4
     num_stages: int = 4
-    # FP4 weights, the MMA operand type:
-    #   "bf16" - each nibble becomes an f16 bit pattern (e2m1 / 2^14), then f32, times its UE8M0 scale, then bf16
-    #            (about 3 type conversions per packed byte): one dot per tile step, activations in bf16.
-    #   "f16"  - the f16 bit patterns are the MMA operands as they are: one K=16 dot pair (even, odd columns)
-    #            per 32-column scale block, the scale applied to the f32 partial product; activations enter
-    #            as f16, each row pre-scaled by a power of two into f16's range (exact; `_f16_rows`).
-    fp4_mma: str = "bf16"
-
-    def __post_init__(self):
-        if self.fp4_mma not in ("bf16", "f16"):
-            raise ValueError(f"TritonConfig.fp4_mma must be 'bf16' or 'f16', got {self.fp4_mma!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,28 +257,16 @@ FP4_FOLD = 2.0 ** 14   # _e2m1_pair returns E2M1 values / 2^14; the kernels mult
 
 
 def _e2m1_pair(p):
-    """Packed E2M1 bytes (int32, sign-extended) -> (even, odd) column values / 2^14 as float16.
+    """Packed E2M1 bytes (int32, sign-extended) -> (even, odd) column values / 2^14 as float32.
 
     Each nibble s|e1 e0|m is moved into an f16 bit pattern with the sign at bit 15, e1 e0 as the low two
     exponent bits and m as the top mantissa bit: that f16 is exactly e2m1 * 2^-14 for every code (e=0 lands
-    on the f16 subnormals 0 and 2^-15), so no lookup table and no select.
+    on the f16 subnormals 0 and 2^-15). The f16 -> f32 conversion is exact, so no lookup table and no select.
     """
     lo = ((p & 0x7) << 9) | ((p & 0x8) << 12)
     hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
-    f = lambda b: lax.bitcast_convert_type(b.astype(jnp.int16), jnp.float16)  # noqa: E731
+    f = lambda b: lax.bitcast_convert_type(b.astype(jnp.int16), jnp.float16).astype(jnp.float32)  # noqa: E731
     return f(lo), f(hi)
-
-
-def _f16_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """a [P, K] -> (a * 2^-r as float16, 2^r float32 [P]): r per row puts the row's largest magnitude in
-    [2^14, 2^15), inside f16's range (max 65504), at f16's 11-bit precision (more than bf16's 8); scaling by a
-    power of two is exact, and the kernels multiply their f32 results by 2^r. All-zero rows keep r = 0."""
-    a = a.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(a), axis=1)
-    r = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 14, 0.0)
-    r = jnp.clip(r, -120, 120).astype(jnp.int32)  # 2^±120: normal float32 factors
-    one = jnp.ones_like(amax)
-    return (a * jnp.ldexp(one, -r)[:, None]).astype(jnp.float16), jnp.ldexp(one, r)
 
 
 def _precision(dtype):
@@ -303,40 +280,31 @@ def _dot_nt(a, b):
                            preferred_element_type=jnp.float32)
 
 
-def _wdot(x_refs, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False, fp4_mma="bf16"):
+def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False):
     """Tile rows against expert e's weight rows n0:n0+bn over stored columns k0:k0+bk -> [bm, bn] f32.
 
-    dense/fp8: x_refs = (x [bm, K],); fp4: (x_even, x_odd), each [bm, K/2] against the packed bytes
-    (byte j holds logical columns 2j, 2j+1). The fp4 result is E2M1-folded (times 2^-14, see _e2m1_pair;
-    the caller multiplies by FP4_FOLD).
+    dense/fp8: xk = (x [bm, bk],); fp4: xk = (x_even, x_odd), each [bm, bk] against bk packed bytes
+    (2*bk logical columns); the fp4 result is E2M1-folded (times 2^-14, see _e2m1_pair; the kernels
+    multiply their accumulators by FP4_FOLD).
     """
-    x_at = lambda off, width: tuple(r[:, pl.ds(off, width)] for r in x_refs)  # noqa: E731
     if kn:  # dense weights stored [E, in, out]
-        (x,) = x_at(k0, bk)
         w = w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]
-        return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype), preferred_element_type=jnp.float32)
+        return jnp.dot(xk[0], w.astype(xk[0].dtype), precision=_precision(xk[0].dtype),
+                       preferred_element_type=jnp.float32)
     if fmt == "dense":
-        (x,) = x_at(k0, bk)
-        return _dot_nt(x, w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(x.dtype))
+        w = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
+        return _dot_nt(xk[0], w.astype(xk[0].dtype))
     if fmt == "fp8":
         # the tile sits inside one scale block (bn, bk divide B): scale the partial product once
-        (x,) = x_at(k0, bk)
-        w = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(x.dtype)
-        return _dot_nt(x, w) * _e8m0(s_ref[e, n0 // fp8_block, k0 // fp8_block])
+        w = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xk[0].dtype)
+        s = _e8m0(s_ref[e, n0 // fp8_block, k0 // fp8_block])
+        return _dot_nt(xk[0], w) * s
     # fp4: bytes k0:k0+bk hold logical columns 2*k0 .. 2*(k0+bk); one UE8M0 scale per 16 bytes
-    if fp4_mma == "f16":  # one (even, odd) K=16 dot pair per scale block, scaled after the MMA
-        acc = None
-        for q in range(bk // 16):
-            lo, hi = _e2m1_pair(w_ref[e, pl.ds(n0, bn), pl.ds(k0 + 16 * q, 16)].astype(jnp.int32))
-            xe, xo = x_at(k0 + 16 * q, 16)
-            part = (_dot_nt(xe, lo) + _dot_nt(xo, hi)) * _e8m0(s_ref[e, pl.ds(n0, bn), k0 // 16 + q])[None, :]
-            acc = part if acc is None else acc + part
-        return acc
-    xe, xo = x_at(k0, bk)
+    xe, xo = xk
     packed = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.int32)
     s = s_ref[e, pl.ds(n0, bn), pl.ds(k0 // 16, bk // 16)]                   # [bn, bk/16]
     scale = jnp.broadcast_to(_e8m0(s)[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)
-    lo, hi = (v.astype(jnp.float32) * scale for v in _e2m1_pair(packed))
+    lo, hi = (v * scale for v in _e2m1_pair(packed))
     return _dot_nt(xe, lo.astype(xe.dtype)) + _dot_nt(xo, hi.astype(xo.dtype))
 
 
@@ -388,63 +356,58 @@ def _triton_call(kernel, *, args, x_parts, bm, bn, grid, out_shape, cfg, interpr
     )(*args)
 
 
-def _gate_up_triton(xparts, row_weight, row_scale, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: TritonConfig,
-                    out_dtype, interpret, kn=False):
-    """z [P, I] = swiglu(x W1_e^T, x W3_e^T) * row_weight per tile; xparts = (xs,) or fp4 (xs_even, xs_odd);
-    row_scale: None or [P] float32 factors of the rows' accumulators (undoing `_f16_rows`)."""
+def _gate_up_triton(xparts, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: TritonConfig,
+                    interpret, kn=False):
+    """z [P, I] = swiglu(x W1_e^T, x W3_e^T) * row_weight per tile; xparts = (xs,) or fp4 (xs_even, xs_odd)."""
     p, ks = xparts[0].shape
     i_dim = w1.shape[2] if kn else w1.shape[1]
     bm = cfg.block_m
     bn, bk, fp8_block = _tiles(cfg.block_n, cfg.block_k, i_dim, ks, fmt, w1, s1, "gate/up")
-    rows = (row_weight,) if row_scale is None else (row_weight, row_scale)
-    nx, nr, nk = len(xparts), len(rows), ks // bk
+    nx, nk = len(xparts), ks // bk
     post = FP4_FOLD if fmt == "fp4" else 1.0
 
     def kernel(te_ref, *refs):
-        x_refs, row_refs, (w1_ref, w3_ref) = refs[:nx], refs[nx:nx + nr], refs[nx + nr:nx + nr + 2]
-        s1_ref, s3_ref, z_ref = refs[nx + nr + 2:] if fmt != "dense" else (None, None, refs[-1])
+        x_refs, rw_ref, w1_ref, w3_ref = refs[:nx], refs[nx], refs[nx + 1], refs[nx + 2]
+        s1_ref, s3_ref, z_ref = refs[nx + 3:] if fmt != "dense" else (None, None, refs[nx + 3])
         j, t = pl.program_id(0), pl.program_id(1)
         e = te_ref[t]
 
         @pl.when(e >= 0)
         def _():
-            wd = functools.partial(_wdot, x_refs, e=e, n0=j * bn, fmt=fmt, bn=bn, bk=bk, fp8_block=fp8_block,
-                                   kn=kn, fp4_mma=cfg.fp4_mma)
+            wd = functools.partial(_wdot, e=e, n0=j * bn, fmt=fmt, bn=bn, bk=bk, fp8_block=fp8_block, kn=kn)
 
             def body(kk, carry):
                 g, u = carry
                 k0 = pl.multiple_of(kk * bk, bk)
-                return g + wd(w1_ref, s1_ref, k0=k0), u + wd(w3_ref, s3_ref, k0=k0)
+                xk = tuple(r[:, pl.ds(k0, bk)] for r in x_refs)
+                return g + wd(xk, w1_ref, s1_ref, k0=k0), u + wd(xk, w3_ref, s3_ref, k0=k0)
 
             zero = jnp.zeros((bm, bn), jnp.float32)
             g, u = lax.fori_loop(0, nk, body, (zero, zero))
-            f = _row_factor(row_refs[1:], post)
-            if f is not None:
-                g, u = g * f, u * f
-            z = _swiglu(g, u, limit) * row_refs[0][...][:, None]
+            if post != 1.0:
+                g, u = g * post, u * post
+            z = _swiglu(g, u, limit) * rw_ref[...][:, None]
             z_ref[...] = z.astype(z_ref.dtype)
 
-    # the row vectors are blocked by rows like x: put them right after the x parts
-    args = [tile_expert, *xparts, *rows, w1, w3] + ([s1, s3] if fmt != "dense" else [])
-    return _triton_call(kernel, args=args, x_parts=nx + nr, bm=bm, bn=bn, grid=(i_dim // bn, p // bm),
-                        out_shape=jax.ShapeDtypeStruct((p, i_dim), out_dtype), cfg=cfg,
+    # row_weight is blocked by rows like x: put it right after the x parts
+    args = [tile_expert, *xparts, row_weight, w1, w3] + ([s1, s3] if fmt != "dense" else [])
+    return _triton_call(kernel, args=args, x_parts=nx + 1, bm=bm, bn=bn, grid=(i_dim // bn, p // bm),
+                        out_shape=jax.ShapeDtypeStruct((p, i_dim), xparts[0].dtype), cfg=cfg,
                         interpret=interpret, name=f"moe_gate_up_{fmt}")
 
 
-def _down_triton(zparts, row_scale, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, interpret,
-                 kn=False):
-    """y [P, D] = z W2_e^T per tile; zparts = (z,) or fp4 (z_even, z_odd); row_scale as in _gate_up_triton."""
+def _down_triton(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, interpret, kn=False):
+    """y [P, D] = z W2_e^T per tile; zparts = (z,) or fp4 (z_even, z_odd)."""
     p, ks = zparts[0].shape
     d = w2.shape[2] if kn else w2.shape[1]
     bm = cfg.block_m
     bn, bk, fp8_block = _tiles(cfg.block_n_down, cfg.block_k_down, d, ks, fmt, w2, s2, "down")
-    rows = () if row_scale is None else (row_scale,)
-    nz, nr, nk = len(zparts), len(rows), ks // bk
+    nz, nk = len(zparts), ks // bk
     post = FP4_FOLD if fmt == "fp4" else 1.0
 
     def kernel(te_ref, *refs):
-        z_refs, row_refs, w2_ref = refs[:nz], refs[nz:nz + nr], refs[nz + nr]
-        s2_ref, y_ref = refs[nz + nr + 1:] if fmt != "dense" else (None, refs[-1])
+        z_refs, w2_ref = refs[:nz], refs[nz]
+        s2_ref, y_ref = refs[nz + 1:] if fmt != "dense" else (None, refs[nz + 1])
         j, t = pl.program_id(0), pl.program_id(1)
         e = te_ref[t]
 
@@ -452,27 +415,19 @@ def _down_triton(zparts, row_scale, tile_expert, w2, s2, *, fmt, cfg: TritonConf
         def _():
             def body(kk, acc):
                 k0 = pl.multiple_of(kk * bk, bk)
-                return acc + _wdot(z_refs, w2_ref, s2_ref, e, j * bn, k0, fmt=fmt, bn=bn, bk=bk,
-                                   fp8_block=fp8_block, kn=kn, fp4_mma=cfg.fp4_mma)
+                zk = tuple(r[:, pl.ds(k0, bk)] for r in z_refs)
+                return acc + _wdot(zk, w2_ref, s2_ref, e, j * bn, k0, fmt=fmt, bn=bn, bk=bk,
+                                   fp8_block=fp8_block, kn=kn)
 
             acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
-            f = _row_factor(row_refs, post)
-            if f is not None:
-                acc = acc * f
+            if post != 1.0:
+                acc = acc * post
             y_ref[...] = acc.astype(y_ref.dtype)
 
-    args = [tile_expert, *zparts, *rows, w2] + ([s2] if fmt != "dense" else [])
-    return _triton_call(kernel, args=args, x_parts=nz + nr, bm=bm, bn=bn, grid=(d // bn, p // bm),
+    args = [tile_expert, *zparts, w2] + ([s2] if fmt != "dense" else [])
+    return _triton_call(kernel, args=args, x_parts=nz, bm=bm, bn=bn, grid=(d // bn, p // bm),
                         out_shape=jax.ShapeDtypeStruct((p, d), out_dtype), cfg=cfg, interpret=interpret,
                         name=f"moe_down_{fmt}")
-
-
-def _row_factor(scale_refs, post: float):
-    """The factor [bm, 1] (or a scalar, or None for 1) multiplying a tile's f32 accumulators: the FP4 fold
-    times the rows' `_f16_rows` scale when there is one."""
-    if scale_refs:
-        return scale_refs[0][...][:, None] * post
-    return post if post != 1.0 else None
 
 
 # ----------------------------------------------------------------------------------- Mosaic GPU kernels
@@ -843,16 +798,12 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     if backend == "triton":
         if not isinstance(config, TritonConfig):
             raise ValueError(f"moe_experts: backend 'triton' needs a TritonConfig, got {type(config).__name__}")
-        # FP4 bytes hold (even, odd) column pairs: feed the activations as even and odd halves; with f16 MMA
-        # operands, as f16 rows pre-scaled into f16's range (their scales undone on the f32 accumulators)
-        f16 = fmt == "fp4" and config.fp4_mma == "f16"
-        operands = _f16_rows if f16 else (lambda a: (a, None))  # noqa: E731
+        # FP4 bytes hold (even, odd) column pairs: feed the activations as even and odd halves
+        xs = jnp.take(x.astype(cdt), plan.row_token, axis=0)              # [P, D] tile-aligned rows
         split = (lambda a: (a[:, 0::2], a[:, 1::2])) if fmt == "fp4" else (lambda a: (a,))  # noqa: E731
-        xs, x_scale = operands(jnp.take(x.astype(cdt), plan.row_token, axis=0))   # [P, D] tile-aligned rows
-        z = _gate_up_triton(split(xs), plan.row_weight, x_scale, plan.tile_expert, w1, w3, s1, s3, fmt=fmt,
-                            limit=limit, cfg=config, out_dtype=cdt, interpret=interp, kn=kn)
-        z, z_scale = operands(z)
-        y = _down_triton(split(z), z_scale, plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt,
+        z = _gate_up_triton(split(xs), plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt,
+                            limit=limit, cfg=config, interpret=interp, kn=kn)
+        y = _down_triton(split(z), plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt,
                          interpret=interp, kn=kn)
     elif backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab:
         if fmt == "fp4" or kn or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

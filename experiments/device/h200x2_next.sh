@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
-# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3|4
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3|4|5
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
-# after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder).
+# after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
+# time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1, 2, 3 or 4}" in
+case "${1:?part 1 to 5}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -50,6 +51,11 @@ case "${1:?part 1, 2, 3 or 4}" in
     ) > "$OUT"/gpu1.log 2>&1 &
     wait
     tail -n 4 "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
-*)  echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
+5)  # issue 11: the gather transport's share of one MoE block, and realistic mode (real routing, speculative loop) on ep=2
+    timeout 80 python -m experiments.bench_ep --mesh 1,2,1 --expert-weights fp4 --transport gather \
+        --strategy all_to_all --tokens 64,256,2048 --repeats 10 | tail -6
+    timeout 90 python -m experiments.bench --quiet --mode realistic --moe-impl pallas --attention-impl pallas \
+        --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 64 --context 32768 --tag h200x2_realistic_ep2 ;;
+*)  echo "part must be 1 to 5" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

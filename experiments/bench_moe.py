@@ -61,7 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--routing", default="balanced,random", help="comma list: balanced, random")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median), >= 10")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", help="results directory (default experiments/results, --smoke: "
+                                  "$TMPDIR/bench_moe_smoke); $OUT also gets a copy of a measurement")
     p.add_argument("--roofline-only", action="store_true", help="print the predicted floors and exit")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of this script: tiny shapes (E=16, D=256, I=128, prefill 256 tokens), kernels "
@@ -279,14 +280,6 @@ def time_fn(f, args, iters: int):
     return compile_s, cupti, statistics.median(walls), kernels, iters, out
 
 
-def rel_err(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("nan")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -345,6 +338,8 @@ def bench_moe(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from experiments.bench_kernels import rel_err
+
     global E, D, I, PREFILL_TOKENS
     smoke = getattr(args, "smoke", False)
     if smoke:       # exercise every code path of this script on a CPU (interpret mode), not a measurement
@@ -357,10 +352,9 @@ def bench_moe(args) -> list[dict]:
     records: list[dict] = []
     env = _env()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dirs = ([args.out] if args.out else []) + ([os.environ["OUT"]] if os.environ.get("OUT") and args.out else [])
-    if smoke and args.out:
-        import tempfile
-        out_dirs = [os.path.join(tempfile.gettempdir(), "bench_moe_smoke")]
+    # args.out None: the caller (bench_kernels) writes the records
+    out_dirs = ([args.out] if args.out else []) + ([os.environ["OUT"]] if os.environ.get("OUT") and args.out
+                                                   and not smoke else [])
     formats, impls = _csv(args.formats), _csv(args.impls)
     rng = np.random.default_rng(args.seed)
     case_list = cases(args)
@@ -523,6 +517,11 @@ def markdown(records, env) -> str:
 def main(argv=None):
     p = add_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     args = p.parse_args(argv)
+    if not args.out:
+        import tempfile
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        args.out = os.path.join(tempfile.gettempdir(), "bench_moe_smoke") if args.smoke else os.path.join(here, "results")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     bench_moe(args)
 

@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import reference as ref
+from .common import next_pow2, on_gpu, pad_axis
 
 NEG = -1e30  # finite start for running maxima of split partials: exp(NEG - m) == 0, never NaN
 
@@ -53,12 +54,6 @@ PREFILL_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)  # 197 
 DECODE_MAX_ROWS = 16  # chunks up to this many rows use the decode configuration
 
 
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -174,13 +169,6 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
 
 
 # ----------------------------------------------------------------------------- wrapper
-def _pad_axis(x, axis, size, value=0):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
-
 
 def _check(cond, msg):
     if not cond:
@@ -261,12 +249,12 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     _check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
 
     # Triton needs power-of-two tensors and MMA dims >= 16: pad head dim and head count with zeros.
-    dp = max(16, _next_pow2(d))
-    bh = min(bh, max(16, _next_pow2(h)))
+    dp = max(16, next_pow2(d))
+    bh = min(bh, max(16, next_pow2(h)))
     hp = -(-h // bh) * bh
-    q = _pad_axis(_pad_axis(q, 3, dp), 2, hp)
-    sink = _pad_axis(sink.astype(jnp.float32), 0, hp)
-    self_kv = _pad_axis(self_kv, 2, dp).astype(q.dtype)
+    q = pad_axis(pad_axis(q, 3, dp), 2, hp)
+    sink = pad_axis(sink.astype(jnp.float32), 0, hp)
+    self_kv = pad_axis(self_kv, 2, dp).astype(q.dtype)
     i32 = lambda x: x.astype(jnp.int32)
     q_pos, self_pos = i32(q_pos), i32(self_pos)
     floor = jnp.zeros((b,), jnp.int32) if window_floor is None else i32(window_floor)
@@ -285,16 +273,16 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
         ring_pos = i32(ring_pos)
         ring_hi = ring_pos.max(axis=1)  # newest ring position per sequence (-1 if empty)
         in_specs += [per_b((n_ring, dp)), per_b((n_ring,)), pl.BlockSpec((None,), lambda bi, si, hi, pi: (bi,))]
-        args += [_pad_axis(ring_kv, 2, dp).astype(q.dtype), ring_pos, ring_hi]
+        args += [pad_axis(ring_kv, 2, dp).astype(q.dtype), ring_pos, ring_hi]
     csa = comp_idx is not None
     if comp_kv is not None:
         n_comp = comp_kv.shape[1]
         in_specs.append(per_b((n_comp, dp)))
-        args.append(_pad_axis(comp_kv, 2, dp).astype(q.dtype))
+        args.append(pad_axis(comp_kv, 2, dp).astype(q.dtype))
         if csa:
             k_sel = -(-comp_idx.shape[2] // bn) * bn
             in_specs.append(pl.BlockSpec((None, None, k_sel), lambda bi, si, hi, pi: (bi, si, 0)))
-            args.append(_pad_axis(i32(comp_idx), 2, k_sel, -1))
+            args.append(pad_axis(i32(comp_idx), 2, k_sel, -1))
     in_specs.append(pl.BlockSpec((bh,), lambda bi, si, hi, pi: (hi,)))
     args.append(sink)
 

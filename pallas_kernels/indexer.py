@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import reference as ref
+from .common import next_pow2, on_gpu, pad_axis
 
 # (rows_per_block, block_n, num_warps, num_stages)
 DECODE_CONFIG = dict(rows_per_block=8, block_n=128, num_warps=4, num_stages=3)
@@ -37,20 +38,7 @@ PREFILL_CONFIG = dict(rows_per_block=8, block_n=256, num_warps=8, num_stages=3) 
 GROUP = 8
 
 
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
 
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _pad_axis(x, axis, size, value=0):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
 
 
 def _check(cond, msg):
@@ -146,11 +134,11 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
         rows -= 1
 
     # Triton: power-of-two tensors, MMA dims >= 16 -> zero-pad heads (weight 0) and head dim.
-    hp, dp = max(16, _next_pow2(hi)), max(16, _next_pow2(di))
+    hp, dp = max(16, next_pow2(hi)), max(16, next_pow2(di))
     dt = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
-    q = _pad_axis(_pad_axis(q.astype(dt), 3, dp), 2, hp)
-    weights = _pad_axis(weights.astype(jnp.float32), 2, hp)
-    keys = _pad_axis(keys, 2, dp)
+    q = pad_axis(pad_axis(q.astype(dt), 3, dp), 2, hp)
+    weights = pad_axis(weights.astype(jnp.float32), 2, hp)
+    keys = pad_axis(keys, 2, dp)
     npad = -(-n // bn) * bn
     grid = (b, t // rows, npad // bn)
     in_specs = [pl.BlockSpec((None, rows, hp, dp), lambda bi, ri, ti: (bi, ri, 0, 0)),

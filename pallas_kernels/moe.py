@@ -56,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import reference as ref
+from .common import on_gpu
 
 # ----------------------------------------------------------------------------------------------- routing
 
@@ -236,10 +237,6 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
     # prefill on the Triton path (quantised weights): MMA-friendly tiles
     return TritonConfig(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
                         num_warps=4, num_stages=3)
-
-
-def on_gpu() -> bool:
-    return jax.devices()[0].platform == "gpu"
 
 
 # --------------------------------------------------------------------------------- in-kernel dequantisers

@@ -10,8 +10,13 @@ import numpy as np
 
 
 def rel_err(a, b) -> float:
-    """Relative Frobenius error ||a - b|| / ||b||."""
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+    """Relative Frobenius error ||a - b|| / ||b|| in float64 (bf16 / fp32 inputs); NaN when `a` is not
+    finite, so a comparison `rel_err(...) < tol` fails on it."""
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def load_golden(golden_dir: Path, name: str):

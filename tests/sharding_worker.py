@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def rel_err(a, b) -> float:
+    from common import rel_err as shared  # tests/common.py (imports jax: only once the worker has set it up)
+
+    return shared(a, b)
+
+
 def small_config(preset: str):
     """The tiny presets cut to their essentials (compile time dominates on CPU): V4 with one hash
     SWA, one CSA and one HCA layer; V4.1 without its DSpark draft layers."""
@@ -40,12 +46,6 @@ def inputs(cfg):
     tokens = rng.integers(3, cfg.vocab_size - 2, (8, 12))
     prompts = [rng.integers(3, cfg.vocab_size - 2, n).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6)]
     return tokens, prompts
-
-
-def rel_err(a, b) -> float:
-    import numpy as np
-
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
 def run_meshes(out_path: str, full: bool = False) -> None:

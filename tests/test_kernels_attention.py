@@ -16,20 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from common import rel_err
 from pallas_kernels import reference as ref
 from pallas_kernels.attention import sparse_attention
 from pallas_kernels.indexer import grouped_topk, indexer_scores, indexer_topk
 
 GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a GPU")
-
-
-def rel_err(out, expect) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    expect = np.asarray(jnp.asarray(expect, jnp.float32), np.float64)
-    if not np.all(np.isfinite(out)):
-        return float("nan")
-    return float(np.linalg.norm(out - expect) / max(np.linalg.norm(expect), 1e-30))
 
 
 def fresh_seed() -> int:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from common import rel_err
 from pallas_kernels import moe as K
 from pallas_kernels import reference as R
 
@@ -31,13 +32,6 @@ def _reset_mgpu_interpreter():
     if not GPU:
         from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
         gpu_callbacks.reset_gpu_interpret_mode_state()
-
-
-def rel_err(out, ref):
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    assert np.all(np.isfinite(out)), "non-finite output"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def fresh_rng():

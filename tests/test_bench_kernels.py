@@ -1,0 +1,44 @@
+"""experiments/bench_kernels.py --quick and experiments/bench_moe.py --smoke on the CPU (interpret mode): every
+benchmark family runs end to end, writes its records, and our kernels agree with the references there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(module: str, *args: str, out: Path) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = out.glob("*.json")
+    assert path.with_suffix(".md").exists()
+    return json.loads(path.read_text())
+
+
+def test_bench_kernels_quick(tmp_path):
+    recs = _run("experiments.bench_kernels", "--quick", out=tmp_path)["records"]
+    assert {r["family"] for r in recs} >= {"attention_decode", "attention_prefill", "indexer_decode", "indexer_prefill"}
+    ours = [r for r in recs if r["variant"] == "pallas"]
+    assert ours and not any(r.get("error") for r in ours)
+    for r in ours:
+        if r["family"].startswith("attention"):
+            assert r["rel_err"] < 1e-2, r
+        else:
+            assert r["topk_overlap"] == 1.0, r
+
+
+def test_bench_moe_smoke(tmp_path):
+    recs = _run("experiments.bench_moe", "--smoke", out=tmp_path)["records"]
+    assert not any(r.get("error") for r in recs)
+    assert {r["fmt"] for r in recs} == {"bf16", "fp8", "fp4"} and {r["regime"] for r in recs} == {"prefill", "decode"}
+    for r in recs:
+        if r["impl"] != "xla":
+            assert r["rel_err_vs_xla"] < 1e-2, r

@@ -826,9 +826,10 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
     return out
 
 
-def kernel_breakdown(fn, state, cache, sets: list, steps: int, top: int = 12) -> tuple[dict, Any]:
+def kernel_breakdown(fn, state, cache, sets: list, steps: int) -> tuple[dict, Any]:
     """`steps` more calls of a prefill / verify step under CUPTI, the cache threaded as in the timing loop ->
-    ({kernel_ms_per_step, top: [name, ms per step, calls per step]} or {error}, cache). The sum of kernel
+    ({kernel_ms_per_step, top: [name, ms per step, calls per step] for every kernel, slowest first} or {error},
+    cache). The sum of kernel
     times against the wall-clock step says how much of a step is host time or idle gaps; the top kernels say
     which part of the model takes the rest.
 
@@ -859,7 +860,7 @@ def kernel_breakdown(fn, state, cache, sets: list, steps: int, top: int = 12) ->
                 per_kernel.setdefault(name, []).append(ms)
     except Exception as e:  # noqa: BLE001 - no CUPTI (CPU) or another profiler failure: the timing stands
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}, cache
-    ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+    ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))
     return {"steps": steps, "kernel_ms_per_step": round(float(np.median(totals)), 4),
             "top": [[name[:80], round(sum(ms) / steps, 4), round(len(ms) / steps, 2)] for name, ms in ranked]}, cache
 

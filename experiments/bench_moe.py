@@ -14,6 +14,10 @@ block scales) and FP4 (E2M1 packed + UE8M0 per 32). Implementations:
              GEMM, weights pre-transposed to its [G, K, N] layout outside the timing), best of a small sweep
   triton     pallas_kernels.moe, Pallas-Triton kernels (all formats)
   mgpu       pallas_kernels.moe, Mosaic GPU kernels (bf16; FP8 through the swap_ab kernels)
+  layer      the model's whole MoE layer (model.moe.MoE: router, routed experts through the Pallas kernels at
+             their default tiles, shared expert, combine; bf16 and FP4 experts, its own random weights),
+             balanced = the model's forced balance, random = its router's own top-6; the floor is the sum
+             of the router's, the routed experts' and the shared expert's GEMM floors (issue 6: <= 1.25x)
 Timing: CUPTI kernel time (jax.experimental.mosaic.gpu.profiler), median of --iters (>= 10; 10 for calls
 slower than 50 ms) iterations after warm-up calls (compile timed separately); the wall clock per call
 (median of 10) is recorded too.
@@ -56,7 +60,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="one config per implementation, fewer cases")
     p.add_argument("--regime", default="prefill,decode", help="comma list: prefill, decode")
     p.add_argument("--formats", default="bf16,fp8,fp4", help="comma list: bf16, fp8, fp4")
-    p.add_argument("--impls", default="xla,jax_mgpu,triton,mgpu", help="comma list of implementations")
+    p.add_argument("--impls", default="xla,jax_mgpu,triton,mgpu,layer", help="comma list of implementations")
     p.add_argument("--decode-tokens", default="64,256", help="comma list of decode batch sizes (x6 rows)")
     p.add_argument("--routing", default="balanced,random", help="comma list: balanced, random")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median), >= 10")
@@ -95,6 +99,21 @@ def roofline(regime: str, fmt: str, rows: int, touched: int) -> dict:
             "roofline_bound": "compute" if compute_ms >= memory_ms else "memory",
             # what our kernels can reach today: they run the MMA in bf16 for every weight format
             "roofline_bf16_mma_ms": max(flops / (CEIL["bf16_TFLOPs"] * 1e12) * 1e3, memory_ms)}
+
+
+def layer_roofline(regime: str, fmt: str, tokens: int, touched: int) -> dict:
+    """The whole MoE layer's floor: the sum of its GEMM floors, each max(FLOPs at the bf16 ceiling, weight bytes
+    at HBM) -- the router (D x E, bf16 weight), the routed experts (`roofline`), the shared expert (3 x D x I
+    bf16) -- over `tokens` rows."""
+    experts = roofline(regime, fmt, tokens * K_TOP, touched)
+    floors, flops, wbytes = {"experts": experts["roofline_ms"]}, experts["flops"], experts["weight_bytes"]
+    for name, params in (("router", D * E), ("shared", 3 * D * I)):
+        f, b = 2.0 * tokens * params, 2.0 * params
+        floors[name] = max(f / (CEIL["bf16_TFLOPs"] * 1e12), b / (CEIL["hbm_TBps"] * 1e12)) * 1e3
+        flops, wbytes = flops + f, wbytes + b
+    return dict(experts, flops=flops, weight_bytes=wbytes, roofline_ms=sum(floors.values()),
+                roofline_bf16_mma_ms=experts["roofline_bf16_mma_ms"] + floors["router"] + floors["shared"],
+                **{f"floor_{k}_ms": v for k, v in floors.items()})
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -192,6 +211,38 @@ def _ours_fn(backend, cfg, interpret=False):
         return PK.moe_experts(x, ids, w, w1, w2, w3, LIMIT, scales=scales, backend=backend, config=cfg,
                               interpret=interpret)
     return jax.jit(f)
+
+
+def _layer_fn(fmt: str, seed: int):
+    """model.moe.MoE at this script's widths (a score-routed V4-Flash layer, bf16 or FP4 experts, Pallas kernels,
+    random weights) -> (f(state, h [1, M, D], tokens [1, M], forced) -> [1, M, D], its state, a router
+    function h, tokens -> expert ids). `forced` (static) imposes the model's forced balance, as bench.py's
+    deepinfer mode does."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model import ModelConfig
+    from model.moe import MoE
+    from sharding.expert_parallel import EPConfig, ExpertParallel
+
+    cfg = ModelConfig.preset("v4-flash").replace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E,
+                                                  expert_weights="fp4" if fmt == "fp4" else "dense",
+                                                  moe_impl="pallas")
+    layer = MoE(cfg, cfg.layer_spec(cfg.num_hash_layers), rngs=nnx.Rngs(seed), dtype=jnp.bfloat16)
+    graphs = {}
+    for forced in (False, True):   # what sharding.expert_parallel.attach / detach do to a model's MoE layers
+        layer.expert_parallel = ExpertParallel(None, EPConfig(force_balance=True), None, 0, None, layer.impl) \
+            if forced else None
+        graphs[forced] = nnx.split(layer)[0]
+    state = nnx.state(layer)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def f(state, h, tokens, forced):
+        return nnx.merge(graphs[forced], state)(h, tokens)
+
+    route = jax.jit(lambda state, h, tokens: nnx.merge(graphs[False], state).route(h, tokens)[0])
+    return f, state, route
 
 
 def configs(impl: str, regime: str, fmt: str, quick: bool):
@@ -346,8 +397,8 @@ def bench_moe(args) -> list[dict]:
         E, D, I, PREFILL_TOKENS = 16, 256, 128, 256
         args.quick, args.iters = True, 10
         args.decode_tokens = "8"
-        if args.impls == "xla,jax_mgpu,triton,mgpu":
-            args.impls = "xla,triton"
+        if args.impls == "xla,jax_mgpu,triton,mgpu,layer":
+            args.impls = "xla,triton,layer"
 
     records: list[dict] = []
     env = _env()
@@ -393,7 +444,7 @@ def bench_moe(args) -> list[dict]:
             records.append({"fmt": fmt, "error": f"weights: {type(e).__name__}: {str(e)[:300]}"})
             save()
             continue
-        kn = None
+        kn = layer = None
         for regime, tokens, kind in case_list:
             ids, w, touched, max_rows = routed[(regime, tokens, kind)]
             if tokens not in x_cache:
@@ -405,13 +456,25 @@ def bench_moe(args) -> list[dict]:
                     "iters": args.iters, **{k: v for k, v in rf.items()}}
             ref_out, xla_ms = None, None
             for impl in impls:
-                if impl == "jax_mgpu" and fmt != "bf16":
+                if (impl == "jax_mgpu" and fmt != "bf16") or (impl == "layer" and fmt == "fp8"):
                     continue
                 for cfg in configs(impl, regime, fmt, args.quick or getattr(args, "one_config", False)):
                     rec = dict(base, impl=impl, config=(cfg if isinstance(cfg, dict) or cfg is None
                                                         else cfg.__dict__))
                     try:
-                        if impl == "xla":
+                        rf_impl = rf
+                        if impl == "layer":
+                            if layer is None:   # the model's layer with its own weights; built once per format
+                                layer = _layer_fn(fmt, args.seed + 2)
+                            lf, state, route = layer
+                            h, toks = x[None], jnp.arange(tokens, dtype=jnp.int32)[None] % 1000
+                            n_touched = touched if kind == "balanced" else \
+                                int(len(np.unique(np.asarray(route(state, h, toks)))))
+                            rf_impl = layer_roofline(regime, fmt, tokens, n_touched)
+                            rec.update(rf_impl, experts_touched=n_touched,
+                                       routing=kind if kind == "balanced" else "router")
+                            f, a = functools.partial(lf, forced=kind == "balanced"), (state, h, toks)
+                        elif impl == "xla":
                             f, a = _xla_fn(fmt), (x, ids, w, w1, w2, w3, scales)
                         elif impl == "jax_mgpu":
                             if kn is None:     # its [G, K, N] layout, gate|up fused; built once, untimed
@@ -427,11 +490,13 @@ def bench_moe(args) -> list[dict]:
                         rec.update(compile_s=round(compile_s, 2), cupti_ms=cupti, wall_ms=round(wall, 4), ms=ms,
                                    iters=n_it,
                                    timer="cupti" if cupti is not None else "wall", kernels=kernels,
-                                   TFLOPs=rf["flops"] / (ms * 1e-3) / 1e12,
-                                   weight_TBps=rf["weight_bytes"] / (ms * 1e-3) / 1e12,
-                                   frac_of_roofline=rf["roofline_ms"] / ms)
+                                   TFLOPs=rf_impl["flops"] / (ms * 1e-3) / 1e12,
+                                   weight_TBps=rf_impl["weight_bytes"] / (ms * 1e-3) / 1e12,
+                                   frac_of_roofline=rf_impl["roofline_ms"] / ms)
                         out = np.asarray(out.astype(jnp.float32))
-                        if impl == "xla":
+                        if impl == "layer":      # its own weights: not comparable with the XLA block
+                            rec["finite_output"] = bool(np.all(np.isfinite(out)))
+                        elif impl == "xla":
                             ref_out, xla_ms = out, ms
                         elif ref_out is not None:
                             rec["rel_err_vs_xla"] = rel_err(out, ref_out)
@@ -447,7 +512,7 @@ def bench_moe(args) -> list[dict]:
                     records.append(compat(rec))
                     print(summary_line(rec), flush=True)
                     save()
-        del w1, w2, w3, scales, kn
+        del w1, w2, w3, scales, kn, layer
     print(markdown(records, env), flush=True)
     return records
 

@@ -3,7 +3,8 @@
 # calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3|4|5
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
 # after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
-# time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh).
+# time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh; and the whole
+# MoE layer against its GEMM floors).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
@@ -55,7 +56,10 @@ case "${1:?part 1 to 5}" in
     timeout 80 python -m experiments.bench_ep --mesh 1,2,1 --expert-weights fp4 --transport gather \
         --strategy all_to_all --tokens 64,256,2048 --repeats 10 | tail -6
     timeout 90 python -m experiments.bench --quiet --mode realistic --moe-impl pallas --attention-impl pallas \
-        --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 64 --context 32768 --tag h200x2_realistic_ep2 ;;
+        --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 64 --context 32768 --tag h200x2_realistic_ep2
+    # issue 6: the whole MoE layer (router, experts, shared expert, combine) against the sum of its GEMM floors
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python -m experiments.bench_moe --impls layer --formats bf16,fp4 \
+        --routing balanced --iters 10 ;;
 *)  echo "part must be 1 to 5" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

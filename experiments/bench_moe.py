@@ -6,7 +6,7 @@ combine) at V4-Flash expert shapes (256 experts, 4096 -> 2048 -> 4096, top-6) on
   python -m experiments.bench_moe --regime decode --formats bf16,fp4
   python -m experiments.bench_moe --roofline-only         # print the predictions only (runs on a CPU)
 
-Cases: prefill 8192 tokens (49152 routed rows) and decode/verify 64..256 tokens x 6 rows, with forced-balance
+Cases: prefill 8192 tokens (49152 routed rows; --prefill-tokens) and decode/verify 64..256 tokens x 6 rows, with forced-balance
 routing (DeepInfer's benchmark mode) and random top-6 routing. Weights bf16, FP8 (E4M3 + UE8M0 128x128
 block scales) and FP4 (E2M1 packed + UE8M0 per 32). Implementations:
   xla        reference.moe_experts: jax.lax.ragged_dot (quantised weights: dequantised to bf16 by XLA each call)
@@ -50,7 +50,6 @@ import numpy as np
 E, D, I, K_TOP = 256, 4096, 2048, 6
 LIMIT = 10.0
 CEIL = {"hbm_TBps": 3.40, "bf16_TFLOPs": 816.0, "fp8_TFLOPs": 1116.0}   # BENCHMARKS.md, measured on our H200
-PREFILL_TOKENS = 8192
 
 
 # ----------------------------------------------------------------------------------------------- args
@@ -62,6 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--formats", default="bf16,fp8,fp4", help="comma list: bf16, fp8, fp4")
     p.add_argument("--impls", default="xla,jax_mgpu,triton,mgpu,layer", help="comma list of implementations")
     p.add_argument("--decode-tokens", default="64,256", help="comma list of decode batch sizes (x6 rows)")
+    p.add_argument("--prefill-tokens", default="8192", help="comma list of prefill token counts (x6 rows; "
+                                                             "4096 is the one-sequence prefill step: 96 rows per expert)")
     p.add_argument("--routing", default="balanced,random", help="comma list: balanced, random")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median), >= 10")
     p.add_argument("--seed", type=int, default=0)
@@ -356,7 +357,7 @@ def cases(args):
     if args.quick:
         routings = routings[:1]
     if "prefill" in regimes:
-        out += [("prefill", PREFILL_TOKENS, r) for r in routings]
+        out += [("prefill", int(t), r) for t in _csv(args.prefill_tokens) for r in routings]
     if "decode" in regimes:
         toks = [int(t) for t in _csv(args.decode_tokens)]
         out += [("decode", t, r) for t in toks for r in routings]
@@ -391,10 +392,11 @@ def bench_moe(args) -> list[dict]:
 
     from experiments.bench_kernels import rel_err
 
-    global E, D, I, PREFILL_TOKENS
+    global E, D, I
     smoke = getattr(args, "smoke", False)
     if smoke:       # exercise every code path of this script on a CPU (interpret mode), not a measurement
-        E, D, I, PREFILL_TOKENS = 16, 256, 128, 256
+        E, D, I = 16, 256, 128
+        args.prefill_tokens = "256"
         args.quick, args.iters = True, 10
         args.decode_tokens = "8"
         if args.impls == "xla,jax_mgpu,triton,mgpu,layer":

@@ -59,7 +59,12 @@ case "${1:?part 1 to 5}" in
         --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 64 --context 32768 --tag h200x2_realistic_ep2
     # issue 6: the whole MoE layer (router, experts, shared expert, combine) against the sum of its GEMM floors
     CUDA_VISIBLE_DEVICES=0 timeout 150 python -m experiments.bench_moe --impls layer --formats bf16,fp4 \
-        --routing balanced --iters 10 ;;
+        --routing balanced --iters 10 &
+    # issue 10: the one-sequence prefill's experts (96 rows per expert) stream 2.97 TB/s on the Mosaic GPU row
+    # tiles; which kernel / tiling streams them fastest at that load (GPU 1)
+    CUDA_VISIBLE_DEVICES=1 timeout 150 python -m experiments.bench_moe --regime prefill --prefill-tokens 4096 \
+        --formats bf16 --impls triton,mgpu --routing balanced --iters 10 &
+    wait ;;
 *)  echo "part must be 1 to 5" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

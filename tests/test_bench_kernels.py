@@ -24,8 +24,10 @@ def _run(module: str, *args: str, out: Path) -> dict:
 
 
 def test_bench_kernels_quick(tmp_path):
-    recs = _run("experiments.bench_kernels", "--quick", out=tmp_path)["records"]
-    assert {r["family"] for r in recs} >= {"attention_decode", "attention_prefill", "indexer_decode", "indexer_prefill"}
+    """Two of its families (the others share the harness; CI time): the attention and indexer decode cases."""
+    only = "attention_decode,indexer_decode"
+    recs = _run("experiments.bench_kernels", "--quick", "--only", only, out=tmp_path)["records"]
+    assert {r["family"] for r in recs} == {"attention_decode", "indexer_decode"}
     ours = [r for r in recs if r["variant"] == "pallas"]
     assert ours and not any(r.get("error") for r in ours)
     for r in ours:

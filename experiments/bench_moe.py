@@ -6,9 +6,9 @@ combine) at V4-Flash expert shapes (256 experts, 4096 -> 2048 -> 4096, top-6) on
   python -m experiments.bench_moe --regime decode --formats bf16,fp4
   python -m experiments.bench_moe --roofline-only         # print the predictions only (runs on a CPU)
 
-Cases: prefill 8192 tokens (49152 routed rows; --prefill-tokens) and decode/verify 64..256 tokens x 6 rows, with forced-balance
-routing (DeepInfer's benchmark mode) and random top-6 routing. Weights bf16, FP8 (E4M3 + UE8M0 128x128
-block scales) and FP4 (E2M1 packed + UE8M0 per 32). Implementations:
+Cases: prefill 8192 tokens (49152 routed rows; --prefill-tokens) and decode/verify 64..256 tokens x 6 rows,
+with forced-balance routing (DeepInfer's benchmark mode) and random top-6 routing. Weights bf16, FP8 (E4M3 +
+UE8M0 128x128 block scales) and FP4 (E2M1 packed + UE8M0 per 32). Implementations:
   xla        reference.moe_experts: jax.lax.ragged_dot (quantised weights: dequantised to bf16 by XLA each call)
   jax_mgpu   jax's in-tree Mosaic GPU ragged_dot_mgpu in the same block (gate|up fused as one [E, D, 2I]
              GEMM, weights pre-transposed to its [G, K, N] layout outside the timing), best of a small sweep
@@ -61,8 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--formats", default="bf16,fp8,fp4", help="comma list: bf16, fp8, fp4")
     p.add_argument("--impls", default="xla,jax_mgpu,triton,mgpu,layer", help="comma list of implementations")
     p.add_argument("--decode-tokens", default="64,256", help="comma list of decode batch sizes (x6 rows)")
-    p.add_argument("--prefill-tokens", default="8192", help="comma list of prefill token counts (x6 rows; "
-                                                             "4096 is the one-sequence prefill step: 96 rows per expert)")
+    p.add_argument("--prefill-tokens", default="8192",
+                   help="comma list of prefill token counts (x6 rows; 4096: the one-sequence step, 96 rows per expert)")
     p.add_argument("--routing", default="balanced,random", help="comma list: balanced, random")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median), >= 10")
     p.add_argument("--seed", type=int, default=0)
@@ -588,7 +588,8 @@ def main(argv=None):
         import tempfile
 
         here = os.path.dirname(os.path.abspath(__file__))
-        args.out = os.path.join(tempfile.gettempdir(), "bench_moe_smoke") if args.smoke else os.path.join(here, "results")
+        args.out = os.path.join(tempfile.gettempdir() if args.smoke else here,
+                                "bench_moe_smoke" if args.smoke else "results")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     bench_moe(args)
 

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(module: str, *args: str, out: Path) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)

@@ -36,11 +36,11 @@ def test_decoder_replay_with_long_tail_is_exact(v41):
     assert 0 < np.abs(np.asarray(approx) - np.asarray(exact)).max() < 5.0
 
 
-@pytest.mark.parametrize("tail", [8, 5])
-def test_replay_composes_with_speculative(v41, tail):
+def test_replay_composes_with_speculative(v41):
     """Speculative decoding is lossless against plain decoding with the same replay tail. (`bounded_replay=True`
     picks window + num_draft rows with speculative decoding and window rows without: two different
-    approximations, which need not agree; tails 8 and 5 both change this prompt set's output.)"""
+    approximations, which need not agree; a tail of 5 changes both prompts' output here.)"""
+    tail = 5
     prompts = [BASE, BASE[:29]]
     plain = generate(v41, prompts, max_new_tokens=8, bounded_replay=tail)
     spec = generate(v41, prompts, max_new_tokens=8, bounded_replay=tail, speculative="dspark", num_draft=3)

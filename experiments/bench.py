@@ -829,9 +829,8 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
 def kernel_breakdown(fn, state, cache, sets: list, steps: int) -> tuple[dict, Any]:
     """`steps` more calls of a prefill / verify step under CUPTI, the cache threaded as in the timing loop ->
     ({kernel_ms_per_step, top: [name, ms per step, calls per step] for every kernel, slowest first} or {error},
-    cache). The sum of kernel
-    times against the wall-clock step says how much of a step is host time or idle gaps; the top kernels say
-    which part of the model takes the rest.
+    cache). The sum of kernel times against the wall-clock step says how much of a step is host time or idle
+    gaps; the top kernels say which part of the model takes the rest.
 
     CUPTI is driven through jax's Mosaic GPU extension directly (private: `_cupti_init` /
     `_cupti_get_timings`, what `mosaic.gpu.profiler.measure` wraps): `measure` runs its function twice on the

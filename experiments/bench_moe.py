@@ -225,16 +225,15 @@ def _layer_fn(fmt: str, seed: int):
 
     from model import ModelConfig
     from model.moe import MoE
-    from sharding.expert_parallel import EPConfig, ExpertParallel
+    from sharding.expert_parallel import EPConfig, attach, detach
 
     cfg = ModelConfig.preset("v4-flash").replace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E,
                                                   expert_weights="fp4" if fmt == "fp4" else "dense",
                                                   moe_impl="pallas")
     layer = MoE(cfg, cfg.layer_spec(cfg.num_hash_layers), rngs=nnx.Rngs(seed), dtype=jnp.bfloat16)
     graphs = {}
-    for forced in (False, True):   # what sharding.expert_parallel.attach / detach do to a model's MoE layers
-        layer.expert_parallel = ExpertParallel(None, EPConfig(force_balance=True), None, 0, None, layer.impl) \
-            if forced else None
+    for forced in (False, True):
+        attach(layer, None, EPConfig(force_balance=True)) if forced else detach(layer)
         graphs[forced] = nnx.split(layer)[0]
     state = nnx.state(layer)
 
@@ -438,9 +437,10 @@ def bench_moe(args) -> list[dict]:
                 print(f"could not write results to {d}: {e}", flush=True)
 
     x_cache = {}
+    block_impls = any(impl != "layer" for impl in impls)   # "layer" alone uses the model's own weights
     for fmt in formats:
         try:
-            w1, w2, w3, scales = make_weights(fmt, args.seed + 1)
+            w1, w2, w3, scales = make_weights(fmt, args.seed + 1) if block_impls else (None,) * 4
             jax.block_until_ready((w1, w2, w3))
         except Exception as e:  # noqa: BLE001
             records.append({"fmt": fmt, "error": f"weights: {type(e).__name__}: {str(e)[:300]}"})

@@ -54,8 +54,6 @@ PREFILL_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)  # 197 
 DECODE_MAX_ROWS = 16  # chunks up to this many rows use the decode configuration
 
 
-
-
 # ----------------------------------------------------------------------------- kernel
 def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k_sel,
                  has_ring, has_comp, csa, num_splits, fold_sink):
@@ -169,7 +167,6 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
 
 
 # ----------------------------------------------------------------------------- wrapper
-
 def _check(cond, msg):
     if not cond:
         raise ValueError(f"sparse_attention: {msg}")

@@ -38,9 +38,6 @@ PREFILL_CONFIG = dict(rows_per_block=8, block_n=256, num_warps=8, num_stages=3) 
 GROUP = 8
 
 
-
-
-
 def _check(cond, msg):
     if not cond:
         raise ValueError(f"indexer: {msg}")

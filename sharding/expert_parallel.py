@@ -263,9 +263,9 @@ def _ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output
 # ----------------------------------------------------------------------------- attaching to a model
 
 def _moe_modules(model):
+    """(layer index, MoE module) of a Transformer's MoE layers; a bare MoE module yields itself as layer -1."""
     from model.moe import MoE
 
-    num_layers = model.config.num_layers
     for path, mod in nnx.iter_graph(model):
         if isinstance(mod, MoE):
             names = [str(p) for p in path]
@@ -273,7 +273,7 @@ def _moe_modules(model):
             if len(names) >= 2 and names[0] == "layers":
                 layer = int(names[1])
             elif len(names) >= 2 and names[0] == "mtp":
-                layer = num_layers + int(names[1])
+                layer = model.config.num_layers + int(names[1])
             yield layer, mod
 
 

@@ -258,8 +258,12 @@ def configs(impl: str, regime: str, fmt: str, quick: bool):
             out = [c(64, 256, 64, 4, 1), c(64, 128, 64, 6, 2)]
     elif impl == "mgpu":
         swap = functools.partial(MgpuConfig, swap_ab=True)
-        if fmt == "fp4":
-            out = []
+        if fmt == "fp4":                # swap_ab only; a step is 1 or 2 groups of 32 logical columns
+            out = [] if regime == "prefill" else [
+                swap(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
+                swap(block_m=16, block_n=256, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=4),
+                swap(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64, max_concurrent_steps=8),
+                swap(block_m=16, block_n=128, block_k=32, block_n_down=128, block_k_down=32, max_concurrent_steps=8)]
         elif regime == "prefill" and fmt == "bf16":
             out = [MgpuConfig(), MgpuConfig(max_concurrent_steps=3), MgpuConfig(block_n_down=128),
                    swap(block_m=128, block_n=64, block_k=64, block_n_down=128, block_k_down=64),

@@ -222,9 +222,9 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
     rows_per_expert = num_rows / max(num_experts, 1)
     if backend == "mgpu":
         if rows_per_expert <= 16:       # decode: weights as wgmma M, 16-token tiles
-            return MgpuConfig(block_m=16, block_n=128, block_k=64 if fmt == "dense" else 128,
+            return MgpuConfig(block_m=16, block_n=128, block_k=128 if fmt == "fp8" else 64,
                               block_n_down=256 if fmt == "dense" else 128,
-                              block_k_down=64 if fmt == "dense" else 128,
+                              block_k_down=128 if fmt == "fp8" else 64,
                               max_concurrent_steps=6 if fmt == "dense" else 5, swap_ab=True)
         if fmt == "fp8":                # FP8 prefill: dequantised in registers (swap_ab only)
             return MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
@@ -579,14 +579,102 @@ def _down_mgpu(z, tile_expert, w2, *, cfg: MgpuConfig, out_dtype, interpret, kn=
 # 8 up to 256) a tile costs one pass over its expert's weights whatever its row count. The activations go
 # in transposed ([D, P]) and z / y come out transposed ([I, P], [D, P]), so neither operand needs a
 # transposed SMEM view (which also keeps the bf16 kernels runnable in the MGPU CPU interpreter).
-# FP8 weights are dequantised in registers (wgmma's A operand may live in registers): E4M3 -> bf16 times
-# the UE8M0 block scale; the CPU interpreter has no register operand, so that path is checked by lowering.
+# Quantised weights are dequantised in registers (wgmma's A operand may live in registers):
+#   FP8  E4M3 -> f32 times the tile's UE8M0 block scale -> bf16;
+#   FP4  one 16-byte scale group at a time (32 logical columns, one UE8M0 scale per weight row): the packed
+#        tile is viewed [bn, G, 16] so a group is a plain [bn, 16] slice; its low nibbles (even columns) and
+#        high nibbles (odd columns) become two bf16 operands by integer ops alone (_e2m1_bf16), multiplied
+#        against the even and odd halves of the activations ([D/32, 16, P] views). The scales enter
+#        transposed ([E, in/32, out]) so that a group's scales are one contiguous [bn] row.
+# The CPU interpreter has no register operand, so the quantised paths are checked by lowering and on the GPU.
+
+FP4_GROUP = 16   # packed bytes per UE8M0 scale (32 logical columns)
 
 
 def _scale_scalar(s_gmem, e, r, c):
     """UE8M0 byte at s[e, r, c] (GMEM scalar) -> float32 2^(b-127). (exp2 of an integer is a power of two;
     Mosaic GPU cannot bitcast scalars.)"""
     return jnp.exp2(s_gmem[e, r, c].astype(jnp.float32) - 127.0)
+
+
+E2M1_BF16_FOLD = 2.0 ** 100   # _e2m1_bf16_bits values times this, times _ue8m0_bf16, give the weights
+
+
+def _e2m1_bf16_bits(b):
+    """Packed E2M1 bytes (int16, sign-extended) -> (even, odd) column bf16 bit patterns (int16).
+
+    Nibble s|e1 e0|m goes to the sign at bit 15, e1 e0 as the low exponent bits and m as the top mantissa
+    bit: exactly e2m1 * 2^-126 for every code (e = 0 lands on the bf16 subnormals 0 and 2^-127), by integer
+    ops alone: no lookup table, no select, no conversion.
+    """
+    return ((b & 0x7) << 6) | ((b & 0x8) << 12), ((b & 0x70) << 2) | ((b & 0x80) << 8)
+
+
+def _ue8m0_bf16_bits(s):
+    """UE8M0 bytes (int16) -> bf16 bit patterns of scale * 2^26 (= 2^126 / E2M1_BF16_FOLD); bytes <= 228."""
+    return (s + 26) << 7
+
+
+def _e2m1_bf16(packed, scale_bytes):
+    """Packed E2M1 bytes [n, c] int8 + UE8M0 scale bytes [n] (one per row) -> (even, odd) columns [n, c] bf16,
+    exact for scales <= 2^101: the decoded bit patterns times E2M1_BF16_FOLD times the scale bits (two bf16
+    products of powers of two; the subnormal inputs need a GPU, which keeps bf16 subnormals -- XLA on a CPU
+    flushes them)."""
+    as_bf16 = lambda v: lax.bitcast_convert_type(v, jnp.bfloat16)  # noqa: E731
+    s = as_bf16(_ue8m0_bf16_bits(scale_bytes.astype(jnp.int16)))
+    s = lax.broadcast_in_dim(s, packed.shape, [0])
+    return tuple(as_bf16(v) * jnp.bfloat16(E2M1_BF16_FOLD) * s for v in _e2m1_bf16_bits(packed.astype(jnp.int16)))
+
+
+def _swap_check(what, fmt, bm, bn, bk, out_dim, in_dim, p, fp8_block):
+    if bm % 16 or bm > 256 or bn % 64 or p % bm or out_dim % bn or in_dim % bk:
+        raise ValueError(f"moe {what} (mgpu swap): tokens/tile {bm} must be a multiple of 16 <= 256, weight "
+                         f"rows/tile {bn} a multiple of 64; [{out_dim}, {in_dim}] x [{in_dim}, {p}] must tile "
+                         f"by ({bn}, {bk}, {bm})")
+    if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
+        raise ValueError(f"moe {what} (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
+    if fmt == "fp4" and bk not in (2 * FP4_GROUP, 4 * FP4_GROUP):
+        # a step's [bn, G, 16] tile is read one group at a time: G > 2 has no bank-conflict-free load
+        raise ValueError(f"moe {what} (mgpu swap): FP4 needs block_k of 32 or 64 logical columns, got {bk}")
+
+
+def _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay):
+    """BlockSpecs of one K step: activations (1 operand; FP4: even and odd halves), then per weight its tile
+    and, for FP4, its transposed scale tile [G, bn]."""
+    spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
+    if fmt != "fp4":
+        return [spec((bk, bm), lambda kk: (kk, t))], [spec((bn, bk), lambda kk: (j, kk))]
+    g = bk // (2 * FP4_GROUP)
+    x = spec((g, FP4_GROUP, bm), lambda kk: (kk, 0, t))
+    return [x, x], [spec((bn, g, FP4_GROUP), lambda kk: (j, kk, 0)), spec((g, bn), lambda kk: (kk, j))]
+
+
+def _swap_accumulate(plgpu, acc, xs, w, fmt, fp8_scale=None):
+    """acc [bn, bm] += W_tile . X_tile, one K step. xs: activation tiles (FP4: even, odd [G, 16, bm]);
+    w: (weight tile,) -- FP4: (packed [bn, G, 16], scale bytes [G, bn]). Returns the wgmma_wait depth:
+    register operands must outlive their wgmma (0), SMEM ones may stay one step in flight (1)."""
+    if fmt == "dense":
+        plgpu.wgmma(acc, w[0], xs[0])
+        return 1
+    if fmt == "fp8":
+        plgpu.wgmma(acc, (w[0][...].astype(jnp.float32) * fp8_scale).astype(jnp.bfloat16), xs[0])
+        return 0
+    w_s, s_s = w
+    for g in range(w_s.shape[1]):
+        even, odd = _e2m1_bf16(w_s[:, g, :], s_s[g])
+        plgpu.wgmma(acc, even, xs[0].at[g])
+        plgpu.wgmma(acc, odd, xs[1].at[g])
+    return 0
+
+
+def _swap_inputs(fmt, x, w, s):
+    """Kernel views: activations [in, P] -> (x,) or FP4 (even, odd) [in/32, 16, P]; weight [E, out, in_stored]
+    -> as is or FP4 [E, out, in/32, 16]; scales -> FP8 as is, FP4 transposed [E, in/32, out]."""
+    if fmt != "fp4":
+        return (x,), (w,) + ((s,) if fmt == "fp8" else ())
+    split = lambda a: a.reshape(a.shape[0] // FP4_GROUP, FP4_GROUP, a.shape[1])  # noqa: E731
+    e, n, kb = w.shape
+    return (split(x[0::2]), split(x[1::2])), (w.reshape(e, n, kb // FP4_GROUP, FP4_GROUP), jnp.swapaxes(s, 1, 2))
 
 
 def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
@@ -597,16 +685,16 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
     i_dim = w1.shape[1]
     bm, bn, bk = cfg.block_m, min(cfg.block_n, i_dim), min(cfg.block_k, d)
     fp8_block = ref.fp8_block_size(w1.shape, s1.shape) if fmt == "fp8" else 0
-    if bm % 16 or bm > 256 or bn % 64 or p % bm or i_dim % bn or d % bk:
-        raise ValueError(f"moe gate/up (mgpu swap): tokens/tile {bm} must be a multiple of 16 <= 256, weight "
-                         f"rows/tile {bn} a multiple of 64; [{i_dim}, {d}] x [{d}, {p}] must tile")
-    if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
-        raise ValueError(f"moe gate/up (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
-    nk = d // bk
-    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
+    _swap_check("gate/up", fmt, bm, bn, bk, i_dim, d, p, fp8_block)
+    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, d // bk)
+    xs, w1v = _swap_inputs(fmt, xt, w1, s1)
+    _, w3v = _swap_inputs(fmt, xt, w3, s3)
+    nx = len(xs)
+    pipelined_w = 2 if fmt == "fp4" else 1     # refs per weight that the pipeline streams
 
-    def body(te_gmem, rw_gmem, x_gmem, w1_gmem, w3_gmem, *rest):
-        s1_gmem, s3_gmem, z_gmem, z_smem, rw_smem, bar = rest if fmt == "fp8" else (None, None, *rest)
+    def body(te_gmem, rw_gmem, *refs):
+        x_gmem, (w1_g, w3_g) = refs[:nx], (refs[nx:nx + len(w1v)], refs[nx + len(w1v):nx + 2 * len(w1v)])
+        z_gmem, z_smem, rw_smem, bar = refs[nx + 2 * len(w1v):]
         t = lax.axis_index("t")
         j = lax.axis_index("n")
         e = te_gmem[t]
@@ -616,26 +704,19 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
             plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(t * bm, bm)], rw_smem, bar.at[0])
 
             def acc_scope(acc_g, acc_u):
-                def step(idx, x_s, w1_s, w3_s):
+                def step(idx, *tiles):
+                    x_s, w1_s, w3_s = tiles[:nx], tiles[nx:nx + pipelined_w], tiles[nx + pipelined_w:]
+                    sc1 = sc3 = None
                     if fmt == "fp8":
-                        (kk,) = idx
-                        r, c = (j * bn) // fp8_block, (kk * bk) // fp8_block
-                        a1 = (w1_s[...].astype(jnp.float32) * _scale_scalar(s1_gmem, e, r, c)).astype(jnp.bfloat16)
-                        a3 = (w3_s[...].astype(jnp.float32) * _scale_scalar(s3_gmem, e, r, c)).astype(jnp.bfloat16)
-                        plgpu.wgmma(acc_g, a1, x_s)
-                        plgpu.wgmma(acc_u, a3, x_s)
-                        plgpu.wgmma_wait(0)          # register operands must outlive their wgmma
-                    else:
-                        plgpu.wgmma(acc_g, w1_s, x_s)
-                        plgpu.wgmma(acc_u, w3_s, x_s)
-                        plgpu.wgmma_wait(1)
+                        r, c = (j * bn) // fp8_block, (idx[0] * bk) // fp8_block
+                        sc1, sc3 = _scale_scalar(w1_g[1], e, r, c), _scale_scalar(w3_g[1], e, r, c)
+                    _swap_accumulate(plgpu, acc_g, x_s, w1_s, fmt, sc1)
+                    plgpu.wgmma_wait(_swap_accumulate(plgpu, acc_u, x_s, w3_s, fmt, sc3))
 
-                plgpu.emit_pipeline(
-                    step, grid=(nk,), max_concurrent_steps=steps,
-                    in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, t), delay_release=delay),
-                              plgpu.BlockSpec((bn, bk), lambda kk: (j, kk), delay_release=delay),
-                              plgpu.BlockSpec((bn, bk), lambda kk: (j, kk), delay_release=delay)],
-                )(x_gmem, w1_gmem.at[e], w3_gmem.at[e])
+                x_specs, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
+                w_at = lambda g: tuple(a.at[e] for a in g[:pipelined_w])  # noqa: E731
+                plgpu.emit_pipeline(step, grid=(d // bk,), max_concurrent_steps=steps,
+                                    in_specs=x_specs + w_specs + w_specs)(*x_gmem, *w_at(w1_g), *w_at(w3_g))
                 return acc_g[...], acc_u[...]
 
             g, u = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32), plgpu.ACC((bn, bm), jnp.float32))
@@ -647,7 +728,6 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
             plgpu.copy_smem_to_gmem(z_smem, z_gmem.at[pl.ds(j * bn, bn), pl.ds(t * bm, bm)])
             plgpu.wait_smem_to_gmem(0)
 
-    args = [tile_expert, row_weight, xt, w1, w3] + ([s1, s3] if fmt == "fp8" else [])
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((i_dim, p), xt.dtype),
@@ -656,7 +736,7 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
                        plgpu.Barrier(num_barriers=1)],
         compiler_params=_mgpu_params(),
         interpret=interpret,
-    )(*args)
+    )(tile_expert, row_weight, *xs, *w1v, *w3v)
 
 
 def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype, interpret):
@@ -666,16 +746,14 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
     d = w2.shape[1]
     bm, bn, bk = cfg.block_m, min(cfg.block_n_down, d), min(cfg.block_k_down, i_dim)
     fp8_block = ref.fp8_block_size(w2.shape, s2.shape) if fmt == "fp8" else 0
-    if bm % 16 or bm > 256 or bn % 64 or p % bm or d % bn or i_dim % bk:
-        raise ValueError(f"moe down (mgpu swap): tokens/tile {bm}, weight rows/tile {bn}: [{d}, {i_dim}] x "
-                         f"[{i_dim}, {p}] must tile (bm % 16 == 0 <= 256, bn % 64 == 0)")
-    if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
-        raise ValueError(f"moe down (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
-    nk = i_dim // bk
-    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
+    _swap_check("down", fmt, bm, bn, bk, d, i_dim, p, fp8_block)
+    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, i_dim // bk)
+    zs, w2v = _swap_inputs(fmt, zt, w2, s2)
+    nz = len(zs)
+    pipelined_w = 2 if fmt == "fp4" else 1
 
-    def body(te_gmem, z_gmem, w2_gmem, *rest):
-        s2_gmem, y_gmem, y_smem = rest if fmt == "fp8" else (None, *rest)
+    def body(te_gmem, *refs):
+        z_gmem, w2_g, (y_gmem, y_smem) = refs[:nz], refs[nz:nz + len(w2v)], refs[nz + len(w2v):]
         t = lax.axis_index("t")
         j = lax.axis_index("n")
         e = te_gmem[t]
@@ -683,21 +761,15 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
         @pl.when(e >= 0)
         def _():
             def acc_scope(acc):
-                def step(idx, z_s, w_s):
+                def step(idx, *tiles):
+                    sc = None
                     if fmt == "fp8":
-                        (kk,) = idx
-                        s = _scale_scalar(s2_gmem, e, (j * bn) // fp8_block, (kk * bk) // fp8_block)
-                        plgpu.wgmma(acc, (w_s[...].astype(jnp.float32) * s).astype(jnp.bfloat16), z_s)
-                        plgpu.wgmma_wait(0)
-                    else:
-                        plgpu.wgmma(acc, w_s, z_s)
-                        plgpu.wgmma_wait(1)
+                        sc = _scale_scalar(w2_g[1], e, (j * bn) // fp8_block, (idx[0] * bk) // fp8_block)
+                    plgpu.wgmma_wait(_swap_accumulate(plgpu, acc, tiles[:nz], tiles[nz:], fmt, sc))
 
-                plgpu.emit_pipeline(
-                    step, grid=(nk,), max_concurrent_steps=steps,
-                    in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, t), delay_release=delay),
-                              plgpu.BlockSpec((bn, bk), lambda kk: (j, kk), delay_release=delay)],
-                )(z_gmem, w2_gmem.at[e])
+                z_specs, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
+                plgpu.emit_pipeline(step, grid=(i_dim // bk,), max_concurrent_steps=steps,
+                                    in_specs=z_specs + w_specs)(*z_gmem, *(a.at[e] for a in w2_g[:pipelined_w]))
                 return acc[...]
 
             y = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32))
@@ -706,7 +778,6 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
             plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[pl.ds(j * bn, bn), pl.ds(t * bm, bm)])
             plgpu.wait_smem_to_gmem(0)
 
-    args = [tile_expert, zt, w2] + ([s2] if fmt == "fp8" else [])
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((d, p), out_dtype),
@@ -714,7 +785,7 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
         scratch_types=[plgpu.SMEM((bn, bm), out_dtype)],
         compiler_params=_mgpu_params(),
         interpret=interpret,
-    )(*args)
+    )(tile_expert, *zs, *w2v)
 
 
 # ----------------------------------------------------------------------------------------- entry point
@@ -803,9 +874,11 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         y = _down_triton(split(z), plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt,
                          interpret=interp, kn=kn)
     elif backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab:
-        if fmt == "fp4" or kn or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-            raise ValueError("moe_experts: the mgpu swap_ab kernels take bf16/f16 or FP8 weights in the "
-                             "[E, out, in] layout; use backend='triton' for FP4")
+        if kn or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError("moe_experts: the mgpu swap_ab kernels take bf16/f16, FP8 or FP4 weights in the "
+                             "[E, out, in] layout")
+        if fmt == "fp4" and jnp.dtype(cdt) != jnp.dtype(jnp.bfloat16):
+            raise ValueError(f"moe_experts: the mgpu swap_ab FP4 kernels compute in bfloat16, got {cdt}")
         xt = jnp.take(x.astype(cdt), plan.row_token, axis=0).T                 # [D, P] tile-aligned columns
         zt = _gate_up_mgpu_swap(xt, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
                                 cfg=config, interpret=interp)

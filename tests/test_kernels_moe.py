@@ -173,6 +173,23 @@ def test_e2m1_decoder_covers_all_codes():
     assert np.isnan(np.asarray(s)[5])
 
 
+def test_e2m1_bf16_decoder_is_exact():
+    """The Mosaic GPU swap kernels' integer-only bf16 decoder against the table, for all 256 packed bytes and
+    scale bytes from 2^-127 to the documented limit 2^101. The bf16 products are done in float64 here (XLA on
+    a CPU flushes the bf16 subnormals the decoder relies on; the GPU keeps them: test_gpu_fp4_half_codes)."""
+    import ml_dtypes
+    u = np.arange(256)
+    b = jnp.asarray(np.where(u > 127, u - 256, u), jnp.int16)
+    as_f64 = lambda v: np.asarray(v, np.int16).view(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+    mags = np.array(R.E2M1_MAGNITUDES, np.float64)
+    val = lambda c: np.where(c >= 8, -mags[c & 7], mags[c & 7])                  # noqa: E731
+    lo, hi = K._e2m1_bf16_bits(b)
+    for sb in (0, 1, 100, 127, 130, 228):
+        s = as_f64(K._ue8m0_bf16_bits(jnp.int16(sb))) * K.E2M1_BF16_FOLD
+        assert np.array_equal(as_f64(lo) * s, val(u & 15) * np.ldexp(1.0, sb - 127)), sb
+        assert np.array_equal(as_f64(hi) * s, val(u >> 4) * np.ldexp(1.0, sb - 127)), sb
+
+
 # ------------------------------------------------------------------------------- kernels vs reference
 
 
@@ -292,6 +309,8 @@ SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=1
     ("mgpu", "bf16", 8192, "in_out", None),
     ("mgpu", "bf16", 64, "out_in", SWAP_DECODE),  # swapped operands, decode tiles of 16 tokens
     ("mgpu", "fp8", 256, "out_in", SWAP_DECODE_FP8),  # FP8 dequantised in registers
+    ("mgpu", "fp4", 256, "out_in", SWAP_DECODE),      # FP4 decoded in registers, one scale group at a time
+    ("mgpu", "fp4", 64, "out_in", None),
     ("mgpu", "fp8", 8192, "out_in", SWAP_PREFILL),
     ("mgpu", "bf16", 256, "out_in", None),        # default_config: decode -> swap_ab
     ("mgpu", "fp8", 64, "out_in", None),
@@ -327,7 +346,8 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
 @skip_no_gpu
 @pytest.mark.parametrize("backend,fmt,swap", [("triton", "bf16", False), ("triton", "fp8", False),
                                               ("triton", "fp4", False), ("mgpu", "bf16", False),
-                                              ("mgpu", "bf16", True), ("mgpu", "fp8", True)])
+                                              ("mgpu", "bf16", True), ("mgpu", "fp8", True),
+                                              ("mgpu", "fp4", True)])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
 def test_gpu_compiled_matches_reference(backend, fmt, swap, kind, m):
     e, d, i, k = 32, 1024, 512, 6
@@ -336,12 +356,31 @@ def test_gpu_compiled_matches_reference(backend, fmt, swap, kind, m):
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x, ids, w, q1, q2, q3, sc)
     if swap:
-        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64, block_k=128, block_n_down=128,
-                           block_k_down=128, swap_ab=True)
+        bk = 64 if fmt == "fp4" else 128
+        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64, block_k=bk, block_n_down=128,
+                           block_k_down=bk, swap_ab=True)
     else:
         cfg = K.MgpuConfig() if backend == "mgpu" else K.default_config(backend, m * k, e)
     got = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend=backend, config=cfg)
     assert rel_err(got, want) < 1e-2
+
+
+@gpu
+@skip_no_gpu
+def test_gpu_fp4_half_codes():
+    """FP4 weights made only of the codes 0 and +-0.5 (bf16 subnormals inside the swap kernels' decoder):
+    a GPU that flushed them would return zeros."""
+    rng = fresh_rng()
+    e, d, i, k, m = 8, 256, 128, 2, 24
+    x, ids, w, *_ = problem(rng, m, k, e, d, i, "uniform")
+    nib = lambda *s: rng.choice(np.array([0, 1, 9]), s)  # noqa: E731
+    packed = lambda *s: jnp.asarray((nib(*s) | nib(*s) << 4).astype(np.uint8).view(np.int8))  # noqa: E731
+    scale = lambda *s: jnp.asarray(rng.integers(120, 128, s), jnp.uint8)  # noqa: E731
+    w1, w3, w2 = packed(e, i, d // 2), packed(e, i, d // 2), packed(e, d, i // 2)
+    sc = (scale(e, i, d // 32), scale(e, d, i // 32), scale(e, i, d // 32))
+    cfg = K.MgpuConfig(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True)
+    got = kernel(x.astype(jnp.bfloat16), ids, w, w1, w2, w3, sc, backend="mgpu", config=cfg)
+    assert rel_err(got, reference(x, ids, w, w1, w2, w3, sc)) < 1e-2
 
 
 @gpu

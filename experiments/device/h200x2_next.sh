@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
-# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3|4|5
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3|4|5|6
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
 # after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
 # time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh; and the whole
-# MoE layer against its GEMM floors).
+# MoE layer against its GEMM floors; 6 (fifth session): the FP4 Mosaic GPU swap kernels, then 5's runs).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 5}" in
+case "${1:?part 1 to 6}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -65,6 +65,25 @@ case "${1:?part 1 to 5}" in
     CUDA_VISIBLE_DEVICES=1 timeout 150 python -m experiments.bench_moe --regime prefill --prefill-tokens 4096 \
         --formats bf16 --impls triton,mgpu --routing balanced --iters 10 &
     wait ;;
-*)  echo "part must be 1 to 5" >&2; exit 2 ;;
+6)  # issue 6: FP4 weights decoded in registers on the Mosaic GPU swap_ab kernels -- GPU tests, then the decode
+    # sweep against the Triton kernel and XLA (GPU 0, ptxas register report); part 5's single-GPU runs (GPU 1);
+    # then part 5's two-GPU runs
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe.py -k fp4
+     MOSAIC_GPU_DUMP_PTXAS=1 timeout 220 python -m experiments.bench_moe --regime decode --formats fp4 \
+         --impls xla,triton,mgpu --iters 10
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 150 python -m experiments.bench_moe --impls layer --formats bf16,fp4 --routing balanced --iters 10
+     timeout 150 python -m experiments.bench_moe --regime prefill --prefill-tokens 4096 --formats bf16 \
+         --impls triton,mgpu --routing balanced --iters 10
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -v "^ptxas\|^$" "$OUT"/gpu0.log | tail -n 30; tail -n 12 "$OUT"/gpu1.log
+    timeout 70 python -m experiments.bench_ep --mesh 1,2,1 --expert-weights fp4 --transport gather \
+        --strategy all_to_all --tokens 64,256,2048 --repeats 10 | tail -6
+    timeout 80 python -m experiments.bench --quiet --mode realistic --moe-impl pallas --attention-impl pallas \
+        --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 64 --context 32768 --tag h200x2_realistic_ep2 ;;
+*)  echo "part must be 1 to 6" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

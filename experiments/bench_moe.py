@@ -65,6 +65,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="comma list of prefill token counts (x6 rows; 4096: the one-sequence step, 96 rows per expert)")
     p.add_argument("--routing", default="balanced,random", help="comma list: balanced, random")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median), >= 10")
+    p.add_argument("--mgpu-configs", help="JSON list of MgpuConfig fields replacing the built-in Mosaic GPU tilings, "
+                                         "e.g. '[{\"block_m\": 16, \"block_k\": 256, \"swap_ab\": true}]'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="results directory (default experiments/results, --smoke: "
                                   "$TMPDIR/bench_moe_smoke); $OUT also gets a copy of a measurement")
@@ -245,10 +247,12 @@ def _layer_fn(fmt: str, seed: int):
     return f, state, route
 
 
-def configs(impl: str, regime: str, fmt: str, quick: bool):
-    """Small sweeps; the first entry is the default (and the only one with --quick, but for Triton FP4: the
-    default tiling with both decoders)."""
+def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None = None):
+    """Small sweeps; the first entry is the default (and the only one with --quick). `mgpu_json`: a JSON list
+    of MgpuConfig fields that replaces the Mosaic GPU sweep."""
     from pallas_kernels.moe import MgpuConfig, TritonConfig
+    if impl == "mgpu" and mgpu_json:
+        return [MgpuConfig(**c) for c in json.loads(mgpu_json)]
     if impl == "jax_mgpu":
         c = lambda bm, bn, bk, s, g: dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=s,  # noqa
                                           grid_block_n=g)
@@ -464,7 +468,8 @@ def bench_moe(args) -> list[dict]:
             for impl in impls:
                 if (impl == "jax_mgpu" and fmt != "bf16") or (impl == "layer" and fmt == "fp8"):
                     continue
-                for cfg in configs(impl, regime, fmt, args.quick or getattr(args, "one_config", False)):
+                for cfg in configs(impl, regime, fmt, args.quick or getattr(args, "one_config", False),
+                                   getattr(args, "mgpu_configs", None)):
                     rec = dict(base, impl=impl, config=(cfg if isinstance(cfg, dict) or cfg is None
                                                         else cfg.__dict__))
                     try:

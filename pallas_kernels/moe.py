@@ -581,8 +581,8 @@ def _down_mgpu(z, tile_expert, w2, *, cfg: MgpuConfig, out_dtype, interpret, kn=
 # transposed SMEM view (which also keeps the bf16 kernels runnable in the MGPU CPU interpreter).
 # Quantised weights are dequantised in registers (wgmma's A operand may live in registers):
 #   FP8  E4M3 -> f32 times the tile's UE8M0 block scale -> bf16;
-#   FP4  one 16-byte scale group at a time (32 logical columns, one UE8M0 scale per weight row): the packed
-#        tile is viewed [bn, G, 16] so a group is a plain [bn, 16] slice; its low nibbles (even columns) and
+#   FP4  one 16-byte scale group at a time (32 logical columns, one UE8M0 scale per weight row): a step
+#        streams G groups as G [bn, 16] tiles; a group's low nibbles (even columns) and
 #        high nibbles (odd columns) become two bf16 operands by integer ops alone (_e2m1_bf16), multiplied
 #        against the even and odd halves of the activations ([D/32, 16, P] views). The scales enter
 #        transposed ([E, in/32, out]) so that a group's scales are one contiguous [bn] row.
@@ -633,48 +633,62 @@ def _swap_check(what, fmt, bm, bn, bk, out_dim, in_dim, p, fp8_block):
                          f"by ({bn}, {bk}, {bm})")
     if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
         raise ValueError(f"moe {what} (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
-    if fmt == "fp4" and bk not in (2 * FP4_GROUP, 4 * FP4_GROUP):
-        # a step's [bn, G, 16] tile is read one group at a time: G > 2 has no bank-conflict-free load
-        raise ValueError(f"moe {what} (mgpu swap): FP4 needs block_k of 32 or 64 logical columns, got {bk}")
+    if fmt == "fp4" and bk % (2 * FP4_GROUP):
+        raise ValueError(f"moe {what} (mgpu swap): FP4 needs block_k a multiple of {2 * FP4_GROUP}, got {bk}")
 
 
 def _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay):
-    """BlockSpecs of one K step: activations (1 operand; FP4: even and odd halves), then per weight its tile
-    and, for FP4, its transposed scale tile [G, bn]."""
+    """BlockSpecs of one K step: the activations' (FP4: even and odd halves [G, 16, bm]) and one weight's.
+    FP4 weights come as G tiles [bn, 16], one per scale group, each its own TMA copy (one [bn, G, 16] tile
+    has no bank-conflict-free group load for G > 2), and their transposed scales [G, bn]."""
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
     if fmt != "fp4":
         return [spec((bk, bm), lambda kk: (kk, t))], [spec((bn, bk), lambda kk: (j, kk))]
     g = bk // (2 * FP4_GROUP)
     x = spec((g, FP4_GROUP, bm), lambda kk: (kk, 0, t))
-    return [x, x], [spec((bn, g, FP4_GROUP), lambda kk: (j, kk, 0)), spec((g, bn), lambda kk: (kk, j))]
+    groups = [spec((bn, FP4_GROUP), lambda kk, i=i: (j, kk * g + i)) for i in range(g)]
+    return [x, x], groups + [spec((g, bn), lambda kk: (kk, j))]
 
 
-def _swap_accumulate(plgpu, acc, xs, w, fmt, fp8_scale=None):
-    """acc [bn, bm] += W_tile . X_tile, one K step. xs: activation tiles (FP4: even, odd [G, 16, bm]);
-    w: (weight tile,) -- FP4: (packed [bn, G, 16], scale bytes [G, bn]). Returns the wgmma_wait depth:
-    register operands must outlive their wgmma (0), SMEM ones may stay one step in flight (1)."""
+def _swap_weight_refs(fmt, w_gmem, e, num_specs):
+    """The GMEM refs streamed for one weight, matching _swap_specs: (w[e],), FP4 (w[e],) * G + (sT[e],)."""
+    if fmt != "fp4":
+        return (w_gmem[0].at[e],)
+    return (w_gmem[0].at[e],) * (num_specs - 1) + (w_gmem[1].at[e],)
+
+
+def _swap_accumulate(plgpu, xs, terms, fmt):
+    """One K step: acc [bn, bm] += W_tile . X_tile for each (acc, w, fp8_scale) in `terms` (gate and up share
+    the activation tiles xs; FP4: even, odd [G, 16, bm]); w: (weight tile,), FP4 (G packed tiles [bn, 16],
+    scale bytes [G, bn]). Register operands must outlive their wgmma: FP8 waits for all at the end of the
+    step; FP4 decodes group g + 1 while group g multiplies and keeps at most two groups' operands live.
+    SMEM operands may stay one step in flight (their buffers are released one step late)."""
     if fmt == "dense":
-        plgpu.wgmma(acc, w[0], xs[0])
-        return 1
+        for acc, w, _ in terms:
+            plgpu.wgmma(acc, w[0], xs[0])
+        plgpu.wgmma_wait(1)
+        return
     if fmt == "fp8":
-        plgpu.wgmma(acc, (w[0][...].astype(jnp.float32) * fp8_scale).astype(jnp.bfloat16), xs[0])
-        return 0
-    w_s, s_s = w
-    for g in range(w_s.shape[1]):
-        even, odd = _e2m1_bf16(w_s[:, g, :], s_s[g])
-        plgpu.wgmma(acc, even, xs[0].at[g])
-        plgpu.wgmma(acc, odd, xs[1].at[g])
-    return 0
+        for acc, w, scale in terms:
+            plgpu.wgmma(acc, (w[0][...].astype(jnp.float32) * scale).astype(jnp.bfloat16), xs[0])
+        plgpu.wgmma_wait(0)
+        return
+    groups = len(terms[0][1]) - 1
+    for g in range(groups):
+        for acc, (*tiles, s_s), _ in terms:
+            even, odd = _e2m1_bf16(tiles[g][...], s_s[g])
+            plgpu.wgmma(acc, even, xs[0].at[g])
+            plgpu.wgmma(acc, odd, xs[1].at[g])
+        plgpu.wgmma_wait(2 * len(terms) if g + 1 < groups else 0)
 
 
 def _swap_inputs(fmt, x, w, s):
-    """Kernel views: activations [in, P] -> (x,) or FP4 (even, odd) [in/32, 16, P]; weight [E, out, in_stored]
-    -> as is or FP4 [E, out, in/32, 16]; scales -> FP8 as is, FP4 transposed [E, in/32, out]."""
+    """Kernel operands: activations [in, P] -> (x,) or FP4 (even, odd) [in/32, 16, P]; weights (w,), FP8
+    (w, s), FP4 (w, s transposed to [E, in/32, out])."""
     if fmt != "fp4":
         return (x,), (w,) + ((s,) if fmt == "fp8" else ())
     split = lambda a: a.reshape(a.shape[0] // FP4_GROUP, FP4_GROUP, a.shape[1])  # noqa: E731
-    e, n, kb = w.shape
-    return (split(x[0::2]), split(x[1::2])), (w.reshape(e, n, kb // FP4_GROUP, FP4_GROUP), jnp.swapaxes(s, 1, 2))
+    return (split(x[0::2]), split(x[1::2])), (w, jnp.swapaxes(s, 1, 2))
 
 
 def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
@@ -690,7 +704,6 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
     xs, w1v = _swap_inputs(fmt, xt, w1, s1)
     _, w3v = _swap_inputs(fmt, xt, w3, s3)
     nx = len(xs)
-    pipelined_w = 2 if fmt == "fp4" else 1     # refs per weight that the pipeline streams
 
     def body(te_gmem, rw_gmem, *refs):
         x_gmem, (w1_g, w3_g) = refs[:nx], (refs[nx:nx + len(w1v)], refs[nx + len(w1v):nx + 2 * len(w1v)])
@@ -704,19 +717,20 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
             plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(t * bm, bm)], rw_smem, bar.at[0])
 
             def acc_scope(acc_g, acc_u):
+                x_specs, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
+                nw = len(w_specs)
+
                 def step(idx, *tiles):
-                    x_s, w1_s, w3_s = tiles[:nx], tiles[nx:nx + pipelined_w], tiles[nx + pipelined_w:]
+                    x_s, w1_s, w3_s = tiles[:nx], tiles[nx:nx + nw], tiles[nx + nw:]
                     sc1 = sc3 = None
                     if fmt == "fp8":
                         r, c = (j * bn) // fp8_block, (idx[0] * bk) // fp8_block
                         sc1, sc3 = _scale_scalar(w1_g[1], e, r, c), _scale_scalar(w3_g[1], e, r, c)
-                    _swap_accumulate(plgpu, acc_g, x_s, w1_s, fmt, sc1)
-                    plgpu.wgmma_wait(_swap_accumulate(plgpu, acc_u, x_s, w3_s, fmt, sc3))
+                    _swap_accumulate(plgpu, x_s, [(acc_g, w1_s, sc1), (acc_u, w3_s, sc3)], fmt)
 
-                x_specs, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
-                w_at = lambda g: tuple(a.at[e] for a in g[:pipelined_w])  # noqa: E731
                 plgpu.emit_pipeline(step, grid=(d // bk,), max_concurrent_steps=steps,
-                                    in_specs=x_specs + w_specs + w_specs)(*x_gmem, *w_at(w1_g), *w_at(w3_g))
+                                    in_specs=x_specs + w_specs + w_specs)(
+                    *x_gmem, *_swap_weight_refs(fmt, w1_g, e, nw), *_swap_weight_refs(fmt, w3_g, e, nw))
                 return acc_g[...], acc_u[...]
 
             g, u = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32), plgpu.ACC((bn, bm), jnp.float32))
@@ -750,7 +764,6 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
     steps, delay = _pipeline_depth(cfg.max_concurrent_steps, i_dim // bk)
     zs, w2v = _swap_inputs(fmt, zt, w2, s2)
     nz = len(zs)
-    pipelined_w = 2 if fmt == "fp4" else 1
 
     def body(te_gmem, *refs):
         z_gmem, w2_g, (y_gmem, y_smem) = refs[:nz], refs[nz:nz + len(w2v)], refs[nz + len(w2v):]
@@ -761,15 +774,16 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
         @pl.when(e >= 0)
         def _():
             def acc_scope(acc):
+                z_specs, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
+
                 def step(idx, *tiles):
                     sc = None
                     if fmt == "fp8":
                         sc = _scale_scalar(w2_g[1], e, (j * bn) // fp8_block, (idx[0] * bk) // fp8_block)
-                    plgpu.wgmma_wait(_swap_accumulate(plgpu, acc, tiles[:nz], tiles[nz:], fmt, sc))
+                    _swap_accumulate(plgpu, tiles[:nz], [(acc, tiles[nz:], sc)], fmt)
 
-                z_specs, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
-                plgpu.emit_pipeline(step, grid=(i_dim // bk,), max_concurrent_steps=steps,
-                                    in_specs=z_specs + w_specs)(*z_gmem, *(a.at[e] for a in w2_g[:pipelined_w]))
+                plgpu.emit_pipeline(step, grid=(i_dim // bk,), max_concurrent_steps=steps, in_specs=z_specs + w_specs)(
+                    *z_gmem, *_swap_weight_refs(fmt, w2_g, e, len(w_specs)))
                 return acc[...]
 
             y = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32))

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
-# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3|4|5|6
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1|2|3|4|5|6|7
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
 # after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
 # time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh; and the whole
-# MoE layer against its GEMM floors; 6 (fifth session): the FP4 Mosaic GPU swap kernels, then 5's runs).
+# MoE layer against its GEMM floors; 6 (fifth session): the FP4 Mosaic GPU swap kernels, then 5's runs;
+# 7: why FP4 decode streams at 1.2 TB/s in two different kernels -- wider K steps, SASS, FP8/bf16 at narrow
+# K steps -- and Triton vs Mosaic GPU at the prefill loads).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 6}" in
+case "${1:?part 1 to 7}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -84,6 +86,29 @@ case "${1:?part 1 to 6}" in
         --strategy all_to_all --tokens 64,256,2048 --repeats 10 | tail -6
     timeout 80 python -m experiments.bench --quiet --mode realistic --moe-impl pallas --attention-impl pallas \
         --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 64 --context 32768 --tag h200x2_realistic_ep2 ;;
-*)  echo "part must be 1 to 6" >&2; exit 2 ;;
+7)  S='"block_m": 16, "swap_ab": true'
+    FP4='[{'"$S"', "block_n": 128, "block_k": 128, "block_n_down": 128, "block_k_down": 128, "max_concurrent_steps": 4},
+          {'"$S"', "block_n": 128, "block_k": 256, "block_n_down": 128, "block_k_down": 256, "max_concurrent_steps": 3},
+          {'"$S"', "block_n": 64, "block_k": 256, "block_n_down": 64, "block_k_down": 256, "max_concurrent_steps": 4},
+          {'"$S"', "block_n": 64, "block_k": 512, "block_n_down": 64, "block_k_down": 512, "max_concurrent_steps": 2},
+          {'"$S"', "block_n": 128, "block_k": 64, "block_n_down": 128, "block_k_down": 64, "max_concurrent_steps": 6}]'
+    NARROW='[{'"$S"', "block_n": 128, "block_k": 128, "block_n_down": 128, "block_k_down": 128, "max_concurrent_steps": 5},
+             {'"$S"', "block_n": 128, "block_k": 64, "block_n_down": 128, "block_k_down": 64, "max_concurrent_steps": 6},
+             {'"$S"', "block_n": 128, "block_k": 32, "block_n_down": 128, "block_k_down": 32, "max_concurrent_steps": 8},
+             {'"$S"', "block_n": 128, "block_k": 16, "block_n_down": 128, "block_k_down": 16, "max_concurrent_steps": 8}]'
+    M="python -m experiments.bench_moe --iters 10 --routing balanced"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe.py -k fp4
+     timeout 150 $M --regime decode --decode-tokens 256 --formats fp4 --impls xla,mgpu --mgpu-configs "$FP4"
+     MOSAIC_GPU_DUMP_SASS=1 timeout 60 $M --regime decode --decode-tokens 256 --formats fp4 --impls mgpu \
+         --mgpu-configs "[$(echo "$FP4" | tail -n 1 | tr -d ']' | sed 's/^ *//')]" > "$OUT"/sass_fp4.txt 2>&1
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 100 $M --regime decode --decode-tokens 256 --formats fp8,bf16 --impls mgpu --mgpu-configs "$NARROW"
+     timeout 200 $M --regime prefill --prefill-tokens 4096,8192 --formats bf16 --impls triton,mgpu
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -v "^ptxas\|^ *0 bytes\|^$" "$OUT"/gpu0.log | tail -n 25; grep "^decode\|^prefill\|Error" "$OUT"/gpu1.log ;;
+*)  echo "part must be 1 to 7" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -234,9 +234,10 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
         return TritonConfig(block_m=16)
     if rows_per_expert <= 48:
         return TritonConfig(block_m=32)
-    # prefill on the Triton path (quantised weights): MMA-friendly tiles
-    return TritonConfig(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
-                        num_warps=4, num_stages=3)
+    # prefill: MMA-friendly tiles; 128 rows once a tile is at least half full (bench_moe, bf16: 319 / 394
+    # TFLOP/s at 96 / 192 rows per expert against 257 / 377 with 64-row tiles)
+    return TritonConfig(block_m=64 if rows_per_expert <= 64 else 128, block_n=128, block_k=64, block_n_down=128,
+                        block_k_down=64, num_warps=4 if rows_per_expert <= 64 else 8, num_stages=3)
 
 
 # --------------------------------------------------------------------------------- in-kernel dequantisers
@@ -583,7 +584,7 @@ def _down_mgpu(z, tile_expert, w2, *, cfg: MgpuConfig, out_dtype, interpret, kn=
 #   FP8  E4M3 -> f32 times the tile's UE8M0 block scale -> bf16;
 #   FP4  one 16-byte scale group at a time (32 logical columns, one UE8M0 scale per weight row): a step
 #        streams G groups as G [bn, 16] tiles; a group's low nibbles (even columns) and
-#        high nibbles (odd columns) become two bf16 operands by integer ops alone (_e2m1_bf16), multiplied
+#        high nibbles (odd columns) become two bf16 operands (a table decode in inline PTX, _e2m1_bf16), multiplied
 #        against the even and odd halves of the activations ([D/32, 16, P] views). The scales enter
 #        transposed ([E, in/32, out]) so that a group's scales are one contiguous [bn] row.
 # The CPU interpreter has no register operand, so the quantised paths are checked by lowering and on the GPU.
@@ -597,33 +598,71 @@ def _scale_scalar(s_gmem, e, r, c):
     return jnp.exp2(s_gmem[e, r, c].astype(jnp.float32) - 127.0)
 
 
-E2M1_BF16_FOLD = 2.0 ** 100   # _e2m1_bf16_bits values times this, times _ue8m0_bf16, give the weights
+# E2M1 -> bf16 in registers, per 16-bit register of the WGMMA layout (the bytes of columns 2c, 2c+1):
+#   the four nibbles' magnitude codes (0..7) index two byte tables with `prmt` -- the high and low bytes of
+#   the bf16 values 0, .5, 1, 1.5, 2, 3, 4, 6 -- two more `prmt`s pair them into (even, odd) bf16x2 words,
+#   and the sign bits are shifted into bit 15 / 31: ten instructions per four weights, exact, no conversion.
+E2M1_BF16_HIGH_BYTES = (0x3F3F3F00, 0x40404040)   # codes 0-3, 4-7
+E2M1_BF16_LOW_BYTES = (0xC0800000, 0xC0804000)
+_E2M1_BF16_PTX = f"""{{
+.reg .b32 s, mag, hi, lo, e, o, es, os;
+prmt.b32 s, $2, 0, 0x4140;
+and.b32 mag, $2, 0x7777;
+prmt.b32 hi, {E2M1_BF16_HIGH_BYTES[0]:#x}, {E2M1_BF16_HIGH_BYTES[1]:#x}, mag;
+prmt.b32 lo, {E2M1_BF16_LOW_BYTES[0]:#x}, {E2M1_BF16_LOW_BYTES[1]:#x}, mag;
+prmt.b32 e, lo, hi, 0x6240;
+prmt.b32 o, lo, hi, 0x7351;
+shl.b32 es, s, 12;
+shl.b32 os, s, 8;
+lop3.b32 $0, es, 0x80008000, e, 0xEA;
+lop3.b32 $1, os, 0x80008000, o, 0xEA;
+}}"""
 
 
-def _e2m1_bf16_bits(b):
-    """Packed E2M1 bytes (int16, sign-extended) -> (even, odd) column bf16 bit patterns (int16).
-
-    Nibble s|e1 e0|m goes to the sign at bit 15, e1 e0 as the low exponent bits and m as the top mantissa
-    bit: exactly e2m1 * 2^-126 for every code (e = 0 lands on the bf16 subnormals 0 and 2^-127), by integer
-    ops alone: no lookup table, no select, no conversion.
-    """
-    return ((b & 0x7) << 6) | ((b & 0x8) << 12), ((b & 0x70) << 2) | ((b & 0x80) << 8)
+def _prmt(a, b, sel):
+    """numpy model of PTX prmt.b32 (default mode, selectors < 8): byte i of the result is byte sel_i of b:a."""
+    pool = np.asarray(b, np.uint64) << np.uint64(32) | np.asarray(a, np.uint64)
+    sel = np.asarray(sel, np.uint64)
+    return sum(((pool >> (np.uint64(8) * ((sel >> np.uint64(4 * i)) & np.uint64(7)))) & np.uint64(0xFF))
+               << np.uint64(8 * i) for i in range(4))
 
 
-def _ue8m0_bf16_bits(s):
-    """UE8M0 bytes (int16) -> bf16 bit patterns of scale * 2^26 (= 2^126 / E2M1_BF16_FOLD); bytes <= 228."""
-    return (s + 26) << 7
+def e2m1_bf16_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy model of _E2M1_BF16_PTX (for tests): u = b0 | b1 << 8 -> (even, odd) bf16x2 words, uint32."""
+    u = np.asarray(u, np.uint64)
+    s, mag = _prmt(u, 0, 0x4140), u & np.uint64(0x7777)
+    hi, lo = _prmt(*E2M1_BF16_HIGH_BYTES, mag), _prmt(*E2M1_BF16_LOW_BYTES, mag)
+    sign = lambda v: v & np.uint64(0x80008000)  # noqa: E731
+    even = _prmt(lo, hi, 0x6240) | sign(s << np.uint64(12))
+    odd = _prmt(lo, hi, 0x7351) | sign(s << np.uint64(8))
+    return (even & np.uint64(0xFFFFFFFF)).astype(np.uint32), (odd & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
-def _e2m1_bf16(packed, scale_bytes):
-    """Packed E2M1 bytes [n, c] int8 + UE8M0 scale bytes [n] (one per row) -> (even, odd) columns [n, c] bf16,
-    exact for scales <= 2^101: the decoded bit patterns times E2M1_BF16_FOLD times the scale bits (two bf16
-    products of powers of two; the subnormal inputs need a GPU, which keeps bf16 subnormals -- XLA on a CPU
-    flushes them)."""
-    as_bf16 = lambda v: lax.bitcast_convert_type(v, jnp.bfloat16)  # noqa: E731
-    s = as_bf16(_ue8m0_bf16_bits(scale_bytes.astype(jnp.int16)))
+def _e2m1_bf16(plgpu, packed, scale_bytes):
+    """Packed E2M1 bytes [n, c] int8 (WGMMA layout) + UE8M0 scale bytes [n] (one per row) -> (even, odd)
+    columns [n, c] bf16, exact: the table decode above (inline PTX through plgpu.inline_mgpu), then one bf16
+    product with the row's scale (bf16 bits b << 7 = 2^(b-127); byte 0 -> the subnormal 2^-127)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    out = plgpu.ShapeDtypeStruct(packed.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
+    def decode(_, fa):
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        words = ir.VectorType.get((2,), ir.BF16Type.get())
+        even, odd = np.empty_like(fa.registers), np.empty_like(fa.registers)
+        for idx, reg in np.ndenumerate(fa.registers):
+            u = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
+            pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [u], _E2M1_BF16_PTX, "=r,=r,r")
+            even[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [0]), words)
+            odd[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [1]), words)
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=fa.layout, _is_signed=None) for r in (even, odd))
+
+    b = scale_bytes.astype(jnp.int16)
+    s = lax.bitcast_convert_type(jnp.where(b == 0, jnp.int16(0x40), b << 7), jnp.bfloat16)
     s = lax.broadcast_in_dim(s, packed.shape, [0])
-    return tuple(as_bf16(v) * jnp.bfloat16(E2M1_BF16_FOLD) * s for v in _e2m1_bf16_bits(packed.astype(jnp.int16)))
+    return tuple(v * s for v in decode(packed))
 
 
 def _swap_check(what, fmt, bm, bn, bk, out_dim, in_dim, p, fp8_block):
@@ -633,8 +672,10 @@ def _swap_check(what, fmt, bm, bn, bk, out_dim, in_dim, p, fp8_block):
                          f"by ({bn}, {bk}, {bm})")
     if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
         raise ValueError(f"moe {what} (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
-    if fmt == "fp4" and bk % (2 * FP4_GROUP):
-        raise ValueError(f"moe {what} (mgpu swap): FP4 needs block_k a multiple of {2 * FP4_GROUP}, got {bk}")
+    if fmt == "fp4" and (bk % (2 * FP4_GROUP) or bm != 16):
+        # one wgmma per scale group has K = 16: its [16, bm] activation tile must not be swizzled past 32 bytes
+        raise ValueError(f"moe {what} (mgpu swap): FP4 needs block_m = 16 tokens and block_k a multiple of "
+                         f"{2 * FP4_GROUP}, got block_m={bm}, block_k={bk}")
 
 
 def _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay):
@@ -676,7 +717,7 @@ def _swap_accumulate(plgpu, xs, terms, fmt):
     groups = len(terms[0][1]) - 1
     for g in range(groups):
         for acc, (*tiles, s_s), _ in terms:
-            even, odd = _e2m1_bf16(tiles[g][...], s_s[g])
+            even, odd = _e2m1_bf16(plgpu, tiles[g][...], s_s[g])
             plgpu.wgmma(acc, even, xs[0].at[g])
             plgpu.wgmma(acc, odd, xs[1].at[g])
         plgpu.wgmma_wait(2 * len(terms) if g + 1 < groups else 0)
@@ -822,12 +863,12 @@ def on_hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
-def choose_backend(fmt: str, dtype, num_rows: int, num_experts: int) -> str:
-    """mgpu for dense 16-bit prefill on Hopper (>= 64 rows per expert on average), triton otherwise.
-
-    Off Hopper (and in the CPU interpreters, whose wgmma has no transposed operand) Triton serves all."""
-    if (fmt == "dense" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and num_rows >= 64 * num_experts and on_hopper()):
+def choose_backend(fmt: str, num_rows: int, num_experts: int) -> str:
+    """The kernel that measured fastest on the H200 for the load (experiments/bench_moe.py, docs/benchmarks.md):
+    Mosaic GPU swap_ab for FP4 decode / verify (<= 16 rows per expert; registers decode the E2M1 table),
+    Triton for everything else (its 128-row prefill tiles beat the Mosaic GPU row tiles at 96 and 192 rows per
+    expert). Off Hopper (and in the CPU interpreters, which have no register wgmma operand) Triton serves all."""
+    if fmt == "fp4" and num_rows <= 16 * num_experts and on_hopper():
         return "mgpu"
     return "triton"
 
@@ -869,7 +910,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} / weights {weights.shape} vs x {x.shape}")
     m, k = expert_ids.shape
     if backend == "auto":
-        backend = choose_backend(fmt, w1.dtype, m * k, e)
+        backend = choose_backend(fmt, m * k, e)
     if config is None:
         config = default_config(backend, m * k, e, fmt)
     cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)

@@ -173,21 +173,18 @@ def test_e2m1_decoder_covers_all_codes():
     assert np.isnan(np.asarray(s)[5])
 
 
-def test_e2m1_bf16_decoder_is_exact():
-    """The Mosaic GPU swap kernels' integer-only bf16 decoder against the table, for all 256 packed bytes and
-    scale bytes from 2^-127 to the documented limit 2^101. The bf16 products are done in float64 here (XLA on
-    a CPU flushes the bf16 subnormals the decoder relies on; the GPU keeps them: test_gpu_fp4_half_codes)."""
+def test_e2m1_bf16_table_decoder_is_exact():
+    """The Mosaic GPU swap kernels' in-register decoder (inline PTX: prmt byte tables), through its numpy model,
+    against the E2M1 table for every pair of packed bytes; the PTX itself runs in the GPU tests."""
     import ml_dtypes
-    u = np.arange(256)
-    b = jnp.asarray(np.where(u > 127, u - 256, u), jnp.int16)
-    as_f64 = lambda v: np.asarray(v, np.int16).view(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+    u = np.arange(1 << 16, dtype=np.uint32)
+    even, odd = K.e2m1_bf16_words(u)
+    as_f64 = lambda w: w.view(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64).reshape(-1, 2)  # noqa: E731
     mags = np.array(R.E2M1_MAGNITUDES, np.float64)
     val = lambda c: np.where(c >= 8, -mags[c & 7], mags[c & 7])                  # noqa: E731
-    lo, hi = K._e2m1_bf16_bits(b)
-    for sb in (0, 1, 100, 127, 130, 228):
-        s = as_f64(K._ue8m0_bf16_bits(jnp.int16(sb))) * K.E2M1_BF16_FOLD
-        assert np.array_equal(as_f64(lo) * s, val(u & 15) * np.ldexp(1.0, sb - 127)), sb
-        assert np.array_equal(as_f64(hi) * s, val(u >> 4) * np.ldexp(1.0, sb - 127)), sb
+    b0, b1 = u & 0xFF, u >> 8
+    assert np.array_equal(as_f64(even), np.stack([val(b0 & 15), val(b1 & 15)], 1))
+    assert np.array_equal(as_f64(odd), np.stack([val(b0 >> 4), val(b1 >> 4)], 1))
 
 
 # ------------------------------------------------------------------------------- kernels vs reference
@@ -266,6 +263,11 @@ def test_errors_are_clear():
         q = jnp.zeros((8, 128, 128), jnp.float8_e4m3fn)
         s = jnp.zeros((8, 1, 1), jnp.uint8)
         K.moe_experts(x, ids, w, q, q, q, 1.0, scales=(s, s, s), backend="mgpu", config=K.MgpuConfig())
+    p4, s4 = jnp.zeros((8, 128, 64), jnp.int8), jnp.zeros((8, 128, 4), jnp.uint8)
+    for cfg in (K.MgpuConfig(block_m=32, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True),
+                K.MgpuConfig(block_m=16, block_n=64, block_k=16, block_n_down=64, block_k_down=16, swap_ab=True)):
+        with pytest.raises(ValueError, match="FP4 needs block_m = 16 tokens and block_k a multiple of 32"):
+            K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s4, s4, s4), backend="mgpu", config=cfg)
 
 
 # ------------------------------------------------------------------ lowering for CUDA at V4-Flash shapes
@@ -357,8 +359,8 @@ def test_gpu_compiled_matches_reference(backend, fmt, swap, kind, m):
     want = reference(x, ids, w, q1, q2, q3, sc)
     if swap:
         bk = 64 if fmt == "fp4" else 128
-        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64, block_k=bk, block_n_down=128,
-                           block_k_down=bk, swap_ab=True)
+        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e or fmt == "fp4" else 64, block_n=64, block_k=bk,
+                           block_n_down=128, block_k_down=bk, swap_ab=True)
     else:
         cfg = K.MgpuConfig() if backend == "mgpu" else K.default_config(backend, m * k, e)
     got = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend=backend, config=cfg)
@@ -368,8 +370,8 @@ def test_gpu_compiled_matches_reference(backend, fmt, swap, kind, m):
 @gpu
 @skip_no_gpu
 def test_gpu_fp4_half_codes():
-    """FP4 weights made only of the codes 0 and +-0.5 (bf16 subnormals inside the swap kernels' decoder):
-    a GPU that flushed them would return zeros."""
+    """FP4 weights made only of the codes 0 and +-0.5 (the smallest table entries of the swap kernels'
+    decoder), with small scales: a decoder that lost them would return zeros."""
     rng = fresh_rng()
     e, d, i, k, m = 8, 256, 128, 2, 24
     x, ids, w, *_ = problem(rng, m, k, e, d, i, "uniform")

@@ -262,12 +262,12 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
             out = [c(64, 256, 64, 4, 1), c(64, 128, 64, 6, 2)]
     elif impl == "mgpu":
         swap = functools.partial(MgpuConfig, swap_ab=True)
-        if fmt == "fp4":                # swap_ab only; a step is 1 or 2 groups of 32 logical columns
+        if fmt == "fp4":                # swap_ab only; a step is a whole number of 32-column scale groups
             out = [] if regime == "prefill" else [
-                swap(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
                 swap(block_m=16, block_n=256, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=4),
-                swap(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64, max_concurrent_steps=8),
-                swap(block_m=16, block_n=128, block_k=32, block_n_down=128, block_k_down=32, max_concurrent_steps=8)]
+                swap(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
+                swap(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
+                swap(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=128, max_concurrent_steps=6)]
         elif regime == "prefill" and fmt == "bf16":
             out = [MgpuConfig(), MgpuConfig(max_concurrent_steps=3), MgpuConfig(block_n_down=128),
                    swap(block_m=128, block_n=64, block_k=64, block_n_down=128, block_k_down=64),

@@ -221,8 +221,9 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
     experiments/bench_moe.py has run on the GPU; every config here lowers at V4-Flash shapes (tests)."""
     rows_per_expert = num_rows / max(num_experts, 1)
     if backend == "mgpu":
-        if rows_per_expert <= 16:       # decode: weights as wgmma M, 16-token tiles
-            return MgpuConfig(block_m=16, block_n=128, block_k=128 if fmt == "fp8" else 64,
+        if rows_per_expert <= 16 or (fmt == "fp4" and rows_per_expert <= 32):  # decode: weights as wgmma M
+            return MgpuConfig(block_m=16 if rows_per_expert <= 16 else 32, block_n=128,
+                              block_k=128 if fmt == "fp8" else 64,
                               block_n_down=256 if fmt == "dense" else 128,
                               block_k_down=128 if fmt == "fp8" else 64,
                               max_concurrent_steps=6 if fmt == "dense" else 5, swap_ab=True)
@@ -583,9 +584,9 @@ def _down_mgpu(z, tile_expert, w2, *, cfg: MgpuConfig, out_dtype, interpret, kn=
 # Quantised weights are dequantised in registers (wgmma's A operand may live in registers):
 #   FP8  E4M3 -> f32 times the tile's UE8M0 block scale -> bf16;
 #   FP4  one 16-byte scale group at a time (32 logical columns, one UE8M0 scale per weight row): a step
-#        streams G groups as G [bn, 16] tiles; a group's low nibbles (even columns) and
-#        high nibbles (odd columns) become two bf16 operands (a table decode in inline PTX, _e2m1_bf16), multiplied
-#        against the even and odd halves of the activations ([D/32, 16, P] views). The scales enter
+#        streams G groups as G [bn, 16] tiles; a group's low nibbles (even columns) and high nibbles (odd
+#        columns) are decoded to bf16 (a table decode in inline PTX) and the step's groups form one [bn, 32G]
+#        operand (_fp4_operand), against activations whose rows are reordered to match. The scales enter
 #        transposed ([E, in/32, out]) so that a group's scales are one contiguous [bn] row.
 # The CPU interpreter has no register operand, so the quantised paths are checked by lowering and on the GPU.
 
@@ -638,31 +639,43 @@ def e2m1_bf16_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (even & np.uint64(0xFFFFFFFF)).astype(np.uint32), (odd & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
-def _e2m1_bf16(plgpu, packed, scale_bytes):
-    """Packed E2M1 bytes [n, c] int8 (WGMMA layout) + UE8M0 scale bytes [n] (one per row) -> (even, odd)
-    columns [n, c] bf16, exact: the table decode above (inline PTX through plgpu.inline_mgpu), then one bf16
-    product with the row's scale (bf16 bits b << 7 = 2^(b-127); byte 0 -> the subnormal 2^-127)."""
+def _fp4_operand(plgpu, tiles, scale_rows):
+    """One K step's wgmma A operand from FP4: G packed tiles [n, 16] int8 (WGMMA layout) and their UE8M0 scale
+    rows [n] -> [n, 32G] bf16, per group its even columns then its odd ones (the activations are permuted to
+    match, see _swap_inputs). Exact: the table decode above (inline PTX through plgpu.inline_mgpu), times the
+    row's scale in bf16 (bits b << 7 = 2^(b-127); byte 0 -> the subnormal 2^-127); the groups' registers are
+    concatenated along K (axis 1 of the WGMMA register array), which moves no data."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
-    out = plgpu.ShapeDtypeStruct(packed.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+    n, g = tiles[0].shape[0], len(tiles)
+    wgmma = plgpu.Layout.WGMMA
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
-    def decode(_, fa):
+    def scale(b):
+        b = b.astype(jnp.int16)
+        bits = lax.bitcast_convert_type(jnp.where(b == 0, jnp.int16(0x40), b << 7), jnp.bfloat16)
+        return lax.broadcast_in_dim(bits, (n, FP4_GROUP), [0])
+
+    @plgpu.inline_mgpu(arg_types=((wgmma,) * g, (wgmma,) * g),
+                       return_type=plgpu.ShapeDtypeStruct((n, 2 * FP4_GROUP * g), jnp.bfloat16, layout=wgmma))
+    def decode(_, packed, scales):
         i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
         words = ir.VectorType.get((2,), ir.BF16Type.get())
-        even, odd = np.empty_like(fa.registers), np.empty_like(fa.registers)
-        for idx, reg in np.ndenumerate(fa.registers):
-            u = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
-            pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [u], _E2M1_BF16_PTX, "=r,=r,r")
-            even[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [0]), words)
-            odd[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [1]), words)
-        return tuple(mgpu.FragmentedArray(_registers=r, _layout=fa.layout, _is_signed=None) for r in (even, odd))
+        parts = []
+        for fa, s in zip(packed, scales):
+            assert fa.layout == mgpu.WGMMA_LAYOUT, fa.layout
+            even, odd = np.empty_like(fa.registers), np.empty_like(fa.registers)
+            for idx, reg in np.ndenumerate(fa.registers):
+                u = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
+                pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [u], _E2M1_BF16_PTX, "=r,=r,r")
+                even[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [0]), words)
+                odd[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [1]), words)
+            parts += [(mgpu.FragmentedArray(_registers=r, _layout=fa.layout, _is_signed=None) * s).registers
+                      for r in (even, odd)]
+        return mgpu.FragmentedArray(_registers=np.concatenate(parts, axis=1), _layout=mgpu.WGMMA_LAYOUT,
+                                    _is_signed=None)
 
-    b = scale_bytes.astype(jnp.int16)
-    s = lax.bitcast_convert_type(jnp.where(b == 0, jnp.int16(0x40), b << 7), jnp.bfloat16)
-    s = lax.broadcast_in_dim(s, packed.shape, [0])
-    return tuple(v * s for v in decode(packed))
+    return decode(tuple(tiles), tuple(scale(b) for b in scale_rows))
 
 
 def _swap_check(what, fmt, bm, bn, bk, out_dim, in_dim, p, fp8_block):
@@ -672,23 +685,23 @@ def _swap_check(what, fmt, bm, bn, bk, out_dim, in_dim, p, fp8_block):
                          f"by ({bn}, {bk}, {bm})")
     if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
         raise ValueError(f"moe {what} (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
-    if fmt == "fp4" and (bk % (2 * FP4_GROUP) or bm != 16):
-        # one wgmma per scale group has K = 16: its [16, bm] activation tile must not be swizzled past 32 bytes
-        raise ValueError(f"moe {what} (mgpu swap): FP4 needs block_m = 16 tokens and block_k a multiple of "
-                         f"{2 * FP4_GROUP}, got block_m={bm}, block_k={bk}")
+    if fmt == "fp4" and (bk % (2 * FP4_GROUP) or bk % min(64, bm)):
+        # wgmma's K must fill the activation tile's swizzle (min(128, 2 bm) bytes)
+        raise ValueError(f"moe {what} (mgpu swap): FP4 needs block_k a multiple of {2 * FP4_GROUP} and of "
+                         f"min(64, block_m), got block_m={bm}, block_k={bk}")
 
 
 def _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay):
-    """BlockSpecs of one K step: the activations' (FP4: even and odd halves [G, 16, bm]) and one weight's.
-    FP4 weights come as G tiles [bn, 16], one per scale group, each its own TMA copy (one [bn, G, 16] tile
-    has no bank-conflict-free group load for G > 2), and their transposed scales [G, bn]."""
+    """BlockSpecs of one K step: the activations' and one weight's. FP4 weights come as G tiles [bn, 16], one
+    per scale group, each its own TMA copy (one [bn, G, 16] tile has no bank-conflict-free group load for
+    G > 2), and their transposed scales [G, bn]."""
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
+    x = [spec((bk, bm), lambda kk: (kk, t))]
     if fmt != "fp4":
-        return [spec((bk, bm), lambda kk: (kk, t))], [spec((bn, bk), lambda kk: (j, kk))]
+        return x, [spec((bn, bk), lambda kk: (j, kk))]
     g = bk // (2 * FP4_GROUP)
-    x = spec((g, FP4_GROUP, bm), lambda kk: (kk, 0, t))
     groups = [spec((bn, FP4_GROUP), lambda kk, i=i: (j, kk * g + i)) for i in range(g)]
-    return [x, x], groups + [spec((g, bn), lambda kk: (kk, j))]
+    return x, groups + [spec((g, bn), lambda kk: (kk, j))]
 
 
 def _swap_weight_refs(fmt, w_gmem, e, num_specs):
@@ -700,36 +713,29 @@ def _swap_weight_refs(fmt, w_gmem, e, num_specs):
 
 def _swap_accumulate(plgpu, xs, terms, fmt):
     """One K step: acc [bn, bm] += W_tile . X_tile for each (acc, w, fp8_scale) in `terms` (gate and up share
-    the activation tiles xs; FP4: even, odd [G, 16, bm]); w: (weight tile,), FP4 (G packed tiles [bn, 16],
-    scale bytes [G, bn]). Register operands must outlive their wgmma: FP8 waits for all at the end of the
-    step; FP4 decodes group g + 1 while group g multiplies and keeps at most two groups' operands live.
-    SMEM operands may stay one step in flight (their buffers are released one step late)."""
-    if fmt == "dense":
-        for acc, w, _ in terms:
-            plgpu.wgmma(acc, w[0], xs[0])
-        plgpu.wgmma_wait(1)
-        return
-    if fmt == "fp8":
-        for acc, w, scale in terms:
-            plgpu.wgmma(acc, (w[0][...].astype(jnp.float32) * scale).astype(jnp.bfloat16), xs[0])
-        plgpu.wgmma_wait(0)
-        return
-    groups = len(terms[0][1]) - 1
-    for g in range(groups):
-        for acc, (*tiles, s_s), _ in terms:
-            even, odd = _e2m1_bf16(plgpu, tiles[g][...], s_s[g])
-            plgpu.wgmma(acc, even, xs[0].at[g])
-            plgpu.wgmma(acc, odd, xs[1].at[g])
-        plgpu.wgmma_wait(2 * len(terms) if g + 1 < groups else 0)
+    the activation tile xs[0]); w: (weight tile,), FP4 (G packed tiles [bn, 16], scale bytes [G, bn]).
+    Register operands (FP8, FP4) must outlive their wgmma: the step ends waiting for all. SMEM operands may
+    stay one step in flight (their buffers are released one step late)."""
+    for acc, w, fp8_scale in terms:
+        if fmt == "dense":
+            a = w[0]
+        elif fmt == "fp8":
+            a = (w[0][...].astype(jnp.float32) * fp8_scale).astype(jnp.bfloat16)
+        else:
+            *tiles, s_s = w
+            a = _fp4_operand(plgpu, [t[...] for t in tiles], [s_s[g] for g in range(len(tiles))])
+        plgpu.wgmma(acc, a, xs[0])
+    plgpu.wgmma_wait(1 if fmt == "dense" else 0)
 
 
 def _swap_inputs(fmt, x, w, s):
-    """Kernel operands: activations [in, P] -> (x,) or FP4 (even, odd) [in/32, 16, P]; weights (w,), FP8
-    (w, s), FP4 (w, s transposed to [E, in/32, out])."""
+    """Kernel operands: activations [in, P] -> (x,), FP4 with each 32-row block reordered even rows first then
+    odd (the order of _fp4_operand's columns); weights (w,), FP8 (w, s), FP4 (w, s transposed [E, in/32, out])."""
     if fmt != "fp4":
         return (x,), (w,) + ((s,) if fmt == "fp8" else ())
-    split = lambda a: a.reshape(a.shape[0] // FP4_GROUP, FP4_GROUP, a.shape[1])  # noqa: E731
-    return (split(x[0::2]), split(x[1::2])), (w, jnp.swapaxes(s, 1, 2))
+    n, p = x.shape
+    x = x.reshape(n // (2 * FP4_GROUP), FP4_GROUP, 2, p).swapaxes(1, 2).reshape(n, p)
+    return (x,), (w, jnp.swapaxes(s, 1, 2))
 
 
 def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
@@ -865,10 +871,10 @@ def on_hopper() -> bool:
 
 def choose_backend(fmt: str, num_rows: int, num_experts: int) -> str:
     """The kernel that measured fastest on the H200 for the load (experiments/bench_moe.py, docs/benchmarks.md):
-    Mosaic GPU swap_ab for FP4 decode / verify (<= 16 rows per expert; registers decode the E2M1 table),
+    Mosaic GPU swap_ab for FP4 decode / verify (<= 32 rows per expert; registers decode the E2M1 table),
     Triton for everything else (its 128-row prefill tiles beat the Mosaic GPU row tiles at 96 and 192 rows per
     expert). Off Hopper (and in the CPU interpreters, which have no register wgmma operand) Triton serves all."""
-    if fmt == "fp4" and num_rows <= 16 * num_experts and on_hopper():
+    if fmt == "fp4" and num_rows <= 32 * num_experts and on_hopper():
         return "mgpu"
     return "triton"
 

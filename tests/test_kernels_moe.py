@@ -264,9 +264,9 @@ def test_errors_are_clear():
         s = jnp.zeros((8, 1, 1), jnp.uint8)
         K.moe_experts(x, ids, w, q, q, q, 1.0, scales=(s, s, s), backend="mgpu", config=K.MgpuConfig())
     p4, s4 = jnp.zeros((8, 128, 64), jnp.int8), jnp.zeros((8, 128, 4), jnp.uint8)
-    for cfg in (K.MgpuConfig(block_m=32, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True),
+    for cfg in (K.MgpuConfig(block_m=64, block_n=64, block_k=32, block_n_down=64, block_k_down=32, swap_ab=True),
                 K.MgpuConfig(block_m=16, block_n=64, block_k=16, block_n_down=64, block_k_down=16, swap_ab=True)):
-        with pytest.raises(ValueError, match="FP4 needs block_m = 16 tokens and block_k a multiple of 32"):
+        with pytest.raises(ValueError, match="FP4 needs block_k a multiple of 32 and of min"):
             K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s4, s4, s4), backend="mgpu", config=cfg)
 
 
@@ -295,6 +295,7 @@ SWAP_DECODE = K.MgpuConfig(block_m=16, block_n=128, block_k=64, block_n_down=128
                            max_concurrent_steps=6, swap_ab=True)
 SWAP_DECODE_FP8 = K.MgpuConfig(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
                                max_concurrent_steps=5, swap_ab=True)
+SWAP_PREFILL_FP4 = K.MgpuConfig(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True)
 SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
                             swap_ab=True)
 
@@ -313,6 +314,8 @@ SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=1
     ("mgpu", "fp8", 256, "out_in", SWAP_DECODE_FP8),  # FP8 dequantised in registers
     ("mgpu", "fp4", 256, "out_in", SWAP_DECODE),      # FP4 decoded in registers, one scale group at a time
     ("mgpu", "fp4", 64, "out_in", None),
+    ("mgpu", "fp4", 1024, "out_in", None),            # verify B256 x 4 rows: 24 rows per expert, 32-token tiles
+    ("mgpu", "fp4", 8192, "out_in", SWAP_PREFILL_FP4),
     ("mgpu", "fp8", 8192, "out_in", SWAP_PREFILL),
     ("mgpu", "bf16", 256, "out_in", None),        # default_config: decode -> swap_ab
     ("mgpu", "fp8", 64, "out_in", None),
@@ -359,7 +362,7 @@ def test_gpu_compiled_matches_reference(backend, fmt, swap, kind, m):
     want = reference(x, ids, w, q1, q2, q3, sc)
     if swap:
         bk = 64 if fmt == "fp4" else 128
-        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e or fmt == "fp4" else 64, block_n=64, block_k=bk,
+        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64, block_k=bk,
                            block_n_down=128, block_k_down=bk, swap_ab=True)
     else:
         cfg = K.MgpuConfig() if backend == "mgpu" else K.default_config(backend, m * k, e)

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
-# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..8
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..9
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
 # after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
 # time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh; and the whole
 # MoE layer against its GEMM floors; 6 (fifth session): the FP4 Mosaic GPU swap kernels, then 5's runs;
 # 7: why FP4 decode streams at 1.2 TB/s in two different kernels -- wider K steps, SASS, FP8/bf16 at narrow
 # K steps -- and Triton vs Mosaic GPU at the prefill loads; 8: the table decode in inline PTX (kernel sweep,
-# GPU tests) and the model with it (FP4) and with 128-row Triton prefill tiles (bf16)).
+# GPU tests) and the model with it (FP4) and with 128-row Triton prefill tiles (bf16); 9: one [bn, 32G]
+# FP4 operand per step (32-token tiles for verify), the kernel sweep, V4 and V4.1 widths).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 8}" in
+case "${1:?part 1 to 9}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -121,6 +122,18 @@ case "${1:?part 1 to 8}" in
     ) > "$OUT"/gpu1.log 2>&1 &
     wait
     grep -v "^ptxas\|^ *0 bytes\|^$" "$OUT"/gpu0.log | tail -n 40; tail -n 30 "$OUT"/gpu1.log ;;
-*)  echo "part must be 1 to 8" >&2; exit 2 ;;
+9)  (export CUDA_VISIBLE_DEVICES=0
+     timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe.py -k fp4
+     timeout 240 python -m experiments.bench_moe --regime decode --decode-tokens 64,256,1024 --formats fp4 \
+         --impls xla,triton,mgpu --iters 10
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 170 $B --phase decode --batch 8,64,256 --context 32768 --expert-weights fp4 --tag h200_fp4_mgpu_k32g
+     timeout 190 $B --preset v41-flash --layers 4 --expert-weights fp4 --engram-vocab 160000 --phase decode \
+         --batch 8,64,256 --context 32768 --tag h200_v41_4l_fp4_mgpu
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -v "^ptxas\|^ *0 bytes\|^$" "$OUT"/gpu0.log | grep "passed\|failed\|^|"; grep "^| decode" "$OUT"/gpu1.log ;;
+*)  echo "part must be 1 to 9" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

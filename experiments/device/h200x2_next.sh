@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
-# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..9
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..10
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
 # after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
 # time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh; and the whole
@@ -8,13 +8,14 @@
 # 7: why FP4 decode streams at 1.2 TB/s in two different kernels -- wider K steps, SASS, FP8/bf16 at narrow
 # K steps -- and Triton vs Mosaic GPU at the prefill loads; 8: the table decode in inline PTX (kernel sweep,
 # GPU tests) and the model with it (FP4) and with 128-row Triton prefill tiles (bf16); 9: one [bn, 32G]
-# FP4 operand per step (32-token tiles for verify), the kernel sweep, V4 and V4.1 widths).
+# FP4 operand per step (32-token tiles for verify), the kernel sweep, V4 and V4.1 widths; 10: all MoE GPU
+# tests, 32-token FP4 tiles at 1024 tokens, then part 5's two-GPU runs with room to finish).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 9}" in
+case "${1:?part 1 to 10}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -134,6 +135,25 @@ case "${1:?part 1 to 9}" in
     ) > "$OUT"/gpu1.log 2>&1 &
     wait
     grep -v "^ptxas\|^ *0 bytes\|^$" "$OUT"/gpu0.log | grep "passed\|failed\|^|"; grep "^| decode" "$OUT"/gpu1.log ;;
-*)  echo "part must be 1 to 9" >&2; exit 2 ;;
+10) S='"block_m": 32, "swap_ab": true'
+    BM32='[{'"$S"', "block_n": 128, "block_k": 64, "block_n_down": 128, "block_k_down": 64, "max_concurrent_steps": 5},
+           {'"$S"', "block_n": 256, "block_k": 64, "block_n_down": 256, "block_k_down": 64, "max_concurrent_steps": 4},
+           {'"$S"', "block_n": 128, "block_k": 128, "block_n_down": 128, "block_k_down": 128, "max_concurrent_steps": 4}]'
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe.py
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 120 python -m experiments.bench_moe --regime decode --decode-tokens 1024 --formats fp4 --impls mgpu \
+         --iters 10 --mgpu-configs "$BM32"
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep "passed\|failed" "$OUT"/gpu0.log; grep "^| decode" "$OUT"/gpu1.log
+    export PYTHONUNBUFFERED=1
+    timeout 150 python -m experiments.bench_ep --mesh 1,2,1 --expert-weights fp4 --transport gather \
+        --strategy all_to_all --tokens 64,256,2048 --repeats 10 2>&1 | tee "$OUT"/bench_ep.log | tail -n 8
+    timeout 170 python -m experiments.bench --quiet --mode realistic --moe-impl pallas --attention-impl pallas \
+        --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 64 --context 32768 --tag h200x2_realistic_ep2 \
+        2>&1 | tee "$OUT"/realistic.log | grep "^| decode\|Error" ;;
+*)  echo "part must be 1 to 10" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -65,7 +65,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from pallas_kernels import reference as ref
+    from model.moe import random_experts
     from sharding import EPConfig, ParallelConfig
     from sharding.expert_parallel import ExpertParallel
     from sharding.placement import forced_balance_ids
@@ -75,14 +75,13 @@ def run(args) -> dict:
     e, d, i, k = (16, 128, 128, 2) if args.small else (256, 4096, 2048, 6)
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     rng = np.random.default_rng(args.seed)
-    w1, w2, w3 = (jnp.asarray(rng.normal(size=s) / np.sqrt(s[-1]), jnp.float32)
-                  for s in ((e, i, d), (e, d, i), (e, i, d)))
-    scales = None
-    if args.expert_weights == "fp4":
-        (w1, s1), (w2, s2), (w3, s3) = (ref.quantize_fp4_experts(w) for w in (w1, w2, w3))
-        scales = (s1, s2, s3)
-    else:
-        w1, w2, w3 = (w.astype(dtype) for w in (w1, w2, w3))
+    # drawn on the device, one expert at a time for FP4 (host numpy took minutes at full width)
+    fp4 = args.expert_weights == "fp4"
+    make = jax.jit(random_experts, static_argnums=(1, 2, 3, 4))
+    keys = jax.random.split(jax.random.key(args.seed), 3)
+    (w1, s1), (w2, s2), (w3, s3) = (make(jax.random.split(key, e), shape, shape[-1] ** -0.5, fp4, dtype)
+                                    for key, shape in zip(keys, ((i, d), (d, i), (i, d))))
+    scales = (s1, s2, s3) if fp4 else None
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     w13, w2s = P("ep", "tp", None), P("ep", None, "tp")
     weights = (put(w1, w13), put(w2, w2s), put(w3, w13))

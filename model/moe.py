@@ -63,7 +63,7 @@ class Gate(nnx.Module):
         return ids, weights * cfg.routed_scaling_factor
 
 
-def _random_experts(keys: jax.Array, shape: tuple[int, int], std: float, fp4: bool, dtype):
+def random_experts(keys: jax.Array, shape: tuple[int, int], std: float, fp4: bool, dtype):
     """One N(0, std^2) [out, in] matrix per key -> dense [E, out, in] in dtype, or FP4 (packed, scales) made
     one expert at a time (lax.map) so peak memory is one float32 expert, not all of them."""
     def draw(key):
@@ -86,7 +86,7 @@ class Experts(nnx.Module):
         fp4 = cfg.expert_weights == "fp4"
         for name, shape, fan_in in (("w1", (i, d), d), ("w2", (d, i), i), ("w3", (i, d), d)):
             keys = jax.random.split(rngs.params(), e)
-            w, scale = _random_experts(keys, shape, fan_in ** -0.5, fp4, dtype)
+            w, scale = random_experts(keys, shape, fan_in ** -0.5, fp4, dtype)
             setattr(self, name, nnx.Param(w))
             if fp4:
                 setattr(self, "s" + name[1], nnx.Param(scale))

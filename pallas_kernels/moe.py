@@ -22,16 +22,16 @@ Weights stay in their storage format in HBM and are dequantised in registers ins
 (scales as float8_e8m0fnu or their uint8 exponent bytes; see model/quant_io.py).
 
 Backends (Pallas lowerings):
-  "triton" - every format, block_m >= 16 (tl.dot): the first version of the decode / verify regime
-             (weight-bandwidth-bound: a tile holds all of an expert's rows, so each touched expert's weights
-             are streamed once) and of quantised prefill.
+  "triton" - every format, block_m >= 16 (tl.dot): decode / verify (weight-bandwidth-bound: a tile holds
+             all of an expert's rows, so each touched expert's weights are streamed once) and prefill.
   "mgpu"   - Mosaic GPU (TMA + emit_pipeline + wgmma; Warpgroup lowering semantics, one code path for jax
              0.10.2 and 0.11.x). Two orientations (MgpuConfig.swap_ab):
                row tiles  - tokens are wgmma's M (block_m % 64 == 0), dense bf16/f16: compute-bound prefill;
                swap_ab    - weights are wgmma's M and a tile's 16..256 tokens its N: decode tiles cost one
-                            pass over the weights; FP8 weights are dequantised in registers (A operand).
-  "auto"   - mgpu row tiles for 16-bit dense weights with >= 64 rows per expert on a Hopper GPU, triton
-             otherwise (until the GPU benchmark says which decode kernel wins).
+                            pass over the weights; FP8 and FP4 weights are dequantised in registers
+                            (A operand).
+  "auto"   - what measured fastest on the H200 (`choose_backend`): mgpu swap_ab for FP4 decode / verify
+             (<= 32 rows per expert), triton for the rest.
 On a CPU both run in their interpreters (tests); `interpret=None` chooses that automatically. The MGPU
 interpreter has no transposed-SMEM or register wgmma operand: row-tile kernels are interpreted with weights
 given as [E, in, out] (`weight_layout="in_out"`), swap_ab kernels with bf16 weights; the rest is checked by
@@ -217,13 +217,18 @@ class MgpuConfig:
 
 
 def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense"):
-    """Tiles by regime: decode/verify (few rows per expert) vs prefill (many). Untuned guesses until
-    experiments/bench_moe.py has run on the GPU; every config here lowers at V4-Flash shapes (tests)."""
+    """Tiles by regime: decode/verify (few rows per expert) vs prefill (many); the best of the
+    experiments/bench_moe.py sweeps on the H200 where they ran (docs/benchmarks.md); every config here lowers
+    at V4-Flash shapes (tests)."""
     rows_per_expert = num_rows / max(num_experts, 1)
     if backend == "mgpu":
         if rows_per_expert <= 16 or (fmt == "fp4" and rows_per_expert <= 32):  # decode: weights as wgmma M
-            return MgpuConfig(block_m=16 if rows_per_expert <= 16 else 32, block_n=128,
-                              block_k=128 if fmt == "fp8" else 64,
+            if fmt == "fp4":            # bench_moe: 256 weight rows per tile at 16 tokens, 128 at 32
+                t16 = rows_per_expert <= 16
+                return MgpuConfig(block_m=16 if t16 else 32, block_n=256 if t16 else 128, block_k=64,
+                                  block_n_down=256 if t16 else 128, block_k_down=64,
+                                  max_concurrent_steps=4 if t16 else 5, swap_ab=True)
+            return MgpuConfig(block_m=16, block_n=128, block_k=128 if fmt == "fp8" else 64,
                               block_n_down=256 if fmt == "dense" else 128,
                               block_k_down=128 if fmt == "fp8" else 64,
                               max_concurrent_steps=6 if fmt == "dense" else 5, swap_ab=True)

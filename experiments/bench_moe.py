@@ -263,7 +263,9 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
     elif impl == "mgpu":
         swap = functools.partial(MgpuConfig, swap_ab=True)
         if fmt == "fp4":                # swap_ab only; a step is a whole number of 32-column scale groups
-            out = [] if regime == "prefill" else [
+            out = [swap(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64),
+                   swap(block_m=64, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
+                        max_concurrent_steps=6)] if regime == "prefill" else [
                 swap(block_m=16, block_n=256, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=4),
                 swap(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
                 swap(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
@@ -289,9 +291,11 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                         max_concurrent_steps=8)]
     elif impl == "triton":
         if regime == "prefill":
-            out = [TritonConfig(64, 128, 64, 128, 64, num_warps=4, num_stages=3),
-                   TritonConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=3),
-                   TritonConfig(64, 64, 128, 128, 128, num_warps=4, num_stages=3)]
+            out = [TritonConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=3),
+                   TritonConfig(64, 128, 64, 128, 64, num_warps=4, num_stages=3),
+                   TritonConfig(64, 64, 128, 128, 128, num_warps=4, num_stages=3),
+                   TritonConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=4),
+                   TritonConfig(128, 256, 64, 256, 64, num_warps=8, num_stages=3)]
         else:
             out = [TritonConfig(16, 64, 128, 64, 128, num_warps=4, num_stages=4),
                    TritonConfig(16, 128, 128, 128, 128, num_warps=4, num_stages=3),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
-# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..10
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..11
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
 # after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
 # time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh; and the whole
@@ -9,13 +9,15 @@
 # K steps -- and Triton vs Mosaic GPU at the prefill loads; 8: the table decode in inline PTX (kernel sweep,
 # GPU tests) and the model with it (FP4) and with 128-row Triton prefill tiles (bf16); 9: one [bn, 32G]
 # FP4 operand per step (32-token tiles for verify), the kernel sweep, V4 and V4.1 widths; 10: all MoE GPU
-# tests, 32-token FP4 tiles at 1024 tokens, then part 5's two-GPU runs with room to finish).
+# tests, 32-token FP4 tiles at 1024 tokens, then part 5's two-GPU runs with room to finish; 11 (for the next
+# session, not yet run): FP4 prefill on the swap kernels and more Triton prefill tiles, the per-kernel split
+# of the steps with this session's kernels, then the gather transport's block timing).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 10}" in
+case "${1:?part 1 to 11}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -154,6 +156,21 @@ case "${1:?part 1 to 10}" in
     timeout 170 python -m experiments.bench --quiet --mode realistic --moe-impl pallas --attention-impl pallas \
         --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 64 --context 32768 --tag h200x2_realistic_ep2 \
         2>&1 | tee "$OUT"/realistic.log | grep "^| decode\|Error" ;;
-*)  echo "part must be 1 to 10" >&2; exit 2 ;;
+11) (export CUDA_VISIBLE_DEVICES=0
+     timeout 240 python -m experiments.bench_moe --regime prefill --prefill-tokens 4096,8192 --formats bf16,fp4 \
+         --impls triton,mgpu --routing balanced --iters 10
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 170 $B --phase decode,prefill --batch 256 --prefill-batch 1 --context 32768 --kernel-times 3 \
+         --tag h200_kernels
+     timeout 120 $B --phase decode --batch 256 --context 32768 --expert-weights fp4 --kernel-times 3 \
+         --tag h200_fp4_kernels
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep "^| prefill" "$OUT"/gpu0.log; grep "^| decode\|^| prefill" "$OUT"/gpu1.log
+    export PYTHONUNBUFFERED=1
+    timeout 150 python -m experiments.bench_ep --mesh 1,2,1 --expert-weights fp4 --transport gather \
+        --strategy all_to_all --tokens 64,256,2048 --repeats 10 2>&1 | tee "$OUT"/bench_ep.log | tail -n 8 ;;
+*)  echo "part must be 1 to 11" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

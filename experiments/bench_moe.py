@@ -248,11 +248,16 @@ def _layer_fn(fmt: str, seed: int):
 
 
 def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None = None):
-    """Small sweeps; the first entry is the default (and the only one with --quick). `mgpu_json`: a JSON list
-    of MgpuConfig fields that replaces the Mosaic GPU sweep."""
+    """Small sweeps; the first entry is the default tiling where default_config has one for the regime (and
+    the only entry with --quick). The FP4 decode tilings are for <= 16 rows per expert (16-token tiles).
+    `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU sweep of every case."""
     from pallas_kernels.moe import MgpuConfig, TritonConfig
     if impl == "mgpu" and mgpu_json:
-        return [MgpuConfig(**c) for c in json.loads(mgpu_json)]
+        try:
+            return [MgpuConfig(**c) for c in json.loads(mgpu_json)]
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"bench_moe: --mgpu-configs must be a JSON list of MgpuConfig fields "
+                             f"({', '.join(MgpuConfig.__dataclass_fields__)}): {e}") from None
     if impl == "jax_mgpu":
         c = lambda bm, bn, bk, s, g: dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=s,  # noqa
                                           grid_block_n=g)

@@ -30,6 +30,7 @@ GENERATIONS = ("v4", "v41")
 IMPLS = ("reference", "pallas")
 EXPERT_WEIGHTS = ("dense", "fp4")
 DENSE_WEIGHTS = ("model", "fp8")
+HEAD_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,10 @@ class ModelConfig:
     # one UE8M0 byte per fp8_block x fp8_block block, as shipped; dequantised in-graph before each matmul).
     # Any width works: the scale grid is ceil(out/B) x ceil(in/B), edge blocks partial.
     dense_weights: str = "model"
+    # The LM head GEMM's inputs: "float32" (the official model: hidden state and head weight in fp32; XLA runs
+    # fp32 dots as TF32 on GPUs by default) or "bfloat16" (hidden state rounded to bf16, f32 accumulation: the
+    # HF port's choice; half the head weight's bytes and the bf16 MMA rate). Logits are float32 either way.
+    head_dtype: str = "float32"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -207,6 +212,7 @@ class ModelConfig:
                                   "per 32 values)")
         need(self.dense_weights in DENSE_WEIGHTS,
              f"dense_weights must be one of {DENSE_WEIGHTS}, got {self.dense_weights!r}")
+        need(self.head_dtype in HEAD_DTYPES, f"head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
 

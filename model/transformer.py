@@ -244,7 +244,10 @@ class Transformer(nnx.Module):
 
     # ---------------------------------------------------------------- pieces
     def logits(self, y: jax.Array) -> jax.Array:
-        """Normed final hidden [.., D] -> float32 logits [.., vocab]."""
+        """Normed final hidden [.., D] -> float32 logits [.., vocab] (inputs in cfg.head_dtype)."""
+        if self.config.head_dtype == "bfloat16":
+            return jnp.einsum("...i,oi->...o", y.astype(jnp.bfloat16),
+                              self.head.dense_weight().astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         return self.head(y)
 
     def embed_streams(self, tokens: jax.Array) -> jax.Array:

@@ -210,9 +210,9 @@ class MgpuConfig:
     block_k_down: int = 64
     max_concurrent_steps: int = 4
     route_weight_in_kernel: bool = True   # False: apply the routing weight in the f32 combine
-    # swap_ab: weights are wgmma's M operand and tokens its N (decode/verify tiles of 16..256 rows; FP8 weights
-    # dequantised in registers). Then block_m = tokens per tile (multiple of 16), block_n / block_n_down =
-    # weight rows per tile (multiples of 64).
+    # swap_ab: weights are wgmma's M operand and tokens its N (decode/verify tiles of 16..256 rows; FP8 and FP4
+    # weights dequantised in registers). Then block_m = tokens per tile (multiple of 16), block_n / block_n_down =
+    # weight rows per tile (multiples of 64); FP4 steps are whole 32-column scale groups (block_k % 32 == 0).
     swap_ab: bool = False
 
 
@@ -232,8 +232,11 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
                               block_n_down=256 if fmt == "dense" else 128,
                               block_k_down=128 if fmt == "fp8" else 64,
                               max_concurrent_steps=6 if fmt == "dense" else 5, swap_ab=True)
-        if fmt == "fp8":                # FP8 prefill: dequantised in registers (swap_ab only)
+        if fmt == "fp8":                # quantised prefill: dequantised in registers (swap_ab only)
             return MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
+                              swap_ab=True)
+        if fmt == "fp4":
+            return MgpuConfig(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
                               swap_ab=True)
         return MgpuConfig()
     if rows_per_expert <= 16:          # decode / verify: one tile holds all of an expert's rows
@@ -320,10 +323,6 @@ def _swiglu(g, u, limit):
 
 
 # ----------------------------------------------------------------------------------------- Triton kernels
-
-
-def _stored_k(k, fmt):
-    return k // 2 if fmt == "fp4" else k
 
 
 def _tiles(cfg_bn, cfg_bk, n, k_stored, fmt, w, s, what):
@@ -588,8 +587,8 @@ def _down_mgpu(z, tile_expert, w2, *, cfg: MgpuConfig, out_dtype, interpret, kn=
 # transposed SMEM view (which also keeps the bf16 kernels runnable in the MGPU CPU interpreter).
 # Quantised weights are dequantised in registers (wgmma's A operand may live in registers):
 #   FP8  E4M3 -> f32 times the tile's UE8M0 block scale -> bf16;
-#   FP4  one 16-byte scale group at a time (32 logical columns, one UE8M0 scale per weight row): a step
-#        streams G groups as G [bn, 16] tiles; a group's low nibbles (even columns) and high nibbles (odd
+#   FP4  a K step is G whole scale groups (16 packed bytes = 32 logical columns, one UE8M0 scale per weight
+#        row), streamed as G [bn, 16] tiles; each group's low nibbles (even columns) and high nibbles (odd
 #        columns) are decoded to bf16 (a table decode in inline PTX) and the step's groups form one [bn, 32G]
 #        operand (_fp4_operand), against activations whose rows are reordered to match. The scales enter
 #        transposed ([E, in/32, out]) so that a group's scales are one contiguous [bn] row.
@@ -647,8 +646,8 @@ def e2m1_bf16_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _fp4_operand(plgpu, tiles, scale_rows):
     """One K step's wgmma A operand from FP4: G packed tiles [n, 16] int8 (WGMMA layout) and their UE8M0 scale
     rows [n] -> [n, 32G] bf16, per group its even columns then its odd ones (the activations are permuted to
-    match, see _swap_inputs). Exact: the table decode above (inline PTX through plgpu.inline_mgpu), times the
-    row's scale in bf16 (bits b << 7 = 2^(b-127); byte 0 -> the subnormal 2^-127); the groups' registers are
+    match, see _swap_x). Exact: the table decode above (inline PTX through plgpu.inline_mgpu), times the
+    row's scale in bf16 (bits b << 7 = 2^(b-127)); the groups' registers are
     concatenated along K (axis 1 of the WGMMA register array), which moves no data."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
@@ -656,10 +655,10 @@ def _fp4_operand(plgpu, tiles, scale_rows):
     n, g = tiles[0].shape[0], len(tiles)
     wgmma = plgpu.Layout.WGMMA
 
-    def scale(b):
+    def scale(b):   # UE8M0 byte -> bf16 2^(b-127): 0 -> the subnormal 2^-127, 255 -> NaN (as _e8m0)
         b = b.astype(jnp.int16)
-        bits = lax.bitcast_convert_type(jnp.where(b == 0, jnp.int16(0x40), b << 7), jnp.bfloat16)
-        return lax.broadcast_in_dim(bits, (n, FP4_GROUP), [0])
+        bits = jnp.where(b == 0, jnp.int16(0x40), jnp.where(b == 255, jnp.int16(0x7FC0), b << 7))
+        return lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.bfloat16), (n, FP4_GROUP), [0])
 
     @plgpu.inline_mgpu(arg_types=((wgmma,) * g, (wgmma,) * g),
                        return_type=plgpu.ShapeDtypeStruct((n, 2 * FP4_GROUP * g), jnp.bfloat16, layout=wgmma))
@@ -683,17 +682,33 @@ def _fp4_operand(plgpu, tiles, scale_rows):
     return decode(tuple(tiles), tuple(scale(b) for b in scale_rows))
 
 
-def _swap_check(what, fmt, bm, bn, bk, out_dim, in_dim, p, fp8_block):
+class _SwapTiles(NamedTuple):
+    bm: int            # tokens per tile (wgmma N)
+    bn: int            # weight rows per tile (wgmma M)
+    bk: int            # logical input columns per K step
+    steps: int         # pipeline slots
+    delay: int         # delay_release of the pipelined buffers
+    fp8_block: int     # FP8 scale block (0 otherwise)
+
+
+def _swap_tiles(what, fmt, cfg: MgpuConfig, names, out_dim, in_dim, p, w, s) -> _SwapTiles:
+    """Clamp the tiles named `names` (the MgpuConfig fields of this kernel's block_n, block_k) to the problem
+    and validate them."""
+    bm, bn, bk = cfg.block_m, min(getattr(cfg, names[0]), out_dim), min(getattr(cfg, names[1]), in_dim)
+    fp8_block = ref.fp8_block_size(w.shape, s.shape) if fmt == "fp8" else 0
     if bm % 16 or bm > 256 or bn % 64 or p % bm or out_dim % bn or in_dim % bk:
         raise ValueError(f"moe {what} (mgpu swap): tokens/tile {bm} must be a multiple of 16 <= 256, weight "
                          f"rows/tile {bn} a multiple of 64; [{out_dim}, {in_dim}] x [{in_dim}, {p}] must tile "
                          f"by ({bn}, {bk}, {bm})")
     if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
         raise ValueError(f"moe {what} (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
-    if fmt == "fp4" and (bk % (2 * FP4_GROUP) or bk % min(64, bm)):
-        # wgmma's K must fill the activation tile's swizzle (min(128, 2 bm) bytes)
-        raise ValueError(f"moe {what} (mgpu swap): FP4 needs block_k a multiple of {2 * FP4_GROUP} and of "
-                         f"min(64, block_m), got block_m={bm}, block_k={bk}")
+    # a register operand's wgmma takes K = the whole step, which must fill the activation tile's swizzle
+    # (the largest of 32 / 64 / 128 bytes dividing its 2 * block_m-byte rows)
+    k_align = max(math.gcd(2 * bm, 128) // 2, 2 * FP4_GROUP if fmt == "fp4" else 1)
+    if fmt != "dense" and bk % k_align:
+        raise ValueError(f"moe {what} (mgpu swap): {fmt.upper()} with block_m={bm} needs {names[1]} a multiple "
+                         f"of {k_align}, got {bk}")
+    return _SwapTiles(bm, bn, bk, *_pipeline_depth(cfg.max_concurrent_steps, in_dim // bk), fp8_block)
 
 
 def _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay):
@@ -701,7 +716,7 @@ def _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay):
     per scale group, each its own TMA copy (one [bn, G, 16] tile has no bank-conflict-free group load for
     G > 2), and their transposed scales [G, bn]."""
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
-    x = [spec((bk, bm), lambda kk: (kk, t))]
+    x = spec((bk, bm), lambda kk: (kk, t))
     if fmt != "fp4":
         return x, [spec((bn, bk), lambda kk: (j, kk))]
     g = bk // (2 * FP4_GROUP)
@@ -716,9 +731,9 @@ def _swap_weight_refs(fmt, w_gmem, e, num_specs):
     return (w_gmem[0].at[e],) * (num_specs - 1) + (w_gmem[1].at[e],)
 
 
-def _swap_accumulate(plgpu, xs, terms, fmt):
+def _swap_accumulate(plgpu, x_s, terms, fmt):
     """One K step: acc [bn, bm] += W_tile . X_tile for each (acc, w, fp8_scale) in `terms` (gate and up share
-    the activation tile xs[0]); w: (weight tile,), FP4 (G packed tiles [bn, 16], scale bytes [G, bn]).
+    the activation tile x_s); w: (weight tile,), FP4 (G packed tiles [bn, 16], scale bytes [G, bn]).
     Register operands (FP8, FP4) must outlive their wgmma: the step ends waiting for all. SMEM operands may
     stay one step in flight (their buffers are released one step late)."""
     for acc, w, fp8_scale in terms:
@@ -729,18 +744,23 @@ def _swap_accumulate(plgpu, xs, terms, fmt):
         else:
             *tiles, s_s = w
             a = _fp4_operand(plgpu, [t[...] for t in tiles], [s_s[g] for g in range(len(tiles))])
-        plgpu.wgmma(acc, a, xs[0])
+        plgpu.wgmma(acc, a, x_s)
     plgpu.wgmma_wait(1 if fmt == "dense" else 0)
 
 
-def _swap_inputs(fmt, x, w, s):
-    """Kernel operands: activations [in, P] -> (x,), FP4 with each 32-row block reordered even rows first then
-    odd (the order of _fp4_operand's columns); weights (w,), FP8 (w, s), FP4 (w, s transposed [E, in/32, out])."""
+def _swap_x(fmt, x):
+    """Activations [in, P] as the kernels read them: FP4 with each 32-row block reordered even rows first, then
+    odd (the order of _fp4_operand's columns)."""
     if fmt != "fp4":
-        return (x,), (w,) + ((s,) if fmt == "fp8" else ())
+        return x
     n, p = x.shape
-    x = x.reshape(n // (2 * FP4_GROUP), FP4_GROUP, 2, p).swapaxes(1, 2).reshape(n, p)
-    return (x,), (w, jnp.swapaxes(s, 1, 2))
+    return x.reshape(n // (2 * FP4_GROUP), FP4_GROUP, 2, p).swapaxes(1, 2).reshape(n, p)
+
+
+def _swap_w(fmt, w, s):
+    """A weight's kernel operands: (w,), FP8 (w, s), FP4 (w, s transposed to [E, in/32, out]: one copy of
+    every expert's scales per call, 1/16 of the packed bytes)."""
+    return (w,) if fmt == "dense" else (w, s) if fmt == "fp8" else (w, jnp.swapaxes(s, 1, 2))
 
 
 def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
@@ -749,17 +769,13 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
     from jax.experimental.pallas import mosaic_gpu as plgpu
     d, p = xt.shape
     i_dim = w1.shape[1]
-    bm, bn, bk = cfg.block_m, min(cfg.block_n, i_dim), min(cfg.block_k, d)
-    fp8_block = ref.fp8_block_size(w1.shape, s1.shape) if fmt == "fp8" else 0
-    _swap_check("gate/up", fmt, bm, bn, bk, i_dim, d, p, fp8_block)
-    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, d // bk)
-    xs, w1v = _swap_inputs(fmt, xt, w1, s1)
-    _, w3v = _swap_inputs(fmt, xt, w3, s3)
-    nx = len(xs)
+    bm, bn, bk, steps, delay, fp8_block = _swap_tiles("gate/up", fmt, cfg, ("block_n", "block_k"), i_dim, d, p,
+                                                      w1, s1)
+    w1v, w3v = _swap_w(fmt, w1, s1), _swap_w(fmt, w3, s3)
+    nw = len(w1v)
 
-    def body(te_gmem, rw_gmem, *refs):
-        x_gmem, (w1_g, w3_g) = refs[:nx], (refs[nx:nx + len(w1v)], refs[nx + len(w1v):nx + 2 * len(w1v)])
-        z_gmem, z_smem, rw_smem, bar = refs[nx + 2 * len(w1v):]
+    def body(te_gmem, rw_gmem, x_gmem, *refs):
+        w1_g, w3_g, (z_gmem, z_smem, rw_smem, bar) = refs[:nw], refs[nw:2 * nw], refs[2 * nw:]
         t = lax.axis_index("t")
         j = lax.axis_index("n")
         e = te_gmem[t]
@@ -769,20 +785,19 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
             plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(t * bm, bm)], rw_smem, bar.at[0])
 
             def acc_scope(acc_g, acc_u):
-                x_specs, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
-                nw = len(w_specs)
+                x_spec, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
+                n = len(w_specs)
 
-                def step(idx, *tiles):
-                    x_s, w1_s, w3_s = tiles[:nx], tiles[nx:nx + nw], tiles[nx + nw:]
+                def step(idx, x_s, *tiles):
                     sc1 = sc3 = None
                     if fmt == "fp8":
                         r, c = (j * bn) // fp8_block, (idx[0] * bk) // fp8_block
                         sc1, sc3 = _scale_scalar(w1_g[1], e, r, c), _scale_scalar(w3_g[1], e, r, c)
-                    _swap_accumulate(plgpu, x_s, [(acc_g, w1_s, sc1), (acc_u, w3_s, sc3)], fmt)
+                    _swap_accumulate(plgpu, x_s, [(acc_g, tiles[:n], sc1), (acc_u, tiles[n:], sc3)], fmt)
 
                 plgpu.emit_pipeline(step, grid=(d // bk,), max_concurrent_steps=steps,
-                                    in_specs=x_specs + w_specs + w_specs)(
-                    *x_gmem, *_swap_weight_refs(fmt, w1_g, e, nw), *_swap_weight_refs(fmt, w3_g, e, nw))
+                                    in_specs=[x_spec] + w_specs + w_specs)(
+                    x_gmem, *_swap_weight_refs(fmt, w1_g, e, n), *_swap_weight_refs(fmt, w3_g, e, n))
                 return acc_g[...], acc_u[...]
 
             g, u = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32), plgpu.ACC((bn, bm), jnp.float32))
@@ -802,7 +817,7 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
                        plgpu.Barrier(num_barriers=1)],
         compiler_params=_mgpu_params(),
         interpret=interpret,
-    )(tile_expert, row_weight, *xs, *w1v, *w3v)
+    )(tile_expert, row_weight, _swap_x(fmt, xt), *w1v, *w3v)
 
 
 def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype, interpret):
@@ -810,15 +825,12 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
     from jax.experimental.pallas import mosaic_gpu as plgpu
     i_dim, p = zt.shape
     d = w2.shape[1]
-    bm, bn, bk = cfg.block_m, min(cfg.block_n_down, d), min(cfg.block_k_down, i_dim)
-    fp8_block = ref.fp8_block_size(w2.shape, s2.shape) if fmt == "fp8" else 0
-    _swap_check("down", fmt, bm, bn, bk, d, i_dim, p, fp8_block)
-    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, i_dim // bk)
-    zs, w2v = _swap_inputs(fmt, zt, w2, s2)
-    nz = len(zs)
+    bm, bn, bk, steps, delay, fp8_block = _swap_tiles("down", fmt, cfg, ("block_n_down", "block_k_down"), d,
+                                                      i_dim, p, w2, s2)
+    w2v = _swap_w(fmt, w2, s2)
 
-    def body(te_gmem, *refs):
-        z_gmem, w2_g, (y_gmem, y_smem) = refs[:nz], refs[nz:nz + len(w2v)], refs[nz + len(w2v):]
+    def body(te_gmem, z_gmem, *refs):
+        w2_g, (y_gmem, y_smem) = refs[:len(w2v)], refs[len(w2v):]
         t = lax.axis_index("t")
         j = lax.axis_index("n")
         e = te_gmem[t]
@@ -826,16 +838,16 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
         @pl.when(e >= 0)
         def _():
             def acc_scope(acc):
-                z_specs, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
+                z_spec, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
 
-                def step(idx, *tiles):
+                def step(idx, z_s, *tiles):
                     sc = None
                     if fmt == "fp8":
                         sc = _scale_scalar(w2_g[1], e, (j * bn) // fp8_block, (idx[0] * bk) // fp8_block)
-                    _swap_accumulate(plgpu, tiles[:nz], [(acc, tiles[nz:], sc)], fmt)
+                    _swap_accumulate(plgpu, z_s, [(acc, tiles, sc)], fmt)
 
-                plgpu.emit_pipeline(step, grid=(i_dim // bk,), max_concurrent_steps=steps, in_specs=z_specs + w_specs)(
-                    *z_gmem, *_swap_weight_refs(fmt, w2_g, e, len(w_specs)))
+                plgpu.emit_pipeline(step, grid=(i_dim // bk,), max_concurrent_steps=steps, in_specs=[z_spec] + w_specs)(
+                    z_gmem, *_swap_weight_refs(fmt, w2_g, e, len(w_specs)))
                 return acc[...]
 
             y = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32))
@@ -851,7 +863,7 @@ def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype,
         scratch_types=[plgpu.SMEM((bn, bm), out_dtype)],
         compiler_params=_mgpu_params(),
         interpret=interpret,
-    )(tile_expert, *zs, *w2v)
+    )(tile_expert, _swap_x(fmt, zt), *w2v)
 
 
 # ----------------------------------------------------------------------------------------- entry point
@@ -874,12 +886,13 @@ def on_hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
-def choose_backend(fmt: str, num_rows: int, num_experts: int) -> str:
+def choose_backend(fmt: str, compute_dtype, num_rows: int, num_experts: int) -> str:
     """The kernel that measured fastest on the H200 for the load (experiments/bench_moe.py, docs/benchmarks.md):
     Mosaic GPU swap_ab for FP4 decode / verify (<= 32 rows per expert; registers decode the E2M1 table),
     Triton for everything else (its 128-row prefill tiles beat the Mosaic GPU row tiles at 96 and 192 rows per
     expert). Off Hopper (and in the CPU interpreters, which have no register wgmma operand) Triton serves all."""
-    if fmt == "fp4" and num_rows <= 32 * num_experts and on_hopper():
+    if (fmt == "fp4" and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and num_rows <= 32 * num_experts
+            and on_hopper()):
         return "mgpu"
     return "triton"
 
@@ -919,12 +932,18 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         raise ValueError(f"moe_experts: x {x.shape} does not match expert input dim {d}")
     if expert_ids.shape != weights.shape or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} / weights {weights.shape} vs x {x.shape}")
+    if fmt == "fp4":
+        for name, w_, s_ in (("s1", w1, s1), ("s2", w2, s2), ("s3", w3, s3)):
+            want = (*w_.shape[:2], 2 * w_.shape[2] // 32)
+            if s_.shape != want:
+                raise ValueError(f"moe_experts: FP4 scales {name} {s_.shape} must be one per 32 input columns, "
+                                 f"{want} for weights {w_.shape} (packed)")
     m, k = expert_ids.shape
+    cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)
     if backend == "auto":
-        backend = choose_backend(fmt, m * k, e)
+        backend = choose_backend(fmt, cdt, m * k, e)
     if config is None:
         config = default_config(backend, m * k, e, fmt)
-    cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)
     interp = _interpret_flag(backend, interpret)
 
     plan = route_plan(expert_ids, weights, e, config.block_m)
@@ -943,8 +962,11 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if kn or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError("moe_experts: the mgpu swap_ab kernels take bf16/f16, FP8 or FP4 weights in the "
                              "[E, out, in] layout")
-        if fmt == "fp4" and jnp.dtype(cdt) != jnp.dtype(jnp.bfloat16):
-            raise ValueError(f"moe_experts: the mgpu swap_ab FP4 kernels compute in bfloat16, got {cdt}")
+        if fmt != "dense" and jnp.dtype(cdt) != jnp.dtype(jnp.bfloat16):
+            raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels compute in bfloat16, got {cdt}")
+        if fmt != "dense" and interp is not None:
+            raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
+                             "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
         xt = jnp.take(x.astype(cdt), plan.row_token, axis=0).T                 # [D, P] tile-aligned columns
         zt = _gate_up_mgpu_swap(xt, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
                                 cfg=config, interpret=interp)
@@ -954,8 +976,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         return jnp.sum(rows, axis=2).T
     elif backend == "mgpu":
         if fmt != "dense" or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-            raise ValueError("moe_experts: the mgpu backend takes dense bf16/f16 weights (FP8 with "
-                             "MgpuConfig(swap_ab=True)); use backend='triton' for FP4")
+            raise ValueError("moe_experts: the mgpu row-tile kernels take dense bf16/f16 weights; FP8 and FP4 "
+                             "run on MgpuConfig(swap_ab=True)")
         if not isinstance(config, MgpuConfig):
             raise ValueError(f"moe_experts: backend 'mgpu' needs an MgpuConfig, got {type(config).__name__}")
         rw = plan.row_weight if config.route_weight_in_kernel else jnp.ones_like(plan.row_weight)

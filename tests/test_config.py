@@ -354,3 +354,25 @@ def test_rope_inverse_of_forward_is_identity():
     freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, None)
     rot = apply_rope(jnp.asarray(kv), jnp.asarray(pos), freqs)
     np.testing.assert_allclose(np.asarray(apply_rope(rot, jnp.asarray(pos), freqs, inverse=True)), kv, atol=2e-5)
+
+
+def test_head_dtype():
+    """head_dtype="bfloat16" rounds the head's input to bf16 (f32 accumulation, f32 logits): close to the
+    float32 head on the same weights; anything else is refused."""
+    from types import SimpleNamespace
+
+    from flax import nnx
+
+    from common import rel_err
+    from model.layers import Linear
+    from model.transformer import Transformer
+    with pytest.raises(ValueError, match="head_dtype must be one of"):
+        ModelConfig.preset("tiny-v4").replace(head_dtype="float16")
+    cfg = ModelConfig.preset("tiny-v4")
+    head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, fp32=True)
+    y = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, cfg.hidden_size)), jnp.float32)
+    f32, bf16 = (Transformer.logits(SimpleNamespace(config=cfg.replace(head_dtype=h), head=head), y)
+                 for h in ("float32", "bfloat16"))
+    assert bf16.dtype == f32.dtype == jnp.float32 and bf16.shape == (2, 16, cfg.vocab_size)
+    assert 0 < rel_err(bf16, f32) < 1e-2
+    assert np.mean(np.argmax(bf16, -1) == np.argmax(f32, -1)) > 0.9

@@ -259,15 +259,26 @@ def test_errors_are_clear():
         K.moe_experts(x[:, :64], ids, w, w13, w2, w13, 1.0)
     with pytest.raises(ValueError, match="needs its scale"):
         K.moe_experts(x, ids, w, w13.astype(jnp.float8_e4m3fn), w2, w13, 1.0)
-    with pytest.raises(ValueError, match="mgpu backend"):
+    with pytest.raises(ValueError, match="mgpu row-tile kernels"):
         q = jnp.zeros((8, 128, 128), jnp.float8_e4m3fn)
         s = jnp.zeros((8, 1, 1), jnp.uint8)
         K.moe_experts(x, ids, w, q, q, q, 1.0, scales=(s, s, s), backend="mgpu", config=K.MgpuConfig())
     p4, s4 = jnp.zeros((8, 128, 64), jnp.int8), jnp.zeros((8, 128, 4), jnp.uint8)
-    for cfg in (K.MgpuConfig(block_m=64, block_n=64, block_k=32, block_n_down=64, block_k_down=32, swap_ab=True),
-                K.MgpuConfig(block_m=16, block_n=64, block_k=16, block_n_down=64, block_k_down=16, swap_ab=True)):
-        with pytest.raises(ValueError, match="FP4 needs block_k a multiple of 32 and of min"):
-            K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s4, s4, s4), backend="mgpu", config=cfg)
+    swap = lambda bm, bk: K.MgpuConfig(block_m=bm, block_n=64, block_k=bk, block_n_down=64,  # noqa: E731
+                                       block_k_down=bk, swap_ab=True)
+    for cfg in (swap(64, 32), swap(16, 16)):   # K must fill the activation tile's swizzle / a scale group
+        with pytest.raises(ValueError, match="FP4 with block_m=.. needs block_k a multiple of"):
+            K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s4, s4, s4), backend="mgpu", config=cfg,
+                          interpret=False)
+    with pytest.raises(ValueError, match="FP8 with block_m=64 needs block_k a multiple of 64"):
+        K.moe_experts(x, ids, w, q, q, q, 1.0, scales=(s, s, s), backend="mgpu", config=swap(64, 32),
+                      interpret=False)
+    with pytest.raises(ValueError, match="Mosaic GPU interpreter"):
+        K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s4, s4, s4), backend="mgpu", config=swap(16, 64),
+                      interpret=True)
+    with pytest.raises(ValueError, match="one per 32 input columns"):
+        s8 = jnp.zeros((8, 128, 8), jnp.uint8)                         # one scale per 16 columns
+        K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s8, s8, s8))
 
 
 # ------------------------------------------------------------------ lowering for CUDA at V4-Flash shapes
@@ -295,7 +306,6 @@ SWAP_DECODE = K.MgpuConfig(block_m=16, block_n=128, block_k=64, block_n_down=128
                            max_concurrent_steps=6, swap_ab=True)
 SWAP_DECODE_FP8 = K.MgpuConfig(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
                                max_concurrent_steps=5, swap_ab=True)
-SWAP_PREFILL_FP4 = K.MgpuConfig(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True)
 SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
                             swap_ab=True)
 
@@ -312,10 +322,10 @@ SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=1
     ("mgpu", "bf16", 8192, "in_out", None),
     ("mgpu", "bf16", 64, "out_in", SWAP_DECODE),  # swapped operands, decode tiles of 16 tokens
     ("mgpu", "fp8", 256, "out_in", SWAP_DECODE_FP8),  # FP8 dequantised in registers
-    ("mgpu", "fp4", 256, "out_in", SWAP_DECODE),      # FP4 decoded in registers, one scale group at a time
+    ("mgpu", "fp4", 256, "out_in", SWAP_DECODE),      # FP4 decoded in registers, whole scale groups per step
     ("mgpu", "fp4", 64, "out_in", None),
     ("mgpu", "fp4", 1024, "out_in", None),            # verify B256 x 4 rows: 24 rows per expert, 32-token tiles
-    ("mgpu", "fp4", 8192, "out_in", SWAP_PREFILL_FP4),
+    ("mgpu", "fp4", 8192, "out_in", None),            # default_config: FP4 prefill on the swap kernels
     ("mgpu", "fp8", 8192, "out_in", SWAP_PREFILL),
     ("mgpu", "bf16", 256, "out_in", None),        # default_config: decode -> swap_ab
     ("mgpu", "fp8", 64, "out_in", None),

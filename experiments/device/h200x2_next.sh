@@ -11,7 +11,7 @@
 # FP4 operand per step (32-token tiles for verify), the kernel sweep, V4 and V4.1 widths; 10: all MoE GPU
 # tests, 32-token FP4 tiles at 1024 tokens, then part 5's two-GPU runs with room to finish; 11 (for the next
 # session, not yet run): FP4 prefill on the swap kernels and more Triton prefill tiles, the per-kernel split
-# of the steps with this session's kernels, then the gather transport's block timing).
+# of the steps with this session's kernels, the bf16 LM head option, then the gather transport's block timing).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
@@ -165,6 +165,7 @@ case "${1:?part 1 to 11}" in
          --tag h200_kernels
      timeout 120 $B --phase decode --batch 256 --context 32768 --expert-weights fp4 --kernel-times 3 \
          --tag h200_fp4_kernels
+     timeout 90 $B --phase decode --batch 256 --context 32768 --head-dtype bfloat16 --tag h200_bf16_head
     ) > "$OUT"/gpu1.log 2>&1 &
     wait
     grep "^| prefill" "$OUT"/gpu0.log; grep "^| decode\|^| prefill" "$OUT"/gpu1.log

@@ -34,6 +34,7 @@ also takes its Opts (see normalise_args).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -247,10 +248,12 @@ def _layer_fn(fmt: str, seed: int):
     return f, state, route
 
 
-def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None = None):
+def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None = None,
+            rows_per_expert: float = 0.0):
     """Small sweeps; the first entry is the default tiling where default_config has one for the regime (and
-    the only entry with --quick). The FP4 decode tilings are for <= 16 rows per expert (16-token tiles).
-    `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU sweep of every case."""
+    the only entry with --quick). FP4 decode tiles hold 16 tokens, 32 past 16 rows per expert (one pass over
+    the weights). `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU sweep of every
+    case."""
     from pallas_kernels.moe import MgpuConfig, TritonConfig
     if impl == "mgpu" and mgpu_json:
         try:
@@ -275,6 +278,9 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                 swap(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
                 swap(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
                 swap(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=128, max_concurrent_steps=6)]
+            if regime == "decode" and rows_per_expert > 16:   # as bench_moe_20261130-025512 measured them
+                out = [dataclasses.replace(out[1], block_m=32, max_concurrent_steps=5),
+                       dataclasses.replace(out[0], block_m=32), dataclasses.replace(out[2], block_m=32)]
         elif regime == "prefill" and fmt == "bf16":
             out = [MgpuConfig(), MgpuConfig(max_concurrent_steps=3), MgpuConfig(block_n_down=128),
                    swap(block_m=128, block_n=64, block_k=64, block_n_down=128, block_k_down=64),
@@ -478,7 +484,7 @@ def bench_moe(args) -> list[dict]:
                 if (impl == "jax_mgpu" and fmt != "bf16") or (impl == "layer" and fmt == "fp8"):
                     continue
                 for cfg in configs(impl, regime, fmt, args.quick or getattr(args, "one_config", False),
-                                   getattr(args, "mgpu_configs", None)):
+                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E):
                     rec = dict(base, impl=impl, config=(cfg if isinstance(cfg, dict) or cfg is None
                                                         else cfg.__dict__))
                     try:

@@ -50,3 +50,18 @@ def test_bench_moe_smoke(tmp_path):
     for r in layers:
         parts = r["floor_experts_ms"] + r["floor_router_ms"] + r["floor_shared_ms"]
         assert r["roofline_ms"] == parts and r["floor_router_ms"] > 0 and r["floor_shared_ms"] > 0
+
+
+def test_bench_moe_sweeps_start_with_the_default_tiling():
+    """bench_moe's sweeps list the tiling `moe_experts` would pick first, so a --quick run times the default."""
+    import pytest
+
+    from experiments.bench_moe import configs
+    from pallas_kernels.moe import default_config
+    e = 256
+    for backend, regime, fmt, rows in (("mgpu", "decode", "fp4", 384), ("mgpu", "decode", "fp4", 6144),
+                                       ("mgpu", "prefill", "fp4", 49152), ("triton", "prefill", "bf16", 49152)):
+        assert configs(backend, regime, fmt, False, None, rows / e)[0] == \
+            default_config(backend, rows, e, "dense" if fmt == "bf16" else fmt), (backend, regime, fmt, rows)
+    with pytest.raises(SystemExit, match="block_m, block_n"):
+        configs("mgpu", "decode", "fp4", False, '[{"blockm": 16}]')

@@ -647,8 +647,8 @@ def _fp4_operand(plgpu, tiles, scale_rows):
     """One K step's wgmma A operand from FP4: G packed tiles [n, 16] int8 (WGMMA layout) and their UE8M0 scale
     rows [n] -> [n, 32G] bf16, per group its even columns then its odd ones (the activations are permuted to
     match, see _swap_x). Exact: the table decode above (inline PTX through plgpu.inline_mgpu), times the
-    row's scale in bf16 (bits b << 7 = 2^(b-127)); the groups' registers are
-    concatenated along K (axis 1 of the WGMMA register array), which moves no data."""
+    row's scale in bf16 (bits b << 7 = 2^(b-127)); the groups' registers are concatenated along K (axis 1 of
+    the WGMMA register array), which moves no data."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm

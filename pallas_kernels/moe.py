@@ -934,10 +934,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} / weights {weights.shape} vs x {x.shape}")
     if fmt == "fp4":
         for name, w_, s_ in (("s1", w1, s1), ("s2", w2, s2), ("s3", w3, s3)):
-            want = (*w_.shape[:2], 2 * w_.shape[2] // 32)
-            if s_.shape != want:
-                raise ValueError(f"moe_experts: FP4 scales {name} {s_.shape} must be one per 32 input columns, "
-                                 f"{want} for weights {w_.shape} (packed)")
+            ref.check_fp4_scale(w_.shape, s_.shape, 2 * FP4_GROUP, f"moe_experts: FP4 scales {name}")
     m, k = expert_ids.shape
     cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)
     if backend == "auto":

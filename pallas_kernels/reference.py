@@ -176,14 +176,21 @@ def quantize_fp8_blocks(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]
     return q, (exp + 127).astype(jnp.uint8)
 
 
+def check_fp4_scale(packed_shape, scale_shape, block: int = 32, what: str = "FP4 scale") -> None:
+    """Raise unless `scale_shape` is packed [..., out, in/2]'s UE8M0 grid, one scale per `block` inputs."""
+    *lead, n, kp = packed_shape
+    want = (*lead, n, -(-2 * kp // block))
+    if tuple(scale_shape) != want:
+        raise ValueError(f"{what} {tuple(scale_shape)} does not match packed weight {tuple(packed_shape)}: "
+                         f"one per {block} input columns is {want}")
+
+
 def dequant_fp4_experts(packed: jax.Array, scale: jax.Array, block: int = 32) -> jax.Array:
     """Packed E2M1 [E, out, in/2] (int8/uint8, low nibble first) + UE8M0 [E, out, in/block] -> f32 [E, out, in]."""
     if packed.dtype not in (jnp.int8, jnp.uint8):
         raise ValueError(f"packed FP4 weights must be int8/uint8, got {packed.dtype}")
+    check_fp4_scale(packed.shape, scale.shape, block)
     e, n, kp = packed.shape
-    if scale.shape != (e, n, -(-2 * kp // block)):
-        raise ValueError(f"FP4 scale {scale.shape} does not match packed weight {packed.shape} "
-                         f"({block} values per scale)")
     b = packed.astype(jnp.int32) & 0xFF
     codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(e, n, 2 * kp)
     mag = jnp.asarray(E2M1_MAGNITUDES, jnp.float32)[codes & 7]

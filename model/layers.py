@@ -2,7 +2,7 @@
 
 Weights are stored `[out, in]` exactly as in the checkpoints, so loading is a rename.
 Numerics (DESIGN.md): matmuls in the weight dtype; norms, RoPE rotation and anything marked
-`fp32=True` in float32.
+`fp32=True` in float32 (a Linear's inputs may be bf16 instead: the head with ModelConfig.head_dtype).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def normal_init(rngs: nnx.Rngs, shape, std: float, mean: float = 0.0, dtype=jnp.
 
 
 class Linear(nnx.Module):
-    """y = x @ W.T with W `[out, in]`; `fp32=True` computes in float32 (router, compressor, head).
+    """y = x @ W.T with W `[out, in]`; `fp32=True` computes in float32 (router, compressor, head), its operands
+    cast to `input_dtype` first ("float32"; the head may take "bfloat16": ModelConfig.head_dtype).
 
     After `quantise(B)` (cfg.dense_weights="fp8", the tensors of quant_io.release_fp8) W is held as the
     release ships it: `weight` float8_e4m3fn [out, in] and `scale` UE8M0 exponent bytes uint8
@@ -36,11 +37,12 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 fp32: bool = False):
+                 fp32: bool = False, input_dtype: str = "float32"):
         self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), in_features ** -0.5, dtype=dtype))
         self.scale: nnx.Param | None = nnx.data(None)  # a Param once quantised
         self.dtype = dtype
         self.fp32 = fp32
+        self.input_dtype = input_dtype
 
     def quantise(self, block: int) -> None:
         """Hold the weight as FP8 E4M3 with one UE8M0 scale per `block` x `block` block (traceable)."""
@@ -57,7 +59,8 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.dense_weight()
         if self.fp32:
-            return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32))
+            return jnp.einsum("...i,oi->...o", x.astype(self.input_dtype), w.astype(self.input_dtype),
+                              preferred_element_type=jnp.float32)
         return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
 
 

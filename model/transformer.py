@@ -194,8 +194,8 @@ def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> l
     plan.append(Piece("hc_head", None, ("hc_head",), (lambda r: HyperHead(cfg.hc_mult, d, rngs=r))
                       if cfg.generation == "v4" else (lambda r: None), fp8))
     plan.append(Piece("norm", None, ("norm",), lambda r: RMSNorm(d, cfg.rms_norm_eps, rngs=r), fp8))
-    plan.append(Piece("head", None, ("head",), lambda r: Linear(d, cfg.vocab_size, rngs=r, dtype=dtype, fp32=True),
-                      fp8))
+    plan.append(Piece("head", None, ("head",), lambda r: Linear(d, cfg.vocab_size, rngs=r, dtype=dtype, fp32=True,
+                                                                input_dtype=cfg.head_dtype), fp8))
     return plan
 
 
@@ -245,9 +245,6 @@ class Transformer(nnx.Module):
     # ---------------------------------------------------------------- pieces
     def logits(self, y: jax.Array) -> jax.Array:
         """Normed final hidden [.., D] -> float32 logits [.., vocab] (inputs in cfg.head_dtype)."""
-        if self.config.head_dtype == "bfloat16":
-            return jnp.einsum("...i,oi->...o", y.astype(jnp.bfloat16),
-                              self.head.dense_weight().astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         return self.head(y)
 
     def embed_streams(self, tokens: jax.Array) -> jax.Array:

@@ -359,20 +359,19 @@ def test_rope_inverse_of_forward_is_identity():
 def test_head_dtype():
     """head_dtype="bfloat16" rounds the head's input to bf16 (f32 accumulation, f32 logits): close to the
     float32 head on the same weights; anything else is refused."""
-    from types import SimpleNamespace
-
     from flax import nnx
 
     from common import rel_err
     from model.layers import Linear
-    from model.transformer import Transformer
+    from model.transformer import construction_plan
     with pytest.raises(ValueError, match="head_dtype must be one of"):
         ModelConfig.preset("tiny-v4").replace(head_dtype="float16")
     cfg = ModelConfig.preset("tiny-v4")
-    head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, fp32=True)
+    heads = {h: next(p for p in construction_plan(cfg.replace(head_dtype=h), jnp.bfloat16, None) if p.name == "head")
+             .build(nnx.Rngs(0)) for h in ("float32", "bfloat16")}        # the model's head, same weights
+    assert all(isinstance(m, Linear) and m.input_dtype == h for h, m in heads.items())
     y = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, cfg.hidden_size)), jnp.float32)
-    f32, bf16 = (Transformer.logits(SimpleNamespace(config=cfg.replace(head_dtype=h), head=head), y)
-                 for h in ("float32", "bfloat16"))
+    f32, bf16 = heads["float32"](y), heads["bfloat16"](y)
     assert bf16.dtype == f32.dtype == jnp.float32 and bf16.shape == (2, 16, cfg.vocab_size)
     assert 0 < rel_err(bf16, f32) < 1e-2
     assert np.mean(np.argmax(bf16, -1) == np.argmax(f32, -1)) > 0.9

@@ -5,6 +5,7 @@ combine) at V4-Flash expert shapes (256 experts, 4096 -> 2048 -> 4096, top-6) on
   python -m experiments.bench_moe                         # small config sweeps (best of each is reported)
   python -m experiments.bench_moe --regime decode --formats bf16,fp4
   python -m experiments.bench_moe --roofline-only         # print the predictions only (runs on a CPU)
+  python -m experiments.bench_moe --regime prefill --formats fp8 --act-block 128   # FP8 x FP8 MMA (Triton)
 
 Cases: prefill 8192 tokens (49152 routed rows; --prefill-tokens) and decode/verify 64..256 tokens x 6 rows,
 with forced-balance routing (DeepInfer's benchmark mode) and random top-6 routing. Weights bf16, FP8 (E4M3 +
@@ -68,6 +69,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median), >= 10")
     p.add_argument("--mgpu-configs", help="JSON list of MgpuConfig fields replacing the built-in Mosaic GPU tilings, "
                                          "e.g. '[{\"block_m\": 16, \"block_k\": 256, \"swap_ab\": true}]'")
+    p.add_argument("--act-block", type=int, default=0,
+                   help="FP8 act_quant block of the GEMM inputs (0: off; 128: the V4 model's numerics). With FP8 "
+                        "weights of the same block the Triton kernels multiply FP8 x FP8")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="results directory (default experiments/results, --smoke: "
                                   "$TMPDIR/bench_moe_smoke); $OUT also gets a copy of a measurement")
@@ -171,7 +175,7 @@ def make_weights(fmt: str, seed: int):
 # ----------------------------------------------------------------------------------- implementations
 
 
-def _xla_fn(fmt):
+def _xla_fn(fmt, act_block=0):
     import jax
     import jax.numpy as jnp
 
@@ -180,7 +184,7 @@ def _xla_fn(fmt):
     def f(x, ids, w, w1, w2, w3, scales):
         if scales is not None:       # the XLA path with quantised weights: dequantise to bf16 every call
             w1, w2, w3 = (R.dequant_experts(a, s).astype(jnp.bfloat16) for a, s in zip((w1, w2, w3), scales))
-        return R.moe_experts(x, ids, w, w1, w2, w3, LIMIT)
+        return R.moe_experts(x, ids, w, w1, w2, w3, LIMIT, act_block)
     return jax.jit(f)
 
 
@@ -206,14 +210,14 @@ def _jax_mgpu_fn(cfg):
     return jax.jit(f)
 
 
-def _ours_fn(backend, cfg, interpret=False):
+def _ours_fn(backend, cfg, interpret=False, act_block=0):
     import jax
 
     from pallas_kernels import moe as PK
 
     def f(x, ids, w, w1, w2, w3, scales):
         return PK.moe_experts(x, ids, w, w1, w2, w3, LIMIT, scales=scales, backend=backend, config=cfg,
-                              interpret=interpret)
+                              interpret=interpret, act_block=act_block)
     return jax.jit(f)
 
 
@@ -249,11 +253,12 @@ def _layer_fn(fmt: str, seed: int):
 
 
 def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None = None,
-            rows_per_expert: float = 0.0):
+            rows_per_expert: float = 0.0, act_block: int = 0):
     """Small sweeps; the first entry is the default tiling where default_config has one for the regime (and
-    the only entry with --quick). FP4 decode tiles hold 16 tokens, 32 past 16 rows per expert (one pass over
-    the weights). `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU sweep of every
-    case."""
+    the only entry with --quick). FP8 prefill with FP8 activations (act_block 128) sweeps 128-deep K steps
+    (an FP8 MMA consumes 32 per instruction). FP4 decode tiles hold 16 tokens, 32 past 16 rows per expert
+    (one pass over the weights). `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU
+    sweep of every case."""
     from pallas_kernels.moe import MgpuConfig, TritonConfig
     if impl == "mgpu" and mgpu_json:
         try:
@@ -301,7 +306,13 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                    swap(block_m=16, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
                         max_concurrent_steps=8)]
     elif impl == "triton":
-        if regime == "prefill":
+        if regime == "prefill" and fmt == "fp8" and act_block == 128:
+            out = [TritonConfig(128, 128, 128, 128, 128, num_warps=8, num_stages=3),
+                   TritonConfig(128, 128, 128, 128, 128, num_warps=8, num_stages=4),
+                   TritonConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=4),
+                   TritonConfig(64, 128, 128, 128, 128, num_warps=4, num_stages=4),
+                   TritonConfig(128, 64, 128, 64, 128, num_warps=4, num_stages=4)]
+        elif regime == "prefill":
             out = [TritonConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=3),
                    TritonConfig(64, 128, 64, 128, 64, num_warps=4, num_stages=3),
                    TritonConfig(64, 64, 128, 128, 128, num_warps=4, num_stages=3),
@@ -483,10 +494,11 @@ def bench_moe(args) -> list[dict]:
             for impl in impls:
                 if (impl == "jax_mgpu" and fmt != "bf16") or (impl == "layer" and fmt == "fp8"):
                     continue
+                act = 0 if impl in ("layer", "jax_mgpu") else getattr(args, "act_block", 0)
                 for cfg in configs(impl, regime, fmt, args.quick or getattr(args, "one_config", False),
-                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E):
-                    rec = dict(base, impl=impl, config=(cfg if isinstance(cfg, dict) or cfg is None
-                                                        else cfg.__dict__))
+                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E, act):
+                    rec = dict(base, impl=impl, act_block=act, config=(cfg if isinstance(cfg, dict) or cfg is None
+                                                                       else cfg.__dict__))
                     try:
                         rf_impl = rf
                         if impl == "layer":
@@ -501,7 +513,7 @@ def bench_moe(args) -> list[dict]:
                                        routing=kind if kind == "balanced" else "router")
                             f, a = functools.partial(lf, forced=kind == "balanced"), (state, h, toks)
                         elif impl == "xla":
-                            f, a = _xla_fn(fmt), (x, ids, w, w1, w2, w3, scales)
+                            f, a = _xla_fn(fmt, act), (x, ids, w, w1, w2, w3, scales)
                         elif impl == "jax_mgpu":
                             if kn is None:     # its [G, K, N] layout, gate|up fused; built once, untimed
                                 kn = jax.jit(lambda a, b, c: (jnp.concatenate([jnp.swapaxes(a, 1, 2),
@@ -509,7 +521,7 @@ def bench_moe(args) -> list[dict]:
                                                               jnp.swapaxes(b, 1, 2)))(w1, w2, w3)
                             f, a = _jax_mgpu_fn(cfg), (x, ids, w, kn[0], kn[1])
                         else:
-                            f, a = _ours_fn(impl, cfg, interpret=True if smoke else False), \
+                            f, a = _ours_fn(impl, cfg, interpret=True if smoke else False, act_block=act), \
                                 (x, ids, w, w1, w2, w3, scales)
                         compile_s, cupti, wall, kernels, n_it, out = time_fn(f, a, args.iters)
                         ms = cupti if cupti is not None else wall
@@ -594,7 +606,8 @@ def markdown(records, env) -> str:
             best[key] = r
     for r in best.values():
         err = r.get("rel_err_vs_xla")
-        lines.append(f"| {r['regime']} | {r['tokens']} | {r['routing']} | {r['fmt']} | {r['impl']} | {r['ms']:.3f} "
+        fmt = r["fmt"] + (f" act{r['act_block']}" if r.get("act_block") else "")
+        lines.append(f"| {r['regime']} | {r['tokens']} | {r['routing']} | {fmt} | {r['impl']} | {r['ms']:.3f} "
                      f"| {r['TFLOPs']:.1f} | {r['weight_TBps']:.2f} | {r['roofline_ms']:.3f} "
                      f"| {100 * r['frac_of_roofline']:.1f} | {'' if err is None else f'{err:.1e}'} "
                      f"| {json.dumps(r['config'])} |")

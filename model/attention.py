@@ -22,7 +22,7 @@ from pallas_kernels import reference as ref
 from .cache import LayerCache, Step, ring_positions, ring_write
 from .compressor import Compressor, Indexer, store_entries, visible_entries
 from .config import LayerSpec, ModelConfig
-from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_fake_quant, normal_init, rms_normalize,
+from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, normal_init, rms_normalize,
                      rope_frequencies)
 
 
@@ -79,9 +79,9 @@ class Attention(nnx.Module):
         if not self.quant_sim:
             return kv
         if not self.v4:
-            return fp8_fake_quant(kv, 32)
+            return ref.fp8_fake_quant(kv, 32)
         nope = kv.shape[-1] - self.rope_dim
-        return jnp.concatenate([fp8_fake_quant(kv[..., :nope], 64), kv[..., nope:]], axis=-1)
+        return jnp.concatenate([ref.fp8_fake_quant(kv[..., :nope], 64), kv[..., nope:]], axis=-1)
 
     def compress(self, h: jax.Array, step: Step, cache: LayerCache) -> LayerCache:
         """Own compressor (and V4 indexer compressor): add the blocks this chunk closes to the stores."""

@@ -147,7 +147,6 @@ def hadamard(x: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- fake-quant (MODEL_SPEC 3.7)
 
-FP8_MAX = 448.0
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -161,15 +160,6 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     if x.shape[-1] % block:
         raise ValueError(f"fake-quant block {block} does not divide the last dim {x.shape[-1]}")
     return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
-def fp8_fake_quant(x: jax.Array, block: int) -> jax.Array:
-    """Round to FP8 E4M3 with one power-of-two (UE8M0) scale per `block` values: scale =
-    2^ceil(log2(max(amax, 1e-4) / 448)). Returns x's dtype."""
-    b = _blocks(x, block)
-    scale = _pow2_ceil(jnp.maximum(jnp.max(jnp.abs(b), axis=-1, keepdims=True), 1e-4) / FP8_MAX)
-    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
-    return q.reshape(x.shape).astype(x.dtype)
 
 
 def _round_e2m1(v: jax.Array) -> jax.Array:

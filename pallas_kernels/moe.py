@@ -30,8 +30,8 @@ Backends (Pallas lowerings):
                swap_ab    - weights are wgmma's M and a tile's 16..256 tokens its N: decode tiles cost one
                             pass over the weights; FP8 and FP4 weights are dequantised in registers
                             (A operand).
-  "auto"   - what measured fastest on the H200 (`choose_backend`): mgpu swap_ab for FP4 decode / verify
-             (<= 32 rows per expert), triton for the rest.
+  "auto"   - what measured fastest on the H200 (`choose_backend`): mgpu swap_ab for FP4 (bf16 compute),
+             triton for the rest.
 On a CPU both run in their interpreters (tests); `interpret=None` chooses that automatically. The MGPU
 interpreter has no transposed-SMEM or register wgmma operand: row-tile kernels are interpreted with weights
 given as [E, in, out] (`weight_layout="in_out"`), swap_ab kernels with bf16 weights; the rest is checked by
@@ -290,8 +290,9 @@ def _dot_nt(a, b):
 def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False):
     """Tile rows against expert e's weight rows n0:n0+bn over stored columns k0:k0+bk -> [bm, bn] f32.
 
-    dense/fp8: xk = (x [bm, bk],); fp4: xk = (x_even, x_odd), each [bm, bk] against bk packed bytes
-    (2*bk logical columns); the fp4 result is E2M1-folded (times 2^-14, see _e2m1_pair; the kernels
+    dense/fp8: xk = (x [bm, bk],); fp8 with FP8 activations: xk = (x float8 [bm, bk], the rows' act_quant
+    scales [bm, 1] of this block), one FP8 MMA; fp4: xk = (x_even, x_odd), each [bm, bk] against bk packed
+    bytes (2*bk logical columns); the fp4 result is E2M1-folded (times 2^-14, see _e2m1_pair; the kernels
     multiply their accumulators by FP4_FOLD).
     """
     if kn:  # dense weights stored [E, in, out]
@@ -303,9 +304,11 @@ def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False):
         return _dot_nt(xk[0], w.astype(xk[0].dtype))
     if fmt == "fp8":
         # the tile sits inside one scale block (bn, bk divide B): scale the partial product once
-        w = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xk[0].dtype)
+        w = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
         s = _e8m0(s_ref[e, n0 // fp8_block, k0 // fp8_block])
-        return _dot_nt(xk[0], w) * s
+        if len(xk) == 2:  # FP8 activations: both operands FP8, both scales on the f32 product
+            return _dot_nt(xk[0], w) * (xk[1] * s)
+        return _dot_nt(xk[0], w.astype(xk[0].dtype)) * s
     # fp4: bytes k0:k0+bk hold logical columns 2*k0 .. 2*(k0+bk); one UE8M0 scale per 16 bytes
     xe, xo = xk
     packed = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.int32)
@@ -359,19 +362,37 @@ def _triton_call(kernel, *, args, x_parts, bm, bn, grid, out_shape, cfg, interpr
     )(*args)
 
 
+def _x_step(x_refs, xs_ref, k0, bk, fp8_block):
+    """One K step's activation operands: x_refs' columns k0:k0+bk, plus (FP8 activations, xs_ref their
+    act_quant scales [bm, K / B]) the rows' scale of the block holding them, [bm, 1]."""
+    xk = tuple(r[:, pl.ds(k0, bk)] for r in x_refs)
+    return xk if xs_ref is None else xk + (xs_ref[:, pl.ds(k0 // fp8_block, 1)],)
+
+
+def _check_act_scales(x, x_scale, fmt, fp8_block, what):
+    if x_scale is None:
+        return
+    if fmt != "fp8" or x_scale.shape != (x.shape[0], x.shape[1] // fp8_block):
+        raise ValueError(f"moe {what}: FP8 activations need FP8 weights and act_quant scales "
+                         f"[{x.shape[0]}, {x.shape[1]} / {fp8_block or 'B'}], got {fmt} and {x_scale.shape}")
+
+
 def _gate_up_triton(xparts, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: TritonConfig,
-                    interpret, kn=False):
-    """z [P, I] = swiglu(x W1_e^T, x W3_e^T) * row_weight per tile; xparts = (xs,) or fp4 (xs_even, xs_odd)."""
+                    interpret, out_dtype, kn=False, x_scale=None):
+    """z [P, I] = swiglu(x W1_e^T, x W3_e^T) * row_weight per tile; xparts = (xs,) or fp4 (xs_even, xs_odd);
+    x_scale: None, or FP8 xs's act_quant scales [P, D / B] (FP8 weights with the same block B: FP8 MMA)."""
     p, ks = xparts[0].shape
     i_dim = w1.shape[2] if kn else w1.shape[1]
     bm = cfg.block_m
     bn, bk, fp8_block = _tiles(cfg.block_n, cfg.block_k, i_dim, ks, fmt, w1, s1, "gate/up")
-    nx, nk = len(xparts), ks // bk
+    _check_act_scales(xparts[0], x_scale, fmt, fp8_block, "gate/up")
+    nx, nk = len(xparts) + (x_scale is not None), ks // bk
     post = FP4_FOLD if fmt == "fp4" else 1.0
 
     def kernel(te_ref, *refs):
         x_refs, rw_ref, w1_ref, w3_ref = refs[:nx], refs[nx], refs[nx + 1], refs[nx + 2]
         s1_ref, s3_ref, z_ref = refs[nx + 3:] if fmt != "dense" else (None, None, refs[nx + 3])
+        x_refs, xs_ref = (x_refs, None) if x_scale is None else (x_refs[:-1], x_refs[-1])
         j, t = pl.program_id(0), pl.program_id(1)
         e = te_ref[t]
 
@@ -382,7 +403,7 @@ def _gate_up_triton(xparts, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, lim
             def body(kk, carry):
                 g, u = carry
                 k0 = pl.multiple_of(kk * bk, bk)
-                xk = tuple(r[:, pl.ds(k0, bk)] for r in x_refs)
+                xk = _x_step(x_refs, xs_ref, k0, bk, fp8_block)
                 return g + wd(xk, w1_ref, s1_ref, k0=k0), u + wd(xk, w3_ref, s3_ref, k0=k0)
 
             zero = jnp.zeros((bm, bn), jnp.float32)
@@ -393,24 +414,28 @@ def _gate_up_triton(xparts, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, lim
             z_ref[...] = z.astype(z_ref.dtype)
 
     # row_weight is blocked by rows like x: put it right after the x parts
-    args = [tile_expert, *xparts, row_weight, w1, w3] + ([s1, s3] if fmt != "dense" else [])
+    x_args = [*xparts] + ([x_scale] if x_scale is not None else [])
+    args = [tile_expert, *x_args, row_weight, w1, w3] + ([s1, s3] if fmt != "dense" else [])
     return _triton_call(kernel, args=args, x_parts=nx + 1, bm=bm, bn=bn, grid=(i_dim // bn, p // bm),
-                        out_shape=jax.ShapeDtypeStruct((p, i_dim), xparts[0].dtype), cfg=cfg,
+                        out_shape=jax.ShapeDtypeStruct((p, i_dim), out_dtype), cfg=cfg,
                         interpret=interpret, name=f"moe_gate_up_{fmt}")
 
 
-def _down_triton(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, interpret, kn=False):
-    """y [P, D] = z W2_e^T per tile; zparts = (z,) or fp4 (z_even, z_odd)."""
+def _down_triton(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, interpret, kn=False,
+                 z_scale=None):
+    """y [P, D] = z W2_e^T per tile; zparts = (z,) or fp4 (z_even, z_odd); z_scale as _gate_up_triton's x_scale."""
     p, ks = zparts[0].shape
     d = w2.shape[2] if kn else w2.shape[1]
     bm = cfg.block_m
     bn, bk, fp8_block = _tiles(cfg.block_n_down, cfg.block_k_down, d, ks, fmt, w2, s2, "down")
-    nz, nk = len(zparts), ks // bk
+    _check_act_scales(zparts[0], z_scale, fmt, fp8_block, "down")
+    nz, nk = len(zparts) + (z_scale is not None), ks // bk
     post = FP4_FOLD if fmt == "fp4" else 1.0
 
     def kernel(te_ref, *refs):
         z_refs, w2_ref = refs[:nz], refs[nz]
         s2_ref, y_ref = refs[nz + 1:] if fmt != "dense" else (None, refs[nz + 1])
+        z_refs, zs_ref = (z_refs, None) if z_scale is None else (z_refs[:-1], z_refs[-1])
         j, t = pl.program_id(0), pl.program_id(1)
         e = te_ref[t]
 
@@ -418,7 +443,7 @@ def _down_triton(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dty
         def _():
             def body(kk, acc):
                 k0 = pl.multiple_of(kk * bk, bk)
-                zk = tuple(r[:, pl.ds(k0, bk)] for r in z_refs)
+                zk = _x_step(z_refs, zs_ref, k0, bk, fp8_block)
                 return acc + _wdot(zk, w2_ref, s2_ref, e, j * bn, k0, fmt=fmt, bn=bn, bk=bk,
                                    fp8_block=fp8_block, kn=kn)
 
@@ -427,7 +452,7 @@ def _down_triton(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dty
                 acc = acc * post
             y_ref[...] = acc.astype(y_ref.dtype)
 
-    args = [tile_expert, *zparts, w2] + ([s2] if fmt != "dense" else [])
+    args = [tile_expert, *zparts] + ([z_scale] if z_scale is not None else []) + [w2] + ([s2] if fmt != "dense" else [])
     return _triton_call(kernel, args=args, x_parts=nz, bm=bm, bn=bn, grid=(d // bn, p // bm),
                         out_shape=jax.ShapeDtypeStruct((p, d), out_dtype), cfg=cfg, interpret=interpret,
                         name=f"moe_down_{fmt}")
@@ -470,7 +495,8 @@ def _w_operand(plgpu, w_s, kn):
     return w_s if kn else plgpu.transpose_ref(w_s, (1, 0))
 
 
-def _gate_up_mgpu(xs, row_weight, tile_expert, w1, w3, *, limit, cfg: MgpuConfig, interpret, kn=False):
+def _gate_up_mgpu(xs, row_weight, tile_expert, w1, w3, *, limit, cfg: MgpuConfig, interpret, kn=False,
+                  z_dtype=None):
     """z [P, I] = swiglu(xs W1_e^T, xs W3_e^T) * row_weight, per tile of block_m rows (TMA + wgmma).
 
     grid (tile, I-block): the CTA's expert e = tile_expert[tile] (-1: nothing to do). emit_pipeline streams
@@ -523,9 +549,9 @@ def _gate_up_mgpu(xs, row_weight, tile_expert, w1, w3, *, limit, cfg: MgpuConfig
 
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((p, i_dim), xs.dtype),
+        out_type=jax.ShapeDtypeStruct((p, i_dim), z_dtype or xs.dtype),
         grid=(p // bm, i_dim // bn), grid_names=("t", "n"),
-        scratch_types=[plgpu.SMEM((bm, bn), xs.dtype), plgpu.SMEM((bm,), jnp.float32),
+        scratch_types=[plgpu.SMEM((bm, bn), z_dtype or xs.dtype), plgpu.SMEM((bm,), jnp.float32),
                        plgpu.Barrier(num_barriers=1)],
         compiler_params=_mgpu_params(),
         interpret=interpret,
@@ -764,8 +790,9 @@ def _swap_w(fmt, w, s):
 
 
 def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
-                       interpret):
-    """zT [I, P] = swiglu(W1_e xT, W3_e xT) * row_weight for each tile of block_m token columns."""
+                       interpret, z_dtype=None):
+    """zT [I, P] = swiglu(W1_e xT, W3_e xT) * row_weight for each tile of block_m token columns (in z_dtype,
+    default xt's)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     d, p = xt.shape
     i_dim = w1.shape[1]
@@ -811,9 +838,9 @@ def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limi
 
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((i_dim, p), xt.dtype),
+        out_type=jax.ShapeDtypeStruct((i_dim, p), z_dtype or xt.dtype),
         grid=(p // bm, i_dim // bn), grid_names=("t", "n"),
-        scratch_types=[plgpu.SMEM((bn, bm), xt.dtype), plgpu.SMEM((bm,), jnp.float32),
+        scratch_types=[plgpu.SMEM((bn, bm), z_dtype or xt.dtype), plgpu.SMEM((bm,), jnp.float32),
                        plgpu.Barrier(num_barriers=1)],
         compiler_params=_mgpu_params(),
         interpret=interpret,
@@ -886,20 +913,21 @@ def on_hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
-def choose_backend(fmt: str, compute_dtype, num_rows: int, num_experts: int) -> str:
+def choose_backend(fmt: str, compute_dtype) -> str:
     """The kernel that measured fastest on the H200 for the load (experiments/bench_moe.py, docs/benchmarks.md):
-    Mosaic GPU swap_ab for FP4 decode / verify (<= 32 rows per expert; registers decode the E2M1 table),
-    Triton for everything else (its 128-row prefill tiles beat the Mosaic GPU row tiles at 96 and 192 rows per
-    expert). Off Hopper (and in the CPU interpreters, which have no register wgmma operand) Triton serves all."""
-    if (fmt == "fp4" and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and num_rows <= 32 * num_experts
-            and on_hopper()):
+    Mosaic GPU swap_ab for FP4 (registers decode the E2M1 table; decode / verify 1.4-2.1x Triton, prefill 6.14 /
+    11.67 ms against Triton's 8.35 / 12.31 at 4K / 8K tokens), Triton for everything else (its 128-row prefill
+    tiles beat the Mosaic GPU row tiles at 96 and 192 rows per expert). Off Hopper (and in the CPU
+    interpreters, which have no register wgmma operand) Triton serves all."""
+    if fmt == "fp4" and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and on_hopper():
         return "mgpu"
     return "triton"
 
 
 def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
                 w3: jax.Array, limit: float, *, scales=None, backend: str = "auto", config=None,
-                interpret=None, weight_layout: str = "out_in", compute_dtype=jnp.bfloat16) -> jax.Array:
+                interpret=None, weight_layout: str = "out_in", compute_dtype=jnp.bfloat16, act_block: int = 0
+                ) -> jax.Array:
     """Routed-expert SwiGLU block (drop-in for `reference.moe_experts`, plus quantised weights).
 
     x [M, D], expert_ids [M, k] int (ids outside [0, E) are dropped: they cost nothing and add 0 -- an
@@ -911,6 +939,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     weight_layout: "out_in" (the model's [E, out, in]) or "in_out" (dense only: w1/w3 [E, D, I], w2 [E, I, D],
     as ragged_dot takes them; the MGPU CPU interpreter has no transposed wgmma operand, so its tests use this).
     Activations enter the GEMMs as `compute_dtype` (bf16; dense weights use their own dtype).
+    act_block > 0: both GEMMs' inputs are FP8 act_quant'd per `act_block` values first (the official model's
+    numerics, `reference.moe_experts(act_block=)`). With FP8 weights of the same block on the Triton backend
+    the kernels then multiply FP8 x FP8 (tensor-core FP8 MMA, both scales on the f32 partial products);
+    otherwise the rounded activations enter the usual kernels in `compute_dtype` (exact: 4 significant bits).
     Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
     """
     s1, s2, s3 = (None, None, None) if scales is None else tuple(_as_e8m0_bytes(s) for s in scales)
@@ -936,12 +968,20 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         for name, w_, s_ in (("s1", w1, s1), ("s2", w2, s2), ("s3", w3, s3)):
             ref.check_fp4_scale(w_.shape, s_.shape, 2 * FP4_GROUP, f"moe_experts: FP4 scales {name}")
     m, k = expert_ids.shape
+    if act_block < 0 or (act_block and (d % act_block or i_dim % act_block)):
+        raise ValueError(f"moe_experts: act_block {act_block} must divide the expert dims D={d} and I={i_dim}")
     cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)
     if backend == "auto":
-        backend = choose_backend(fmt, cdt, m * k, e)
+        backend = choose_backend(fmt, cdt)
     if config is None:
         config = default_config(backend, m * k, e, fmt)
     interp = _interpret_flag(backend, interpret)
+    fp8_mma = (act_block > 0 and backend == "triton" and fmt == "fp8"
+               and act_block == ref.fp8_block_size(w1.shape, s1.shape))
+    # act_block: the SwiGLU output leaves the gate/up kernel in float32 and is rounded from there (as the
+    # reference rounds it), then enters the down GEMM as FP8 (fp8_mma) or as its exact compute_dtype value
+    fake = ((lambda a: ref.fp8_fake_quant(a, act_block).astype(cdt)) if act_block else (lambda a: a))
+    z_dtype = jnp.float32 if act_block else cdt
 
     plan = route_plan(expert_ids, weights, e, config.block_m)
     post = None
@@ -949,12 +989,16 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if not isinstance(config, TritonConfig):
             raise ValueError(f"moe_experts: backend 'triton' needs a TritonConfig, got {type(config).__name__}")
         # FP4 bytes hold (even, odd) column pairs: feed the activations as even and odd halves
-        xs = jnp.take(x.astype(cdt), plan.row_token, axis=0)              # [P, D] tile-aligned rows
         split = (lambda a: (a[:, 0::2], a[:, 1::2])) if fmt == "fp4" else (lambda a: (a,))  # noqa: E731
+        if fp8_mma:                                                       # [P, D] FP8 rows, [P, D / B] scales
+            xs, x_scale = (jnp.take(a, plan.row_token, axis=0) for a in ref.act_quant(x, act_block))
+        else:
+            xs, x_scale = jnp.take(fake(x).astype(cdt), plan.row_token, axis=0), None  # [P, D] tile-aligned rows
         z = _gate_up_triton(split(xs), plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt,
-                            limit=limit, cfg=config, interpret=interp, kn=kn)
+                            limit=limit, cfg=config, interpret=interp, out_dtype=z_dtype, kn=kn, x_scale=x_scale)
+        z, z_scale = ref.act_quant(z, act_block) if fp8_mma else (fake(z), None)
         y = _down_triton(split(z), plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt,
-                         interpret=interp, kn=kn)
+                         interpret=interp, kn=kn, z_scale=z_scale)
     elif backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab:
         if kn or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError("moe_experts: the mgpu swap_ab kernels take bf16/f16, FP8 or FP4 weights in the "
@@ -964,9 +1008,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if fmt != "dense" and interp is not None:
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
-        xt = jnp.take(x.astype(cdt), plan.row_token, axis=0).T                 # [D, P] tile-aligned columns
+        xt = jnp.take(fake(x).astype(cdt), plan.row_token, axis=0).T           # [D, P] tile-aligned columns
         zt = _gate_up_mgpu_swap(xt, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
-                                cfg=config, interpret=interp)
+                                cfg=config, interpret=interp, z_dtype=z_dtype)
+        zt = fake(zt.T).T if act_block else zt
         yt = _down_mgpu_swap(zt, plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt, interpret=interp)
         rows = jnp.take(yt, plan.dest.reshape(-1), axis=1, mode="fill", fill_value=0).astype(jnp.float32)
         rows = rows.reshape(d, m, k)
@@ -977,10 +1022,14 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
                              "run on MgpuConfig(swap_ab=True)")
         if not isinstance(config, MgpuConfig):
             raise ValueError(f"moe_experts: backend 'mgpu' needs an MgpuConfig, got {type(config).__name__}")
+        if act_block and not config.route_weight_in_kernel:
+            raise ValueError("moe_experts: act_block rounds the routing-weighted SwiGLU output; it needs "
+                             "MgpuConfig(route_weight_in_kernel=True)")
         rw = plan.row_weight if config.route_weight_in_kernel else jnp.ones_like(plan.row_weight)
-        xs = jnp.take(x.astype(cdt), plan.row_token, axis=0)              # [P, D] tile-aligned rows
-        z = _gate_up_mgpu(xs, rw, plan.tile_expert, w1, w3, limit=limit, cfg=config, interpret=interp, kn=kn)
-        y = _down_mgpu(z, plan.tile_expert, w2, cfg=config, out_dtype=cdt, interpret=interp, kn=kn)
+        xs = jnp.take(fake(x).astype(cdt), plan.row_token, axis=0)        # [P, D] tile-aligned rows
+        z = _gate_up_mgpu(xs, rw, plan.tile_expert, w1, w3, limit=limit, cfg=config, interpret=interp, kn=kn,
+                          z_dtype=z_dtype)
+        y = _down_mgpu(fake(z), plan.tile_expert, w2, cfg=config, out_dtype=cdt, interpret=interp, kn=kn)
         if not config.route_weight_in_kernel:
             post = weights.astype(jnp.float32)
     else:

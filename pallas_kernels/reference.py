@@ -80,11 +80,13 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 
 def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
-                w3: jax.Array, limit: float) -> jax.Array:
+                w3: jax.Array, limit: float, act_block: int = 0) -> jax.Array:
     """Routed-expert SwiGLU block with the routing weight applied before the down projection.
 
     x [M, D], expert_ids [M, k] int, weights [M, k] float32, w1/w3 [E, I, D], w2 [E, D, I].
     Rows are sorted by expert and run through `jax.lax.ragged_dot` (experts with no rows cost nothing).
+    act_block > 0: both GEMMs' inputs (x and the weighted SwiGLU output) pass through `fp8_fake_quant` with that
+    block first, as the official model's FP8 / FP4 linears do (MODEL_SPEC 3.7).
     Returns [M, D] float32 = sum_k w_k * W2_e (swiglu(W1_e x, W3_e x)).
     """
     m, k = expert_ids.shape
@@ -92,14 +94,15 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     token_of = order // k
-    xs = jnp.take(x, token_of, axis=0).astype(w1.dtype)
+    xs = jnp.take(x, token_of, axis=0)
+    xs = (fp8_fake_quant(xs, act_block) if act_block else xs).astype(w1.dtype)
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     def grouped(lhs, w):  # [rows, K] x [E, out, K] -> [rows, out] float32
         lhs, w = f32_dot_operands(lhs, w)
         return jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), group_sizes, preferred_element_type=jnp.float32)
 
     z = clamped_swiglu(grouped(xs, w1), grouped(xs, w3), limit) * jnp.take(weights.reshape(-1), order)[:, None]
-    y = grouped(z.astype(w2.dtype), w2)
+    y = grouped((fp8_fake_quant(z, act_block) if act_block else z).astype(w2.dtype), w2)
     return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
@@ -176,6 +179,26 @@ def quantize_fp8_blocks(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]
     return q, (exp + 127).astype(jnp.uint8)
 
 
+def act_quant(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """The official model's activation quantisation (MODEL_SPEC 3.7 act_quant): per `block` values of the last
+    axis, scale = 2^ceil(log2(max(amax, 1e-4) / 448)) and q = e4m3(clip(x / scale)) (round to nearest even).
+    x [..., n] -> (q float8_e4m3fn [..., n], scale float32 [..., n / block])."""
+    if x.shape[-1] % block:
+        raise ValueError(f"act_quant: block {block} does not divide the last dim {x.shape[-1]}")
+    b = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    exp = ue8m0_exponent(jnp.maximum(jnp.max(jnp.abs(b), axis=-1), 1e-4), FP8_E4M3_MAX)
+    q = jnp.clip(jnp.ldexp(b, -exp[..., None]), -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(x.shape), jnp.ldexp(jnp.ones(exp.shape, jnp.float32), exp)
+
+
+def fp8_fake_quant(x: jax.Array, block: int) -> jax.Array:
+    """x rounded through `act_quant` and back (FP8 values times their power-of-two scales), in x's dtype (exact
+    in bf16 too: an E4M3 value times a power of two has 4 significant bits)."""
+    q, scale = act_quant(x, block)
+    blocks = q.astype(jnp.float32).reshape(*x.shape[:-1], -1, block) * scale[..., None]
+    return blocks.reshape(x.shape).astype(x.dtype)
+
+
 def check_fp4_scale(packed_shape, scale_shape, block: int = 32, what: str = "FP4 scale") -> None:
     """Raise unless `scale_shape` is packed [..., out, in/2]'s UE8M0 grid, one scale per `block` inputs."""
     *lead, n, kp = packed_shape
@@ -239,7 +262,7 @@ def dense_experts(w1: jax.Array, w2: jax.Array, w3: jax.Array, scales, dtype) ->
 
 
 def moe_experts_quantized(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
-                          w3: jax.Array, limit: float, scales=None) -> jax.Array:
+                          w3: jax.Array, limit: float, scales=None, act_block: int = 0) -> jax.Array:
     """`moe_experts` with quantised weights, as the float32 math of the dequantised weights.
 
     scales: None (dense) or (s1, s2, s3) matching w1, w2, w3 (FP8 block scales or FP4 per-32 scales).
@@ -247,7 +270,7 @@ def moe_experts_quantized(x: jax.Array, expert_ids: jax.Array, weights: jax.Arra
     Returns [M, D] float32.
     """
     return moe_experts(x.astype(jnp.float32), expert_ids, weights, *dense_experts(w1, w2, w3, scales, jnp.float32),
-                       limit)
+                       limit, act_block)
 
 
 # ----------------------------------------------------------------------------- sparse window attention

@@ -67,13 +67,13 @@ def kernel(x, ids, w, w1, w2, w3, scales=None, **kw):
     return jax.jit(lambda *a: K.moe_experts(*a, LIMIT, scales=scales, **kw))(x, ids, w, w1, w2, w3)
 
 
-def reference(x, ids, w, w1, w2, w3, scales=None):
+def reference(x, ids, w, w1, w2, w3, scales=None, act_block=0):
     """float32 reference: dense weights upcast, quantised ones dequantised."""
     if scales is None:
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-        return jax.jit(lambda *a: R.moe_experts(*map(f32, a[:1]), *a[1:3], *map(f32, a[3:]), LIMIT))(
+        return jax.jit(lambda *a: R.moe_experts(*map(f32, a[:1]), *a[1:3], *map(f32, a[3:]), LIMIT, act_block))(
             x, ids, w, w1, w2, w3)
-    return jax.jit(lambda *a: R.moe_experts_quantized(*a, LIMIT, scales))(x, ids, w, w1, w2, w3)
+    return jax.jit(lambda *a: R.moe_experts_quantized(*a, LIMIT, scales, act_block))(x, ids, w, w1, w2, w3)
 
 
 def weights_in_fp8_128(w1, w2, w3):
@@ -211,7 +211,49 @@ def test_triton_matches_reference(fmt, kind, m, d):
         assert int(np.sum(np.bincount(np.asarray(ids).ravel(), minlength=e) == 0)) >= 2
 
 
-@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "swap_ab"])
+def test_act_quant_rule():
+    """reference.act_quant: power-of-two scales 2^ceil(log2(max(amax, 1e-4) / 448)) per block, the block's
+    largest value lands in [224, 448], values round to E4M3; fp8_fake_quant is exact in bf16."""
+    rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((5, 256)) * rng.uniform(1e-3, 1e3, (5, 1)), jnp.float32)
+    x = x.at[4, :64].set(0.0)                                     # an all-zero block: scale from the 1e-4 floor
+    q, s = R.act_quant(x, 64)
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == (5, 4)
+    s = np.asarray(s)
+    assert np.all(np.exp2(np.round(np.log2(s))) == s)
+    amax = np.abs(np.asarray(x)).reshape(5, 4, 64).max(-1)
+    np.testing.assert_array_equal(s, np.exp2(np.ceil(np.log2(np.maximum(amax, 1e-4) / 448))))
+    qmax = np.abs(np.asarray(q.astype(jnp.float32))).reshape(5, 4, 64).max(-1)
+    assert np.all((qmax[amax > 0] >= 224) & (qmax[amax > 0] <= 448)) and np.all(qmax[amax == 0] == 0)
+    fake = R.fp8_fake_quant(x, 64)
+    assert rel_err(fake, x) < 0.05
+    np.testing.assert_array_equal(np.asarray(fake.astype(jnp.bfloat16), np.float32), np.asarray(fake))
+    with pytest.raises(ValueError, match="does not divide"):
+        R.act_quant(x, 96)
+
+
+@pytest.mark.parametrize("fmt,act_block,kind,m", [
+    ("fp8", 64, "uniform", 150),      # FP8 weights, same block: FP8 x FP8 MMA (prefill tiles)
+    ("fp8", 64, "skewed", 21),        # ... decode tiles
+    ("fp8", 32, "uniform", 40),       # another block than the weights': rounded activations, bf16 MMA
+    ("fp4", 32, "balanced", 64),
+    ("bf16", 128, "uniform", 30),
+])
+def test_triton_act_quant_matches_reference(fmt, act_block, kind, m):
+    """act_block: the GEMM inputs rounded as the official model does, against reference(act_block=)."""
+    e, d, i, k = 8, 256, 128, 4
+    x, ids, w, w1, w2, w3 = problem(fresh_rng(), m, k, e, d, i, kind)
+    x = x.astype(jnp.bfloat16)   # the reference rounds the kernel's own input (FP8 rounding amplifies any change)
+    q1, q2, q3, sc = weights_in(fmt, w1, w2, w3)
+    want = reference(x.astype(jnp.float32), ids, w, q1, q2, q3, sc, act_block=act_block)
+    got = kernel(x, ids, w, q1, q2, q3, sc, backend="triton", interpret=True, act_block=act_block)
+    assert rel_err(got, want) < 1e-2
+    # the rounding is real: without it the same kernel lands further from this reference
+    plain = kernel(x, ids, w, q1, q2, q3, sc, backend="triton", interpret=True)
+    assert rel_err(got, want) < rel_err(plain, want)
+
+
+@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "swap_ab", "swap_ab_act_quant"])
 def test_mgpu_matches_reference(variant):
     """Mosaic GPU kernels in the MGPU interpreter. Its wgmma has neither a transposed SMEM operand nor a
     register operand: the row-tile kernels take the weights as [E, in, out] here (the model's [E, out, in]
@@ -220,11 +262,13 @@ def test_mgpu_matches_reference(variant):
     e, d, i, m, k = 4, 128, 128, 64, 2
     x, ids, w, w1, w2, w3 = problem(fresh_rng(), m, k, e, d, i, "skewed")
     bf = lambda a: a.astype(jnp.bfloat16)  # noqa: E731
-    want = reference(x, ids, w, bf(w1), bf(w2), bf(w3))
-    if variant == "swap_ab":
+    act = 64 if variant.endswith("act_quant") else 0   # float32 SwiGLU output, rounded to FP8 between kernels
+    want = reference(bf(x).astype(jnp.float32), ids, w, bf(w1), bf(w2), bf(w3), act_block=act)
+    if variant.startswith("swap_ab"):
         cfg = K.MgpuConfig(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
                            max_concurrent_steps=2, swap_ab=True)
-        got = kernel(bf(x), ids, w, bf(w1), bf(w2), bf(w3), backend="mgpu", config=cfg, interpret=True)
+        got = kernel(bf(x), ids, w, bf(w1), bf(w2), bf(w3), backend="mgpu", config=cfg, interpret=True,
+                     act_block=act)
     else:
         cfg = K.MgpuConfig(block_m=64, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
                            max_concurrent_steps=2, route_weight_in_kernel=variant == "rows")
@@ -346,6 +390,19 @@ def test_lower_for_cuda_v4_flash(backend, fmt, tokens, layout, cfg):
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
+@pytest.mark.parametrize("backend,fmt,tokens", [("triton", "fp8", 8192), ("triton", "fp8", 64),
+                                                ("mgpu", "fp4", 256), ("mgpu", "fp4", 8192)])
+def test_lower_act_quant_for_cuda_v4_flash(backend, fmt, tokens):
+    """act_block=128 at V4-Flash shapes: FP8 x FP8 dots in Triton (FP8 weights), float32 SwiGLU output from the
+    Mosaic GPU swap kernels (FP4 weights)."""
+    args, sc = v4_flash_args(fmt, tokens)
+    f = lambda *a: K.moe_experts(*a[:6], 10.0, scales=a[6], backend=backend, interpret=False,  # noqa: E731
+                                 act_block=128)
+    text = jax.jit(f).trace(*args, sc).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu" if backend == "mgpu" else "__gpu$xla.gpu.triton") >= 2
+
+
+@pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
 def test_mgpu_smem_budget_is_checked_at_lowering():
     args, _ = v4_flash_args("bf16", 8192)
     cfg = K.MgpuConfig(block_m=128, block_n=256, block_k=128)        # two 128x256 fp32 accs: too big
@@ -377,6 +434,22 @@ def test_gpu_compiled_matches_reference(backend, fmt, swap, kind, m):
     else:
         cfg = K.MgpuConfig() if backend == "mgpu" else K.default_config(backend, m * k, e)
     got = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend=backend, config=cfg)
+    assert rel_err(got, want) < 1e-2
+
+
+@gpu
+@skip_no_gpu
+@pytest.mark.parametrize("backend,fmt", [("triton", "fp8"), ("mgpu", "fp4"), ("triton", "fp4")])
+@pytest.mark.parametrize("kind,m", [("uniform", 64), ("balanced", 2048)])
+def test_gpu_act_quant_matches_reference(backend, fmt, kind, m):
+    """act_block=128 compiled: Triton FP8 x FP8 MMA (128x128-block FP8 weights); the Mosaic GPU FP4 swap
+    kernels' float32 SwiGLU output; Triton FP4 with rounded bf16 activations."""
+    e, d, i, k = 32, 1024, 512, 6
+    x, ids, w, w1, w2, w3 = problem(fresh_rng(), m, k, e, d, i, kind)
+    x = x.astype(jnp.bfloat16)
+    q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
+    want = reference(x.astype(jnp.float32), ids, w, q1, q2, q3, sc, act_block=128)
+    got = kernel(x, ids, w, q1, q2, q3, sc, backend=backend, act_block=128)
     assert rel_err(got, want) < 1e-2
 
 

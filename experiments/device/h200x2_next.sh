@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
-# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..11
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..12
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
 # after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
 # time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh; and the whole
@@ -10,8 +10,10 @@
 # GPU tests) and the model with it (FP4) and with 128-row Triton prefill tiles (bf16); 9: one [bn, 32G]
 # FP4 operand per step (32-token tiles for verify), the kernel sweep, V4 and V4.1 widths; 10: all MoE GPU
 # tests, 32-token FP4 tiles at 1024 tokens, then part 5's two-GPU runs with room to finish; 11 (for the next
-# session, not yet run): FP4 prefill on the swap kernels and more Triton prefill tiles, the per-kernel split
-# of the steps with this session's kernels, the bf16 LM head option, then the gather transport's block timing).
+# session): FP4 prefill on the swap kernels and more Triton prefill tiles, the per-kernel split of the steps
+# with this session's kernels, the bf16 LM head option, then the gather transport's block timing; 12 (sixth
+# session): FP8 activations (act_quant) -- the GPU tests, FP8 x FP8 MMA prefill and decode sweeps -- and the
+# model's FP4 prefill now that `auto` takes the Mosaic GPU swap kernels for it).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
@@ -172,6 +174,21 @@ case "${1:?part 1 to 11}" in
     export PYTHONUNBUFFERED=1
     timeout 150 python -m experiments.bench_ep --mesh 1,2,1 --expert-weights fp4 --transport gather \
         --strategy all_to_all --tokens 64,256,2048 --repeats 10 2>&1 | tee "$OUT"/bench_ep.log | tail -n 8 ;;
-*)  echo "part must be 1 to 11" >&2; exit 2 ;;
+12) export PYTHONUNBUFFERED=1
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 200 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "act_quant or model_pallas"
+     timeout 200 python -m experiments.bench_moe --regime prefill --prefill-tokens 4096,8192 --formats fp8 \
+         --impls xla,triton --act-block 128 --routing balanced --iters 10
+     timeout 120 python -m experiments.bench_moe --regime decode --decode-tokens 64,256 --formats fp8 \
+         --impls triton,mgpu --act-block 128 --routing balanced --iters 10
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 240 $B --phase prefill --prefill-batch 1,4 --context 32768 --expert-weights fp4 --tag h200_fp4_prefill
+     timeout 120 $B --phase decode --batch 64,256 --context 32768 --expert-weights fp4 --head-dtype bfloat16 \
+         --tag h200_fp4_bf16_head
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep "passed\|failed\|^| prefill\|^| decode" "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
+*)  echo "part must be 1 to 12" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

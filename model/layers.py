@@ -179,7 +179,7 @@ def fp4_fake_quant(x: jax.Array, block: int, e4m3_scale: bool = False) -> jax.Ar
     b = _blocks(x, block)
     amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
     if e4m3_scale:
-        scale = (jnp.maximum(amax, 6 * 2.0 ** -9) / 6).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = ref.fp8_values((jnp.maximum(amax, 6 * 2.0 ** -9) / 6).astype(jnp.float8_e4m3fn))
     else:
         scale = _pow2_ceil(jnp.maximum(amax, 6 * 2.0 ** -126) / 6)
     q = _round_e2m1(jnp.clip(b / scale, -6.0, 6.0)) * scale

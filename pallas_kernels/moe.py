@@ -940,9 +940,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     as ragged_dot takes them; the MGPU CPU interpreter has no transposed wgmma operand, so its tests use this).
     Activations enter the GEMMs as `compute_dtype` (bf16; dense weights use their own dtype).
     act_block > 0: both GEMMs' inputs are FP8 act_quant'd per `act_block` values first (the official model's
-    numerics, `reference.moe_experts(act_block=)`). With FP8 weights of the same block on the Triton backend
-    the kernels then multiply FP8 x FP8 (tensor-core FP8 MMA, both scales on the f32 partial products);
-    otherwise the rounded activations enter the usual kernels in `compute_dtype` (exact: 4 significant bits).
+    numerics, `reference.moe_experts(act_block=)`). With FP8 weights of the same block on the Triton backend,
+    at decode / verify loads (<= 48 rows per expert), the kernels then multiply FP8 x FP8 (tensor-core FP8
+    MMA, both scales on the f32 partial products); otherwise the rounded activations enter the usual kernels
+    in `compute_dtype` (exact: 4 significant bits).
     Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
     """
     s1, s2, s3 = (None, None, None) if scales is None else tuple(_as_e8m0_bytes(s) for s in scales)
@@ -976,7 +977,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     if config is None:
         config = default_config(backend, m * k, e, fmt)
     interp = _interpret_flag(backend, interpret)
-    fp8_mma = (act_block > 0 and backend == "triton" and fmt == "fp8"
+    # FP8 x FP8 MMA where it measured faster (bench_moe, H200): decode / verify tiles (3.84-3.90 TB/s against
+    # 3.32-3.43 for the Mosaic GPU swap kernels at 64 / 256 tokens); prefill ran 186-193 TFLOP/s in Triton,
+    # below the bf16 MMA of the rounded activations (256), so prefill keeps that
+    fp8_mma = (act_block > 0 and backend == "triton" and fmt == "fp8" and m * k <= 48 * e
                and act_block == ref.fp8_block_size(w1.shape, s1.shape))
     # act_block: the SwiGLU output leaves the gate/up kernel in float32 and is rounded from there (as the
     # reference rounds it), then enters the down GEMM as FP8 (fp8_mma) or as its exact compute_dtype value

@@ -191,11 +191,18 @@ def act_quant(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     return q.reshape(x.shape), jnp.ldexp(jnp.ones(exp.shape, jnp.float32), exp)
 
 
+def fp8_values(q: jax.Array) -> jax.Array:
+    """FP8 -> float32 where the FP8 array was just made in the same program. The optimization barrier keeps XLA
+    from folding the f32 -> fp8 -> f32 convert pair away: on the GPU its excess-precision simplification
+    removes it, silently skipping the rounding (measured on the H200, experiments/probes/triton_fp8_dot.py)."""
+    return jax.lax.optimization_barrier(q).astype(jnp.float32)
+
+
 def fp8_fake_quant(x: jax.Array, block: int) -> jax.Array:
     """x rounded through `act_quant` and back (FP8 values times their power-of-two scales), in x's dtype (exact
     in bf16 too: an E4M3 value times a power of two has 4 significant bits)."""
     q, scale = act_quant(x, block)
-    blocks = q.astype(jnp.float32).reshape(*x.shape[:-1], -1, block) * scale[..., None]
+    blocks = fp8_values(q).reshape(*x.shape[:-1], -1, block) * scale[..., None]
     return blocks.reshape(x.shape).astype(x.dtype)
 
 

@@ -233,8 +233,9 @@ def test_act_quant_rule():
 
 
 @pytest.mark.parametrize("fmt,act_block,kind,m", [
-    ("fp8", 64, "uniform", 150),      # FP8 weights, same block: FP8 x FP8 MMA (prefill tiles)
+    ("fp8", 64, "uniform", 40),       # FP8 weights, same block: FP8 x FP8 MMA (verify tiles)
     ("fp8", 64, "skewed", 21),        # ... decode tiles
+    ("fp8", 64, "uniform", 150),      # prefill loads: rounded activations, bf16 MMA
     ("fp8", 32, "uniform", 40),       # another block than the weights': rounded activations, bf16 MMA
     ("fp4", 32, "balanced", 64),
     ("bf16", 128, "uniform", 30),
@@ -451,6 +452,21 @@ def test_gpu_act_quant_matches_reference(backend, fmt, kind, m):
     want = reference(x.astype(jnp.float32), ids, w, q1, q2, q3, sc, act_block=128)
     got = kernel(x, ids, w, q1, q2, q3, sc, backend=backend, act_block=128)
     assert rel_err(got, want) < 1e-2
+
+
+@gpu
+@skip_no_gpu
+def test_gpu_fp8_rounding_survives_jit():
+    """XLA's GPU excess-precision simplification folds an f32 -> fp8 -> f32 convert pair made in one program;
+    reference.fp8_values (an optimization barrier) keeps the rounding, so every FP8 fake-quant does."""
+    x = jnp.asarray(fresh_rng().standard_normal((64, 256)), jnp.float32)
+    want = np.asarray(x).astype(jnp.float8_e4m3fn).astype(np.float32)           # host (ml_dtypes) rounding
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: R.fp8_values(v.astype(jnp.float8_e4m3fn)))(x)),
+                                  want)
+    q, s = R.act_quant(x, 128)
+    host = np.asarray(q.astype(jnp.float32)).reshape(64, 2, 128) * np.asarray(s)[..., None]
+    np.testing.assert_array_equal(np.asarray(jax.jit(R.fp8_fake_quant, static_argnums=1)(x, 128)),
+                                  host.reshape(64, 256))
 
 
 @gpu

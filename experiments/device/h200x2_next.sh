@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU work left after the third session (docs/benchmarks.md "Not yet measured"), as nvidia-h200-x2 device
-# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..12
+# calls of < 10 minutes each; run from the repo root: bash experiments/device/h200x2_next.sh 1..13
 # (4: what 3 could not do -- V4.1 init ran out of memory, the CUPTI breakdown failed on a donated cache --
 # after their fixes, and the f16-operand FP4 MMA that replaced the slower integer-only decoder; 5: what 1's
 # time limit cut, the gather transport's block timing and realistic mode on the ep=2 mesh; and the whole
@@ -13,7 +13,9 @@
 # session): FP4 prefill on the swap kernels and more Triton prefill tiles, the per-kernel split of the steps
 # with this session's kernels, the bf16 LM head option, then the gather transport's block timing; 12 (sixth
 # session): FP8 activations (act_quant) -- the GPU tests, FP8 x FP8 MMA prefill and decode sweeps -- and the
-# model's FP4 prefill now that `auto` takes the Mosaic GPU swap kernels for it).
+# model's FP4 prefill now that `auto` takes the Mosaic GPU swap kernels for it; 13 (one GPU is enough): the
+# same act_quant tests and sweeps after the fix of the reference's FP8 rounding on the GPU, whose convert pair
+# XLA had folded away -- experiments/probes/triton_fp8_dot.py found it).
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
@@ -189,6 +191,12 @@ case "${1:?part 1 to 11}" in
     ) > "$OUT"/gpu1.log 2>&1 &
     wait
     grep "passed\|failed\|^| prefill\|^| decode" "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
-*)  echo "part must be 1 to 12" >&2; exit 2 ;;
+13) export PYTHONUNBUFFERED=1
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "act_quant or rounding" 2>&1 | tail -3
+    timeout 200 python -m experiments.bench_moe --regime decode --decode-tokens 64,256,1024 --formats fp8 \
+        --impls xla,triton,mgpu --act-block 128 --routing balanced --iters 10 2>&1 | grep "^| decode"
+    timeout 150 python -m experiments.bench_moe --regime prefill --prefill-tokens 8192 --formats fp8 \
+        --impls triton --act-block 128 --routing balanced --iters 10 --quick 2>&1 | grep "^| prefill" ;;
+*)  echo "part must be 1 to 13" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -5,7 +5,7 @@ combine) at V4-Flash expert shapes (256 experts, 4096 -> 2048 -> 4096, top-6) on
   python -m experiments.bench_moe                         # small config sweeps (best of each is reported)
   python -m experiments.bench_moe --regime decode --formats bf16,fp4
   python -m experiments.bench_moe --roofline-only         # print the predictions only (runs on a CPU)
-  python -m experiments.bench_moe --regime prefill --formats fp8 --act-block 128   # FP8 x FP8 MMA (Triton)
+  python -m experiments.bench_moe --regime decode --formats fp8 --act-block 128    # FP8 x FP8 MMA (Triton)
 
 Cases: prefill 8192 tokens (49152 routed rows; --prefill-tokens) and decode/verify 64..256 tokens x 6 rows,
 with forced-balance routing (DeepInfer's benchmark mode) and random top-6 routing. Weights bf16, FP8 (E4M3 +
@@ -71,7 +71,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                          "e.g. '[{\"block_m\": 16, \"block_k\": 256, \"swap_ab\": true}]'")
     p.add_argument("--act-block", type=int, default=0,
                    help="FP8 act_quant block of the GEMM inputs (0: off; 128: the V4 model's numerics). With FP8 "
-                        "weights of the same block the Triton kernels multiply FP8 x FP8")
+                        "weights of the same block the Triton decode / verify kernels multiply FP8 x FP8")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="results directory (default experiments/results, --smoke: "
                                   "$TMPDIR/bench_moe_smoke); $OUT also gets a copy of a measurement")
@@ -253,11 +253,10 @@ def _layer_fn(fmt: str, seed: int):
 
 
 def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None = None,
-            rows_per_expert: float = 0.0, act_block: int = 0):
+            rows_per_expert: float = 0.0):
     """Small sweeps; the first entry is the default tiling where default_config has one for the regime (and
-    the only entry with --quick). FP8 prefill with FP8 activations (act_block 128) sweeps 128-deep K steps
-    (an FP8 MMA consumes 32 per instruction). FP4 decode tiles hold 16 tokens, 32 past 16 rows per expert
-    (one pass over the weights). `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU
+    the only entry with --quick). FP4 decode tiles hold 16 tokens, 32 past 16 rows per expert (one pass over
+    the weights). `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU
     sweep of every case."""
     from pallas_kernels.moe import MgpuConfig, TritonConfig
     if impl == "mgpu" and mgpu_json:
@@ -306,13 +305,7 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                    swap(block_m=16, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
                         max_concurrent_steps=8)]
     elif impl == "triton":
-        if regime == "prefill" and fmt == "fp8" and act_block == 128:
-            out = [TritonConfig(128, 128, 128, 128, 128, num_warps=8, num_stages=3),
-                   TritonConfig(128, 128, 128, 128, 128, num_warps=8, num_stages=4),
-                   TritonConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=4),
-                   TritonConfig(64, 128, 128, 128, 128, num_warps=4, num_stages=4),
-                   TritonConfig(128, 64, 128, 64, 128, num_warps=4, num_stages=4)]
-        elif regime == "prefill":
+        if regime == "prefill":
             out = [TritonConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=3),
                    TritonConfig(64, 128, 64, 128, 64, num_warps=4, num_stages=3),
                    TritonConfig(64, 64, 128, 128, 128, num_warps=4, num_stages=3),
@@ -496,7 +489,7 @@ def bench_moe(args) -> list[dict]:
                     continue
                 act = 0 if impl in ("layer", "jax_mgpu") else getattr(args, "act_block", 0)
                 for cfg in configs(impl, regime, fmt, args.quick or getattr(args, "one_config", False),
-                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E, act):
+                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E):
                     rec = dict(base, impl=impl, act_block=act, config=(cfg if isinstance(cfg, dict) or cfg is None
                                                                        else cfg.__dict__))
                     try:

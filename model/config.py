@@ -137,7 +137,8 @@ class ModelConfig:
     dspark_n_experts_per_tok: int = 0
     gate_temp: float = 1.0
     engram_placement: str = "device"  # "device" (HBM, shardable) or "host" (numpy, rows gathered per step)
-    # Fake-quant steps of the official model (FP8 window KV, FP4 compressed KV / indexer q,k): on for
+    # Fake-quant steps of the official model (FP8 window KV, FP4 compressed KV / indexer q,k, and act_quant of
+    # the inputs of its FP8 / FP4 GEMMs: the release's FP8 linears but wo_a, the routed experts): on for
     # fidelity to the trained model, off for exactness tests.
     quant_sim: bool = False
     # Implementations of the hot paths (pallas_kernels): "reference" (pure jnp, every backend) or "pallas".
@@ -265,6 +266,11 @@ class ModelConfig:
     def fp8_block(self) -> int:
         """Edge B of the square FP8 weight-scale blocks: 128 (V4) or 32 (V4.1) (MODEL_SPEC 3.7)."""
         return 128 if self.generation == "v4" else 32
+
+    @property
+    def act_quant_block(self) -> int:
+        """Block of the act_quant rounding of FP8 / FP4 GEMM inputs under quant_sim (fp8_block), else 0."""
+        return self.fp8_block if self.quant_sim else 0
 
     @property
     def nope_head_dim(self) -> int:

@@ -34,6 +34,8 @@ class Linear(nnx.Module):
     After `quantise(B)` (cfg.dense_weights="fp8", the tensors of quant_io.release_fp8) W is held as the
     release ships it: `weight` float8_e4m3fn [out, in] and `scale` UE8M0 exponent bytes uint8
     [ceil(out/B), ceil(in/B)]; each call dequantises it in-graph to the model dtype, then multiplies as usual.
+    `act_block` > 0 (cfg.quant_sim, the official FP8 GEMMs): the input is first rounded by act_quant per
+    `act_block` values (`reference.fp8_fake_quant`), as the official FP8 GEMM rounds it.
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -43,6 +45,7 @@ class Linear(nnx.Module):
         self.dtype = dtype
         self.fp32 = fp32
         self.input_dtype = input_dtype
+        self.act_block = 0
 
     def quantise(self, block: int) -> None:
         """Hold the weight as FP8 E4M3 with one UE8M0 scale per `block` x `block` block (traceable)."""
@@ -58,6 +61,8 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.dense_weight()
+        if self.act_block:
+            x = ref.fp8_fake_quant(x, self.act_block)
         if self.fp32:
             return jnp.einsum("...i,oi->...o", x.astype(self.input_dtype), w.astype(self.input_dtype),
                               preferred_element_type=jnp.float32)

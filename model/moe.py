@@ -113,14 +113,16 @@ class MLP(nnx.Module):
         return self.w2(z.astype(x.dtype))
 
 
-def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=None) -> jax.Array:
+def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=None, act_block: int = 0
+                   ) -> jax.Array:
     """The routed-expert block on one device: "pallas" (grouped-GEMM kernel, quantised weights dequantised
-    inside) or "reference" (jnp; quantised weights dequantised in-graph). x [M, D] -> [M, D] float32."""
+    inside) or "reference" (jnp; quantised weights dequantised in-graph). act_block > 0: both GEMMs' inputs
+    rounded by act_quant (cfg.quant_sim). x [M, D] -> [M, D] float32."""
     if impl == "pallas":
-        return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales)
-    if scales is None:
-        return ref.moe_experts(x, ids, weights, w1, w2, w3, limit)
-    return ref.moe_experts(x, ids, weights, *ref.dense_experts(w1, w2, w3, scales, x.dtype), limit)
+        return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block)
+    if scales is not None:
+        w1, w2, w3 = ref.dense_experts(w1, w2, w3, scales, x.dtype)
+    return ref.moe_experts(x, ids, weights, w1, w2, w3, limit, act_block)
 
 
 class MoE(nnx.Module):
@@ -130,6 +132,7 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(cfg, rngs=rngs, dtype=dtype)
         self.limit = cfg.swiglu_limit
         self.impl = cfg.moe_impl
+        self.act_block = cfg.act_quant_block   # the official FP4 expert GEMMs round their inputs (quant_sim)
 
     def route(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D], tokens [B, T] -> expert ids, weights [B, T, k]."""
@@ -144,6 +147,6 @@ class MoE(nnx.Module):
         experts = getattr(self, "expert_parallel", None) or functools.partial(routed_experts, self.impl)
         w1, w2, w3, scales = self.experts.stored()
         routed = experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1), w1, w2, w3, self.limit,
-                         scales=scales)
+                         scales=scales, act_block=self.act_block)
         out = routed + self.shared_experts(x).astype(jnp.float32)
         return out.astype(h.dtype).reshape(h.shape)

@@ -57,6 +57,7 @@ __all__ = [
     "fp4_codes_from_float",
     "infer_fp8_block",
     "release_fp8",
+    "official_fp8_gemm",
     "dequantize_official",
 ]
 
@@ -605,6 +606,13 @@ def release_fp8(name: str) -> bool:
     """True for the official `<module>.weight` names the release stores as FP8 E4M3 + UE8M0 block scales
     (`<module>.scale`, [ceil(out/B), ceil(in/B)], B = 128 V4 / 32 V4.1)."""
     return _RELEASE_FP8.fullmatch(name) is not None
+
+
+def official_fp8_gemm(name: str) -> bool:
+    """True for the `<module>.weight` matrices the official inference multiplies as FP8 GEMMs, whose inputs it
+    rounds with act_quant (MODEL_SPEC 3.7): the release's FP8 matrices except `attn.wo_a`, which it
+    dequantises to bf16 at load (convert.py)."""
+    return release_fp8(name) and not name.endswith("attn.wo_a.weight")
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -145,13 +146,15 @@ class DSparkBlock(Block):
 class Piece:
     """One top-level module of the Transformer: `name` (`layers`, `mtp`: `index` in the list), the static
     description it is built from (`key`: pieces with equal keys build equal shapes, e.g. layers of one
-    spec) and `make(rngs)`. `build` also holds the release's FP8 matrices as FP8 when the config asks."""
+    spec) and `make(rngs)`. `build` also holds the release's FP8 matrices as FP8 when the config asks
+    (`fp8_block`), and gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`)."""
 
     name: str
     index: int | None
     key: tuple
     make: Callable[[nnx.Rngs], nnx.Module | None]
     fp8_block: int | None
+    act_block: int = 0
 
     @property
     def path(self) -> str:
@@ -159,11 +162,15 @@ class Piece:
 
     def build(self, rngs: nnx.Rngs) -> nnx.Module | None:
         module = self.make(rngs)
-        if module is not None and self.fp8_block:  # random FP8 matrices: quantised here (no randomness)
+        if module is not None and (self.fp8_block or self.act_block):
             for path, sub in nnx.iter_modules(module):
                 name = ".".join(map(str, (self.path, *path, "weight")))
-                if isinstance(sub, Linear) and quant_io.release_fp8(name):
+                if not isinstance(sub, Linear):
+                    continue
+                if self.fp8_block and quant_io.release_fp8(name):  # random FP8 matrices: quantised here
                     sub.quantise(self.fp8_block)
+                if quant_io.official_fp8_gemm(name):
+                    sub.act_block = self.act_block
         return module
 
 
@@ -180,22 +187,23 @@ def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> l
     `nnx.Rngs` in turn, so building the pieces one by one in this order (sharding.apply.init_sharded: one
     compiled program per distinct piece) gives the same weights as building the model at once."""
     dtype = resolve_dtype(dtype)
-    fp8 = cfg.fp8_block if cfg.dense_weights == "fp8" else None
+    piece = functools.partial(Piece, fp8_block=cfg.fp8_block if cfg.dense_weights == "fp8" else None,
+                              act_block=cfg.act_quant_block)
     d, spec = cfg.hidden_size, cfg.layer_spec
-    plan = [Piece("embed", None, ("embed",), lambda r: Embedding(cfg.vocab_size, d, rngs=r, dtype=dtype), fp8)]
-    plan += [Piece("layers", i, ("layers", _weights_key(spec(i))),
-                   lambda r, s=spec(i): Block(cfg, s, rngs=r, dtype=dtype, hasher=hasher), fp8)
+    plan = [piece("embed", None, ("embed",), lambda r: Embedding(cfg.vocab_size, d, rngs=r, dtype=dtype))]
+    plan += [piece("layers", i, ("layers", _weights_key(spec(i))),
+                   lambda r, s=spec(i): Block(cfg, s, rngs=r, dtype=dtype, hasher=hasher))
              for i in range(cfg.num_layers)]
     for j in range(cfg.num_mtp_layers):
         s = spec(cfg.num_layers + j)
         make = ((lambda r, s=s: MTPBlock(cfg, s, rngs=r, dtype=dtype)) if cfg.generation == "v4" else
                 (lambda r, s=s, j=j: DSparkBlock(cfg, s, j, rngs=r, dtype=dtype)))
-        plan.append(Piece("mtp", j, ("mtp", j, _weights_key(s)), make, fp8))
-    plan.append(Piece("hc_head", None, ("hc_head",), (lambda r: HyperHead(cfg.hc_mult, d, rngs=r))
-                      if cfg.generation == "v4" else (lambda r: None), fp8))
-    plan.append(Piece("norm", None, ("norm",), lambda r: RMSNorm(d, cfg.rms_norm_eps, rngs=r), fp8))
-    plan.append(Piece("head", None, ("head",), lambda r: Linear(d, cfg.vocab_size, rngs=r, dtype=dtype, fp32=True,
-                                                                input_dtype=cfg.head_dtype), fp8))
+        plan.append(piece("mtp", j, ("mtp", j, _weights_key(s)), make))
+    plan.append(piece("hc_head", None, ("hc_head",), (lambda r: HyperHead(cfg.hc_mult, d, rngs=r))
+                      if cfg.generation == "v4" else (lambda r: None)))
+    plan.append(piece("norm", None, ("norm",), lambda r: RMSNorm(d, cfg.rms_norm_eps, rngs=r)))
+    plan.append(piece("head", None, ("head",), lambda r: Linear(d, cfg.vocab_size, rngs=r, dtype=dtype, fp32=True,
+                                                                input_dtype=cfg.head_dtype)))
     return plan
 
 

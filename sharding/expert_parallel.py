@@ -113,9 +113,10 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ the call
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
-                 w3: jax.Array, limit: float, scales=None) -> jax.Array:
+                 w3: jax.Array, limit: float, scales=None, act_block: int = 0) -> jax.Array:
         """Same contract as `model.moe.routed_experts`: x [M, D], ids/weights [M, k], weights as stored
-        (scales (s1, s2, s3) for FP4 experts, else None) -> [M, D] float32."""
+        (scales (s1, s2, s3) for FP4 experts, else None), act_block (act_quant of both GEMMs' inputs)
+        -> [M, D] float32."""
         from model.moe import routed_experts
 
         m, k = ids.shape
@@ -129,7 +130,7 @@ class ExpertParallel:
             w1, w2, w3 = (jnp.take(w, slots, axis=0) for w in (w1, w2, w3))
             scales = None if scales is None else tuple(jnp.take(s, slots, axis=0) for s in scales)
         if self.mesh is None:
-            return routed_experts(self.impl, x, ids, weights, w1, w2, w3, limit, scales=scales)
+            return routed_experts(self.impl, x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block)
         strategy, transport, tok_axes = self.choose(m)
         tok = P(tok_axes if tok_axes else None)
         w13, w2s = P("ep", "tp", None), P("ep", None, "tp")  # FP4: packed weights and scales split alike
@@ -141,7 +142,8 @@ class ExpertParallel:
             body = _dispatch_body
 
         def run(x, ids, wts, w1, w2, w3, *s):
-            return body(x, ids, wts, w1, w2, w3, s or None, limit=limit, transport=transport, impl=self.impl)
+            return body(x, ids, wts, w1, w2, w3, s or None, limit=limit, transport=transport, impl=self.impl,
+                        act_block=act_block)
 
         # pallas_call declares no varying-axes type for its outputs, and comm_only's rows do not vary over
         # tp: shard_map's varying-axes check runs with the reference arithmetic only
@@ -152,12 +154,12 @@ class ExpertParallel:
 
 # ----------------------------------------------------------------------------- per-shard bodies
 
-def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, impl):
+def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, impl, act_block):
     """Rows [N, D] for this shard's expert slots `slot` [N] (local ids), weights [N], valid [N] ->
     [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid). "pallas": the grouped-GEMM
-    kernel with the invalid rows dropped; "reference": rows sorted by slot and grouped `ragged_dot`s
+    kernel with the invalid rows dropped; "reference": `reference.moe_experts` over the valid rows
     (slots without rows cost nothing either way). FP4 `scales`: the kernel dequantises in registers, the
-    reference dequantises this shard's experts in-graph."""
+    reference dequantises this shard's experts in-graph. act_block: act_quant of both GEMMs' inputs."""
     n_local = w1.shape[0]
     if impl == "comm_only":  # benchmarking the transport: rows come back as they went, scaled by their weights
         return jnp.where(valid[:, None], rows.astype(jnp.float32) * wts[:, None], 0.0)
@@ -166,22 +168,16 @@ def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, impl):
 
         ids = jnp.where(valid, slot, n_local)[:, None]
         return pallas_moe.moe_experts(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit,
-                                      scales=scales)
+                                      scales=scales, act_block=act_block)
     if scales is not None:
         w1, w2, w3 = ref.dense_experts(w1, w2, w3, scales, rows.dtype)
-    key = jnp.where(valid, slot, n_local)
-    order = jnp.argsort(key, stable=True)
-    xs = jnp.take(rows, order, axis=0).astype(w1.dtype)
-    sizes = jnp.bincount(key, length=n_local).astype(jnp.int32)  # invalid rows (key = n_local) dropped
-    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), sizes, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), sizes, preferred_element_type=jnp.float32)
-    z = ref.clamped_swiglu(gate, up, limit) * jnp.take(wts, order)[:, None]
-    y = jax.lax.ragged_dot(z.astype(w2.dtype), jnp.swapaxes(w2, 1, 2), sizes, preferred_element_type=jnp.float32)
-    y = jnp.where(jnp.take(valid, order)[:, None], y, 0.0)
-    return jnp.zeros_like(y).at[order].set(y)
+    # one expert choice per row; an invalid row gets slot n_local, outside every ragged_dot group
+    ids = jnp.where(valid, slot, n_local)[:, None]
+    y = ref.moe_experts(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit, act_block)
+    return jnp.where(valid[:, None], y, 0.0)
 
 
-def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl):
+def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl, act_block):
     """Every token [M, D] x its k choices against this shard's slots -> partial [M, D] float32."""
     m, k = ids.shape
     n_local = w1.shape[0]
@@ -190,20 +186,21 @@ def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl):
     if impl == "pallas":  # the kernel drops the other shards' rows itself (no broadcast copies of x)
         from pallas_kernels import moe as pallas_moe
 
-        return pallas_moe.moe_experts(x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit, scales=scales)
+        return pallas_moe.moe_experts(x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit, scales=scales,
+                                      act_block=act_block)
     rows = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[-1])).reshape(m * k, -1)
     y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, scales, limit,
-                       impl)
+                       impl, act_block)
     return jnp.sum(y.reshape(m, k, -1), axis=1)
 
 
-def _replicate_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl):
-    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl), ("ep", "tp"))
+def _replicate_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl, act_block):
+    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl, act_block), ("ep", "tp"))
 
 
-def _gather_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl):
+def _gather_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl, act_block):
     xg, ig, wg = (jax.lax.all_gather(a, "ep", tiled=True) for a in (x, ids, wts))
-    y = _experts_for_all(xg, ig, wg, w1, w2, w3, scales, limit, impl)
+    y = _experts_for_all(xg, ig, wg, w1, w2, w3, scales, limit, impl, act_block)
     return jax.lax.psum(jax.lax.psum_scatter(y, "ep", scatter_dimension=0, tiled=True), "tp")
 
 
@@ -211,7 +208,7 @@ def _exclusive_cumsum(a, axis=0):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def _dispatch_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl):
+def _dispatch_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl, act_block):
     """all-to-all dispatch -> local experts -> all-to-all combine, for this shard's [M_l] tokens."""
     a2a = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_all_to_all_padded
     m, k = ids.shape
@@ -236,7 +233,8 @@ def _dispatch_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl):
     recv_slot = a2a(send_slot, jnp.full((cap,), -1, jnp.int32), axis_name="ep", **args)
     recv_w = a2a(send_w, jnp.zeros((cap,), jnp.float32), axis_name="ep", **args)
     valid = jnp.arange(cap) < jnp.sum(recv_sizes)
-    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, scales, limit, impl)
+    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, scales, limit, impl,
+                       act_block)
     # back: the rows from shard i sit contiguously at sum_{i'<i} recv_sizes[i'] of my buffer
     back = a2a(y, jnp.zeros((n, y.shape[-1]), y.dtype), axis_name="ep",
                input_offsets=_exclusive_cumsum(recv_sizes), send_sizes=recv_sizes,

@@ -115,6 +115,9 @@ def run_meshes(out_path: str, full: bool = False) -> None:
                 fp4 = init_random(cfg.replace(expert_weights="fp4", moe_impl=impl), seed=0, dtype="float32")
                 case(f"fp4 {impl}", mesh, shard_model(fp4, mesh, EPConfig("all_to_all", "padded")),
                      want=np.asarray(fp4(tokens)), impl=impl)
+            # quant_sim: act_quant of the expert GEMM inputs inside each shard (gather transport)
+            sim = init_random(cfg.replace(expert_weights="fp4", quant_sim=True), seed=0, dtype="float32")
+            case("fp4 quant_sim", mesh, shard_model(sim, mesh), want=np.asarray(sim(tokens)))
             # Pallas attention + indexer per batch shard (sharding.batch_parallel), the 8 sequences 1 per device
             attn = init_random(cfg.replace(attention_impl="pallas"), seed=0, dtype="float32")
             case("pallas attention", mesh, shard_model(attn, mesh), want=np.asarray(attn(tokens)),

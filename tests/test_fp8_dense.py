@@ -19,6 +19,8 @@ from model.checkpoint import (build_from_tensors, load_checkpoint, official_tens
 from model.transformer import abstract_model, parameter_count
 from pallas_kernels import reference as ref
 
+from common import rel_err
+
 V4 = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
                                            name="v4-small")
 V41 = ModelConfig.preset("tiny-v41")
@@ -175,6 +177,34 @@ def test_memory_and_roofline_formats():
         assert bytes_per_param(cfg, cls, "fp8-fp4-experts") == bytes_per_param(cfg, cls, "fp4-experts")
         assert gemm_peak(cls, "fp8-fp4-experts", H200_MEASURED) == H200_MEASURED["bf16_flops"]
         assert gemm_peak(cls, "fp4-experts", H200_MEASURED) == H200_MEASURED["fp8_flops"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_quant_sim_rounds_the_official_fp8_gemm_inputs(preset):
+    """quant_sim gives act_quant to the inputs of exactly the official FP8 GEMMs (the release's FP8 matrices but
+    wo_a, which the official inference dequantises to bf16) and of the routed experts, with cfg.fp8_block. (With
+    random weights every fake-quant step moves the logits by tens of percent, as between the official fp32 and
+    quantised golden runs, so only "they change" is checked numerically.)"""
+    from model.layers import Linear
+    from model.moe import MoE
+
+    cfg = ModelConfig.preset(preset)
+    tokens = np.random.default_rng(0).integers(3, cfg.vocab_size - 2, (2, 12))
+    plain = init_random(cfg, seed=0, dtype="float32")
+    sim = init_random(cfg.replace(quant_sim=True), seed=0, dtype="float32")
+    rounded = []
+    for path, sub in nnx.iter_modules(sim):
+        name = ".".join(map(str, path)) + ".weight"
+        if isinstance(sub, Linear):
+            assert sub.act_block == (cfg.fp8_block if quant_io.official_fp8_gemm(name) else 0), name
+            rounded += [name] if sub.act_block else []
+        if isinstance(sub, MoE):
+            assert sub.act_block == cfg.fp8_block
+    assert any("shared_experts" in n for n in rounded) and any("wq_a" in n for n in rounded)
+    assert not any("wo_a" in n or "compressor" in n or n == "head.weight" for n in rounded)
+    assert all(m.act_block == 0 for _, m in nnx.iter_modules(plain) if isinstance(m, (Linear, MoE)))
+    got = np.asarray(sim(tokens))
+    assert np.isfinite(got).all() and rel_err(got, plain(tokens)) > 1e-3
 
 
 def test_sharded_on_8_devices(tmp_path_factory):

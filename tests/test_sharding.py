@@ -222,9 +222,10 @@ def mesh_results(tmp_path_factory):
 
 
 def _tol(case: dict) -> float:
-    """The FP4 kernel rounds its SwiGLU output to bf16; a shard's tiles (other sizes, another accumulation
-    order) flip a few of those roundings: bf16-level agreement with the single-device kernel."""
-    return 2e-3 if case["case"] == "fp4 pallas" else TOL
+    """The FP4 kernel rounds its SwiGLU output to bf16, and quant_sim rounds GEMM inputs to FP8; a shard's
+    tiles or sums (other sizes, another accumulation order) flip a few of those roundings: bf16-level agreement
+    with the single device (a missing rounding would differ by tens of percent)."""
+    return 2e-3 if case["case"] in ("fp4 pallas", "fp4 quant_sim") else TOL
 
 
 def _cases(results, preset, case=None):
@@ -254,7 +255,7 @@ def test_ep_variants_and_record(mesh_results):
 
 def test_born_sharded_and_placement_cases(mesh_results):
     for name in ("init_random(mesh)", "load_checkpoint(mesh)", "redundant+rebalanced", "pallas all_to_all",
-                 "pallas replicate", "fp4 reference", "fp4 pallas", "pallas attention"):
+                 "pallas replicate", "fp4 reference", "fp4 pallas", "fp4 quant_sim", "pallas attention"):
         (c,) = _cases(mesh_results, "tiny-v4", name)
         assert c["logits_rel_err"] < _tol(c), c
     (c,) = _cases(mesh_results, "tiny-v4", "pallas attention")

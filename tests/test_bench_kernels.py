@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,7 @@ def test_bench_kernels_quick(tmp_path):
             assert r["topk_overlap"] == 1.0, r
 
 
+@pytest.mark.slow
 def test_bench_moe_smoke(tmp_path):
     recs = _run("experiments.bench_moe", "--smoke", out=tmp_path)["records"]
     assert not any(r.get("error") for r in recs)

@@ -19,8 +19,6 @@ from model.checkpoint import (build_from_tensors, load_checkpoint, official_tens
 from model.transformer import abstract_model, parameter_count
 from pallas_kernels import reference as ref
 
-from common import rel_err
-
 V4 = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
                                            name="v4-small")
 V41 = ModelConfig.preset("tiny-v41")
@@ -182,16 +180,15 @@ def test_memory_and_roofline_formats():
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
 def test_quant_sim_rounds_the_official_fp8_gemm_inputs(preset):
     """quant_sim gives act_quant to the inputs of exactly the official FP8 GEMMs (the release's FP8 matrices but
-    wo_a, which the official inference dequantises to bf16) and of the routed experts, with cfg.fp8_block. (With
-    random weights every fake-quant step moves the logits by tens of percent, as between the official fp32 and
-    quantised golden runs, so only "they change" is checked numerically.)"""
+    wo_a, which the official inference dequantises to bf16) and of the routed experts, with cfg.fp8_block. The
+    numbers: tests/test_kernels_moe.py (MoE layer, Pallas and reference), tests/test_sharding.py (ep=4 against
+    one device), tests/test_golden_v41.py (the whole model with every sim on)."""
     from model.layers import Linear
     from model.moe import MoE
 
     cfg = ModelConfig.preset(preset)
-    tokens = np.random.default_rng(0).integers(3, cfg.vocab_size - 2, (2, 12))
-    plain = init_random(cfg, seed=0, dtype="float32")
-    sim = init_random(cfg.replace(quant_sim=True), seed=0, dtype="float32")
+    plain = abstract_model(cfg, dtype="float32")
+    sim = abstract_model(cfg.replace(quant_sim=True), dtype="float32")
     rounded = []
     for path, sub in nnx.iter_modules(sim):
         name = ".".join(map(str, path)) + ".weight"
@@ -203,10 +200,9 @@ def test_quant_sim_rounds_the_official_fp8_gemm_inputs(preset):
     assert any("shared_experts" in n for n in rounded) and any("wq_a" in n for n in rounded)
     assert not any("wo_a" in n or "compressor" in n or n == "head.weight" for n in rounded)
     assert all(m.act_block == 0 for _, m in nnx.iter_modules(plain) if isinstance(m, (Linear, MoE)))
-    got = np.asarray(sim(tokens))
-    assert np.isfinite(got).all() and rel_err(got, plain(tokens)) > 1e-3
 
 
+@pytest.mark.slow
 def test_sharded_on_8_devices(tmp_path_factory):
     """init_random(mesh=) and load_checkpoint(mesh=) of FP8 models on 8 simulated devices equal one device;
     scales are laid out like their weights (tiny-v41 wq_b split over tp=2)."""

@@ -15,6 +15,7 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "experiments" / "notebooks" / "
 TIMEOUT_S = 300  # the whole notebook: ~30 s on an idle 2-core CPU, up to ~60 s on a loaded one
 
 
+@pytest.mark.slow
 def test_explore_notebook_runs_headless():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -28,6 +28,7 @@ def test_metrics():
     assert s["top1_agree"] == pytest.approx(2 / 3) and s["greedy_prefix"] == 0.75
 
 
+@pytest.mark.slow
 def test_cli_smoke(tmp_path):
     """One length, two prompts, every mode: finite figures, an exact control, the hand-made encoder resume
     (timed as the device work) equal to the store path, and the results files."""

@@ -211,6 +211,13 @@ class ModelConfig:
             for n, v in widths.items():
                 need(v % 32 == 0, f"expert_weights='fp4' needs {n} ({v}) to be a multiple of 32 (one scale "
                                   "per 32 values)")
+        if self.quant_sim:  # act_quant rounds the official FP8 / FP4 GEMMs' inputs in whole blocks
+            widths = {"hidden_size": self.hidden_size, "q_lora_rank": self.q_lora_rank,
+                      "o_groups * o_lora_rank": self.o_groups * self.o_lora_rank,
+                      "moe_intermediate_size": self.moe_intermediate_size}
+            for n, v in widths.items():
+                need(v % self.fp8_block == 0, f"quant_sim needs {n} ({v}) to be a multiple of the act_quant block "
+                                              f"{self.fp8_block}")
         need(self.dense_weights in DENSE_WEIGHTS,
              f"dense_weights must be one of {DENSE_WEIGHTS}, got {self.dense_weights!r}")
         need(self.head_dtype in HEAD_DTYPES, f"head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")

@@ -249,6 +249,16 @@ def test_topk_experts_exceeds_experts():
         ModelConfig.from_hf(tiny.to_official_dict() | {"n_routed_experts": 4, "num_experts_per_tok": 5})
 
 
+def test_quant_sim_widths_fit_the_act_quant_block():
+    """quant_sim rounds the official FP8 / FP4 GEMM inputs per fp8_block values: widths must be whole blocks."""
+    tiny = ModelConfig.preset("tiny-v4")
+    tiny.replace(quant_sim=True)                                   # 128-wide everywhere: fine
+    with pytest.raises(ValueError, match=r"quant_sim needs moe_intermediate_size \(96\) to be a multiple of the "
+                                         "act_quant block 128"):
+        tiny.replace(quant_sim=True, moe_intermediate_size=96)
+    tiny.replace(moe_intermediate_size=96)                         # without the sims any width runs
+
+
 def test_other_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):

@@ -69,10 +69,11 @@ def test_training_forward_is_inference_drafting(kind):
                                    atol=2e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module", params=["mtp", "dspark"])
+@pytest.fixture(scope="module", params=[pytest.param("mtp", marks=pytest.mark.slow), "dspark"])
 def trained(request):
-    """A short run (30 steps) on one fixed pool of 8 target continuations (about 60 s with compiling on
-    the 2-core CPU)."""
+    """A short run (30 steps) on one fixed pool of 8 target continuations (about 35 s with compiling on
+    the 2-core CPU). The MTP run is in the on-request slow set (CI time): the same trainer, and MTP drafting
+    is tested in tests/test_speculative.py and above."""
     kind = request.param
     model = init_random(CONFIGS[kind], seed=2)
     tc = TD.TrainConfig(steps=30, batch=4, seq_len=32, prompt_len=8, pool=8, reuse=0, lr=3e-3, warmup=5)

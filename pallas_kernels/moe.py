@@ -982,9 +982,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     # below the bf16 MMA of the rounded activations (256), so prefill keeps that
     fp8_mma = (act_block > 0 and backend == "triton" and fmt == "fp8" and m * k <= 48 * e
                and act_block == ref.fp8_block_size(w1.shape, s1.shape))
-    # act_block: the SwiGLU output leaves the gate/up kernel in float32 and is rounded from there (as the
-    # reference rounds it), then enters the down GEMM as FP8 (fp8_mma) or as its exact compute_dtype value
-    fake = ((lambda a: ref.fp8_fake_quant(a, act_block).astype(cdt)) if act_block else (lambda a: a))
+    # a GEMM input in compute_dtype, act_quant-rounded first with act_block (exact in compute_dtype); the SwiGLU
+    # output then leaves the gate/up kernel in float32 and is rounded from there, as the reference rounds it
+    def rounded(a):
+        return (ref.fp8_fake_quant(a, act_block) if act_block else a).astype(cdt)
     z_dtype = jnp.float32 if act_block else cdt
 
     plan = route_plan(expert_ids, weights, e, config.block_m)
@@ -997,10 +998,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if fp8_mma:                                                       # [P, D] FP8 rows, [P, D / B] scales
             xs, x_scale = (jnp.take(a, plan.row_token, axis=0) for a in ref.act_quant(x, act_block))
         else:
-            xs, x_scale = jnp.take(fake(x).astype(cdt), plan.row_token, axis=0), None  # [P, D] tile-aligned rows
+            xs, x_scale = jnp.take(rounded(x), plan.row_token, axis=0), None  # [P, D] tile-aligned rows
         z = _gate_up_triton(split(xs), plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt,
                             limit=limit, cfg=config, interpret=interp, out_dtype=z_dtype, kn=kn, x_scale=x_scale)
-        z, z_scale = ref.act_quant(z, act_block) if fp8_mma else (fake(z), None)
+        z, z_scale = ref.act_quant(z, act_block) if fp8_mma else (rounded(z), None)
         y = _down_triton(split(z), plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt,
                          interpret=interp, kn=kn, z_scale=z_scale)
     elif backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab:
@@ -1012,10 +1013,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if fmt != "dense" and interp is not None:
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
-        xt = jnp.take(fake(x).astype(cdt), plan.row_token, axis=0).T           # [D, P] tile-aligned columns
+        xt = jnp.take(rounded(x), plan.row_token, axis=0).T                    # [D, P] tile-aligned columns
         zt = _gate_up_mgpu_swap(xt, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
                                 cfg=config, interpret=interp, z_dtype=z_dtype)
-        zt = fake(zt.T).T if act_block else zt
+        zt = rounded(zt.T).T if act_block else zt
         yt = _down_mgpu_swap(zt, plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt, interpret=interp)
         rows = jnp.take(yt, plan.dest.reshape(-1), axis=1, mode="fill", fill_value=0).astype(jnp.float32)
         rows = rows.reshape(d, m, k)
@@ -1030,10 +1031,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             raise ValueError("moe_experts: act_block rounds the routing-weighted SwiGLU output; it needs "
                              "MgpuConfig(route_weight_in_kernel=True)")
         rw = plan.row_weight if config.route_weight_in_kernel else jnp.ones_like(plan.row_weight)
-        xs = jnp.take(fake(x).astype(cdt), plan.row_token, axis=0)        # [P, D] tile-aligned rows
+        xs = jnp.take(rounded(x), plan.row_token, axis=0)                 # [P, D] tile-aligned rows
         z = _gate_up_mgpu(xs, rw, plan.tile_expert, w1, w3, limit=limit, cfg=config, interpret=interp, kn=kn,
                           z_dtype=z_dtype)
-        y = _down_mgpu(fake(z), plan.tile_expert, w2, cfg=config, out_dtype=cdt, interpret=interp, kn=kn)
+        y = _down_mgpu(rounded(z), plan.tile_expert, w2, cfg=config, out_dtype=cdt, interpret=interp, kn=kn)
         if not config.route_weight_in_kernel:
             post = weights.astype(jnp.float32)
     else:

@@ -51,8 +51,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from pallas_kernels import reference as ref
-
 from .placement import Placement, forced_balance_ids
 
 STRATEGIES = ("auto", "all_to_all", "replicate")
@@ -156,24 +154,17 @@ class ExpertParallel:
 
 def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, impl, act_block):
     """Rows [N, D] for this shard's expert slots `slot` [N] (local ids), weights [N], valid [N] ->
-    [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid). "pallas": the grouped-GEMM
-    kernel with the invalid rows dropped; "reference": `reference.moe_experts` over the valid rows
-    (slots without rows cost nothing either way). FP4 `scales`: the kernel dequantises in registers, the
-    reference dequantises this shard's experts in-graph. act_block: act_quant of both GEMMs' inputs."""
-    n_local = w1.shape[0]
+    [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid): `model.moe.routed_experts` with
+    one expert choice per row, an invalid row's slot n_local being outside every expert (the kernel drops it,
+    the reference's grouped GEMMs leave it out; slots without rows cost nothing either way). act_block:
+    act_quant of both GEMMs' inputs."""
+    from model.moe import routed_experts
+
     if impl == "comm_only":  # benchmarking the transport: rows come back as they went, scaled by their weights
         return jnp.where(valid[:, None], rows.astype(jnp.float32) * wts[:, None], 0.0)
-    if impl == "pallas":
-        from pallas_kernels import moe as pallas_moe
-
-        ids = jnp.where(valid, slot, n_local)[:, None]
-        return pallas_moe.moe_experts(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit,
-                                      scales=scales, act_block=act_block)
-    if scales is not None:
-        w1, w2, w3 = ref.dense_experts(w1, w2, w3, scales, rows.dtype)
-    # one expert choice per row; an invalid row gets slot n_local, outside every ragged_dot group
-    ids = jnp.where(valid, slot, n_local)[:, None]
-    y = ref.moe_experts(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit, act_block)
+    ids = jnp.where(valid, slot, w1.shape[0])[:, None]
+    y = routed_experts(impl, rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit, scales=scales,
+                       act_block=act_block)
     return jnp.where(valid[:, None], y, 0.0)
 
 
@@ -184,10 +175,10 @@ def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl, act_block):
     slot = ids - jax.lax.axis_index("ep") * n_local
     valid = (slot >= 0) & (slot < n_local)
     if impl == "pallas":  # the kernel drops the other shards' rows itself (no broadcast copies of x)
-        from pallas_kernels import moe as pallas_moe
+        from model.moe import routed_experts
 
-        return pallas_moe.moe_experts(x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit, scales=scales,
-                                      act_block=act_block)
+        return routed_experts(impl, x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit, scales=scales,
+                              act_block=act_block)
     rows = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[-1])).reshape(m * k, -1)
     y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, scales, limit,
                        impl, act_block)

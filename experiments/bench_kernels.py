@@ -269,14 +269,17 @@ def attention_variants(*, b, s, h, d, ring, n, k, w, ratio, csa, mode, opts, sta
     cfg["num_splits"] = pk_attn.auto_splits(b * s, h, cfg["block_h"]) if mode == "decode" else 1
     variants.append(("pallas", pallas({}), f"default {mode} config {cfg}", 0, must_bytes))
     if sweep:
-        grid = ([(16, 32, 4, 3, 1), (32, 32, 4, 3, 1), (32, 64, 4, 2, 1), (64, 32, 8, 3, 1), (64, 64, 8, 2, 1),
-                 (32, 32, 4, 3, 2), (64, 64, 8, 2, 2), (32, 32, 4, 3, 4)] if mode == "decode" else
-                [(64, 64, 8, 2, 1), (64, 32, 8, 3, 1), (64, 32, 4, 3, 1), (32, 64, 4, 2, 1), (64, 64, 4, 2, 1)])
-        for bh, bn, nw, ns, sp in grid:
+        grid = ([(32, 64, 4, 2, 1, 0), (32, 64, 4, 2, 1, 1), (32, 64, 4, 2, 2, 1), (32, 32, 4, 2, 1, 1),
+                 (64, 64, 8, 2, 2, 0), (64, 64, 8, 2, 1, 1), (64, 64, 8, 2, 2, 1), (64, 32, 8, 2, 1, 1),
+                 (64, 32, 8, 2, 2, 1)] if mode == "decode" else
+                [(64, 64, 8, 2, 1, 0), (64, 64, 8, 2, 1, 1), (32, 64, 4, 2, 1, 0), (32, 64, 4, 2, 1, 1),
+                 (64, 32, 8, 2, 1, 1), (32, 32, 4, 2, 1, 1)])
+        for bh, bn, nw, ns, sp, pf in grid:
             if pk_attn.smem_bytes(d, bh, bn, ns) > 232448:
                 continue
-            cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
-            variants.append((f"pallas_bh{bh}_bn{bn}_w{nw}_s{ns}_p{sp}", pallas(cfg), "sweep", 0, must_bytes))
+            cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp, prefetch=bool(pf))
+            variants.append((f"pallas_bh{bh}_bn{bn}_w{nw}_s{ns}_p{sp}{'_pf' if pf else ''}", pallas(cfg), "sweep",
+                             0, must_bytes))
     variants.append(("xla_gather", xla_gather, "pure-jnp gather formulation (reference.window_sparse_attention)",
                      gather_mem, must_bytes))
     variants.append(("xla_dense", xla_dense, "model reference path: concat keys + [B,S,R+S+N] mask + sink_attention",
@@ -373,7 +376,7 @@ def bench_attention_decode(opts: Opts) -> list[dict]:
                                       ratio=ratio, start=start, csa=csa, n_sets=n_sets)
         variants = attention_variants(b=b, s=s, h=h, d=d, ring=ring, n=n, k=k, w=w, ratio=ratio, csa=csa,
                                       mode="decode", opts=opts, start=start, must_bytes=line["bytes"],
-                                      sweep=opts.sweep and (opts.quick or b == 64) and csa)
+                                      sweep=opts.sweep and (opts.quick or b >= 64) and csa)
         if csa and s == 1:
             variants += builtin_variants(b=b, s=s, h=h, d=d, ring=ring, k=k, w=w, opts=opts)
         check = attention_check(sets, shared, scale=d ** -0.5, w=w, ratio=ratio)

@@ -49,14 +49,14 @@ NEG = -1e30  # finite start for running maxima of split partials: exp(NEG - m) =
 # (block_h, block_n, num_warps, num_stages). SMEM at Dh=512: 2*512*(s*bn + bh) bytes.
 # Decode: the cookbook's best in-kernel-gather config at B=64, N=640 (40 us with 2 key splits, vs 49 us
 # for 32/32/4/3); every key here is gathered by index (ring slots, own rows, selected entries).
-DECODE_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)   # 197 KB
-PREFILL_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)  # 197 KB; M = 64 rows per MMA
+DECODE_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, prefetch=False)   # 197 KB
+PREFILL_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, prefetch=False)  # 197 KB; M = 64 rows per MMA
 DECODE_MAX_ROWS = 16  # chunks up to this many rows use the decode configuration
 
 
 # ----------------------------------------------------------------------------- kernel
 def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k_sel,
-                 has_ring, has_comp, csa, num_splits, fold_sink):
+                 has_ring, has_comp, csa, num_splits, fold_sink, prefetch):
     """Refs (batch/row dims squeezed): q [bh, D]; qpos (); floor (); self_kv [S, D]; self_pos [S];
     [ring_kv [R, D]; ring_pos [R]; ring_hi ()]; [comp_kv [N, D]; [comp_idx [Kp]]]; sink [bh];
     outputs: o [bh, D] (fold_sink) or acc [bh, D] f32, m [bh], l [bh]."""
@@ -119,42 +119,48 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
         carry = (jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32),
                  jnp.zeros((bh, d), jnp.float32))
 
+    def run_phase(load, lo_blk, hi_blk, carry, last):
+        """Blocks lo_blk..hi_blk-1 of a phase; load(i) -> (keys [block_n, D], valid [block_n]).
+        With `prefetch`, block i+1 is loaded (into registers) before block i's dots are issued, so its
+        gather overlaps them; the extra load after the last block re-reads block `last` (clamped)."""
+        if not prefetch:
+            return lax.fori_loop(lo_blk, hi_blk, lambda i, c: update(c, *load(i)), carry)
+
+        def body(i, c):
+            nxt = load(jnp.minimum(i + 1, last))
+            return (*update(c[:3], *c[3:]), *nxt)
+        return lax.fori_loop(lo_blk, hi_blk, body, (*carry, *load(jnp.minimum(lo_blk, last))))[:3]
+
     if has_ring:
-        def ring_body(i, c):
+        def ring_load(i):
             rows = i * block_n + iota
             rc = jnp.minimum(rows, n_ring - 1)
             kp = rpos_ref[rc]
-            ok = (rows < n_ring) & (kp >= lo) & (kp <= qp)
-            return update(c, ring_ref[rc, :], ok)
-        a, b = phase_range(0, nb_ring)
-        carry = lax.fori_loop(a, b, ring_body, carry)
+            return ring_ref[rc, :], (rows < n_ring) & (kp >= lo) & (kp <= qp)
+        carry = run_phase(ring_load, *phase_range(0, nb_ring), carry, pl.cdiv(n_ring, block_n) - 1)
 
-    def self_body(i, c):
+    def self_load(i):
         rows = self_lo + i * block_n + iota
         rc = jnp.minimum(rows, n_self - 1)
         kp = spos_ref[rc]
-        ok = (rows <= s_row) & (kp >= lo) & (kp <= qp)
-        return update(c, self_ref[rc, :], ok)
-    a, b = phase_range(nb_ring, nb_self)
-    carry = lax.fori_loop(a, b, self_body, carry)
+        return self_ref[rc, :], (rows <= s_row) & (kp >= lo) & (kp <= qp)
+    carry = run_phase(self_load, *phase_range(nb_ring, nb_self), carry, jnp.maximum(nb_self - 1, 0))
 
     if has_comp:
         if csa:
-            def comp_body(i, c):
+            def comp_load(i):
                 j = idx_ref[pl.ds(pl.multiple_of(i * block_n, block_n), block_n)]
-                ok = (j >= 0) & (j < count)
-                return update(c, comp_ref[jnp.clip(j, 0, n_comp - 1), :], ok)
+                return comp_ref[jnp.clip(j, 0, n_comp - 1), :], (j >= 0) & (j < count)
         elif n_comp % block_n == 0:  # HCA, whole blocks: plain aligned tiles (never past N)
-            def comp_body(i, c):
+            def comp_load(i):
                 start = pl.multiple_of(i * block_n, block_n)
-                return update(c, comp_ref[pl.ds(start, block_n), :], start + iota < count)
+                return comp_ref[pl.ds(start, block_n), :], start + iota < count
         else:
-            def comp_body(i, c):
+            def comp_load(i):
                 rows = i * block_n + iota
-                return update(c, comp_ref[jnp.minimum(rows, n_comp - 1), :], rows < count)
-        a, b = phase_range(nb_ring + nb_self, nb_comp)
-        carry = lax.fori_loop(a, b, comp_body, carry)
-
+                return comp_ref[jnp.minimum(rows, n_comp - 1), :], rows < count
+        carry = run_phase(comp_load, *phase_range(nb_ring + nb_self, nb_comp), carry,
+                          (k_sel // block_n if csa else pl.cdiv(n_comp, block_n)) - 1)
     m, l, acc = carry
     if fold_sink:
         (o_ref,) = out_refs
@@ -205,12 +211,13 @@ def _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, com
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "window", "ratio", "mode", "block_h", "block_n", "num_warps", "num_stages", "num_splits",
-    "interpret", "impl"))
+    "prefetch", "interpret", "impl"))
 def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window: int,
                      ring_kv=None, ring_pos=None, comp_kv=None, comp_idx=None, ratio: int = 0,
                      window_floor=None, mode: str = "auto", block_h: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     num_splits: int | None = None, interpret: bool | None = None, impl: str = "pallas"):
+                     num_splits: int | None = None, prefetch: bool | None = None, interpret: bool | None = None,
+                     impl: str = "pallas"):
     """Window + compressed sparse MQA with sink. Shapes in the module docstring.
 
     mode: "decode", "prefill" or "auto" (decode when S <= DECODE_MAX_ROWS) picks the default tiling;
@@ -233,7 +240,8 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     if mode == "auto":
         mode = "decode" if s <= DECODE_MAX_ROWS else "prefill"
     cfg = dict(DECODE_CONFIG if mode == "decode" else PREFILL_CONFIG)
-    for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
+    for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
+                 ("prefetch", prefetch)):
         if v is not None:
             cfg[k] = v
     if interpret is None:
@@ -287,7 +295,7 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     kern = functools.partial(
         _attn_kernel, scale=float(scale), window=int(window), ratio=int(ratio), block_n=bn, n_ring=n_ring,
         n_self=s, n_comp=n_comp, k_sel=k_sel, has_ring=ring_kv is not None, has_comp=comp_kv is not None,
-        csa=csa, num_splits=num_splits, fold_sink=fold)
+        csa=csa, num_splits=num_splits, fold_sink=fold, prefetch=bool(cfg["prefetch"]))
     params = plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if fold:
         o = pl.pallas_call(

@@ -6,7 +6,7 @@
     python -m experiments.bench_kernels --roofline-only      # bytes / FLOPs / floor of every case, no run
 
 If one command may only run ~10 minutes, run the families one by one (`--only attention_decode`, ...);
-`--sweep` adds tile grids only on the B=64 decode cases and the prefill cases.
+`--sweep` adds tile grids only on the B>=64 CSA decode cases and the prefill cases.
 
 Families live in FAMILIES (name -> function(opts) -> list of records); add one with `@family("name")`.
 Each record: family, case, variant, shapes, timing (compile s, wall-clock median per call, CUPTI
@@ -265,21 +265,19 @@ def attention_variants(*, b, s, h, d, ring, n, k, w, ratio, csa, mode, opts, sta
     sel = k if csa else n
     gather_mem = b * s * h * (ring + s + sel) * 4 * 3 + (b * s * sel * d * 2 if csa else 0)
     variants = []
-    cfg = dict(pk_attn.DECODE_CONFIG if mode == "decode" else pk_attn.PREFILL_CONFIG)
+    cfg = pk_attn.default_config(mode, b * s, h, csa)
     cfg["num_splits"] = pk_attn.auto_splits(b * s, h, cfg["block_h"]) if mode == "decode" else 1
     variants.append(("pallas", pallas({}), f"default {mode} config {cfg}", 0, must_bytes))
     if sweep:
-        grid = ([(32, 64, 4, 2, 1, 0), (32, 64, 4, 2, 1, 1), (32, 64, 4, 2, 2, 1), (32, 32, 4, 2, 1, 1),
-                 (64, 64, 8, 2, 2, 0), (64, 64, 8, 2, 1, 1), (64, 64, 8, 2, 2, 1), (64, 32, 8, 2, 1, 1),
-                 (64, 32, 8, 2, 2, 1)] if mode == "decode" else
-                [(64, 64, 8, 2, 1, 0), (64, 64, 8, 2, 1, 1), (32, 64, 4, 2, 1, 0), (32, 64, 4, 2, 1, 1),
-                 (64, 32, 8, 2, 1, 1), (32, 32, 4, 2, 1, 1)])
-        for bh, bn, nw, ns, sp, pf in grid:
+        # (block_h, block_n, num_warps, num_stages, num_splits); results/bench_kernels_20261130-080535_gpu.* has
+        # a wider grid (3-4 stages, 16-head and 32-key blocks: all slower)
+        grid = ([(32, 64, 4, 2, 1), (32, 64, 4, 2, 2), (64, 64, 8, 2, 1), (64, 64, 8, 2, 2), (32, 32, 4, 3, 1)]
+                if mode == "decode" else [(64, 64, 8, 2, 1), (32, 64, 4, 2, 1), (64, 32, 8, 3, 1)])
+        for bh, bn, nw, ns, sp in grid:
             if pk_attn.smem_bytes(d, bh, bn, ns) > 232448:
                 continue
-            cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp, prefetch=bool(pf))
-            variants.append((f"pallas_bh{bh}_bn{bn}_w{nw}_s{ns}_p{sp}{'_pf' if pf else ''}", pallas(cfg), "sweep",
-                             0, must_bytes))
+            cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
+            variants.append((f"pallas_bh{bh}_bn{bn}_w{nw}_s{ns}_p{sp}", pallas(cfg), "sweep", 0, must_bytes))
     variants.append(("xla_gather", xla_gather, "pure-jnp gather formulation (reference.window_sparse_attention)",
                      gather_mem, must_bytes))
     variants.append(("xla_dense", xla_dense, "model reference path: concat keys + [B,S,R+S+N] mask + sink_attention",

@@ -47,16 +47,27 @@ from .common import next_pow2, on_gpu, pad_axis
 NEG = -1e30  # finite start for running maxima of split partials: exp(NEG - m) == 0, never NaN
 
 # (block_h, block_n, num_warps, num_stages). SMEM at Dh=512: 2*512*(s*bn + bh) bytes.
-# Decode: the cookbook's best in-kernel-gather config at B=64, N=640 (40 us with 2 key splits, vs 49 us
-# for 32/32/4/3); every key here is gathered by index (ring slots, own rows, selected entries).
-DECODE_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, prefetch=False)   # 197 KB
-PREFILL_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, prefetch=False)  # 197 KB; M = 64 rows per MMA
+WIDE_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)    # 197 KB; M = 64 rows per MMA
+NARROW_CONFIG = dict(block_h=32, block_n=64, num_warps=4, num_stages=2)  # 164 KB; 2 head blocks share keys via L2
 DECODE_MAX_ROWS = 16  # chunks up to this many rows use the decode configuration
+SMS = 132  # H200 streaming multiprocessors
+
+
+def default_config(mode: str, rows: int, heads: int, csa: bool) -> dict:
+    """Tiling by launch: measured on the H200 over 14 decode / 9 prefill tilings (docs/benchmarks.md,
+    results/bench_kernels_20261130-080535_gpu.*). 32-head blocks win by 7-8% once they fill two waves
+    of SMs (CSA verify B64 x 4 rows, decode B256, CSA prefill); 64-head blocks (+ key splits) win on
+    fewer rows (decode B64: 48.5 vs 51.9 us) and on HCA prefill, whose aligned tiles are read once
+    (2.35 vs 2.88 ms). More stages (3, 4) or 32-key blocks were slower everywhere."""
+    if mode == "prefill":
+        return dict(NARROW_CONFIG if csa else WIDE_CONFIG)
+    narrow_programs = rows * -(-heads // NARROW_CONFIG["block_h"])
+    return dict(NARROW_CONFIG if csa and narrow_programs >= 2 * SMS else WIDE_CONFIG)
 
 
 # ----------------------------------------------------------------------------- kernel
 def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k_sel,
-                 has_ring, has_comp, csa, num_splits, fold_sink, prefetch):
+                 has_ring, has_comp, csa, num_splits, fold_sink):
     """Refs (batch/row dims squeezed): q [bh, D]; qpos (); floor (); self_kv [S, D]; self_pos [S];
     [ring_kv [R, D]; ring_pos [R]; ring_hi ()]; [comp_kv [N, D]; [comp_idx [Kp]]]; sink [bh];
     outputs: o [bh, D] (fold_sink) or acc [bh, D] f32, m [bh], l [bh]."""
@@ -119,48 +130,42 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
         carry = (jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32),
                  jnp.zeros((bh, d), jnp.float32))
 
-    def run_phase(load, lo_blk, hi_blk, carry, last):
-        """Blocks lo_blk..hi_blk-1 of a phase; load(i) -> (keys [block_n, D], valid [block_n]).
-        With `prefetch`, block i+1 is loaded (into registers) before block i's dots are issued, so its
-        gather overlaps them; the extra load after the last block re-reads block `last` (clamped)."""
-        if not prefetch:
-            return lax.fori_loop(lo_blk, hi_blk, lambda i, c: update(c, *load(i)), carry)
-
-        def body(i, c):
-            nxt = load(jnp.minimum(i + 1, last))
-            return (*update(c[:3], *c[3:]), *nxt)
-        return lax.fori_loop(lo_blk, hi_blk, body, (*carry, *load(jnp.minimum(lo_blk, last))))[:3]
-
     if has_ring:
-        def ring_load(i):
+        def ring_body(i, c):
             rows = i * block_n + iota
             rc = jnp.minimum(rows, n_ring - 1)
             kp = rpos_ref[rc]
-            return ring_ref[rc, :], (rows < n_ring) & (kp >= lo) & (kp <= qp)
-        carry = run_phase(ring_load, *phase_range(0, nb_ring), carry, pl.cdiv(n_ring, block_n) - 1)
+            ok = (rows < n_ring) & (kp >= lo) & (kp <= qp)
+            return update(c, ring_ref[rc, :], ok)
+        a, b = phase_range(0, nb_ring)
+        carry = lax.fori_loop(a, b, ring_body, carry)
 
-    def self_load(i):
+    def self_body(i, c):
         rows = self_lo + i * block_n + iota
         rc = jnp.minimum(rows, n_self - 1)
         kp = spos_ref[rc]
-        return self_ref[rc, :], (rows <= s_row) & (kp >= lo) & (kp <= qp)
-    carry = run_phase(self_load, *phase_range(nb_ring, nb_self), carry, jnp.maximum(nb_self - 1, 0))
+        ok = (rows <= s_row) & (kp >= lo) & (kp <= qp)
+        return update(c, self_ref[rc, :], ok)
+    a, b = phase_range(nb_ring, nb_self)
+    carry = lax.fori_loop(a, b, self_body, carry)
 
     if has_comp:
         if csa:
-            def comp_load(i):
+            def comp_body(i, c):
                 j = idx_ref[pl.ds(pl.multiple_of(i * block_n, block_n), block_n)]
-                return comp_ref[jnp.clip(j, 0, n_comp - 1), :], (j >= 0) & (j < count)
+                ok = (j >= 0) & (j < count)
+                return update(c, comp_ref[jnp.clip(j, 0, n_comp - 1), :], ok)
         elif n_comp % block_n == 0:  # HCA, whole blocks: plain aligned tiles (never past N)
-            def comp_load(i):
+            def comp_body(i, c):
                 start = pl.multiple_of(i * block_n, block_n)
-                return comp_ref[pl.ds(start, block_n), :], start + iota < count
+                return update(c, comp_ref[pl.ds(start, block_n), :], start + iota < count)
         else:
-            def comp_load(i):
+            def comp_body(i, c):
                 rows = i * block_n + iota
-                return comp_ref[jnp.minimum(rows, n_comp - 1), :], rows < count
-        carry = run_phase(comp_load, *phase_range(nb_ring + nb_self, nb_comp), carry,
-                          (k_sel // block_n if csa else pl.cdiv(n_comp, block_n)) - 1)
+                return update(c, comp_ref[jnp.minimum(rows, n_comp - 1), :], rows < count)
+        a, b = phase_range(nb_ring + nb_self, nb_comp)
+        carry = lax.fori_loop(a, b, comp_body, carry)
+
     m, l, acc = carry
     if fold_sink:
         (o_ref,) = out_refs
@@ -211,16 +216,16 @@ def _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, com
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "window", "ratio", "mode", "block_h", "block_n", "num_warps", "num_stages", "num_splits",
-    "prefetch", "interpret", "impl"))
+    "interpret", "impl"))
 def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window: int,
                      ring_kv=None, ring_pos=None, comp_kv=None, comp_idx=None, ratio: int = 0,
                      window_floor=None, mode: str = "auto", block_h: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     num_splits: int | None = None, prefetch: bool | None = None, interpret: bool | None = None,
-                     impl: str = "pallas"):
+                     num_splits: int | None = None, interpret: bool | None = None, impl: str = "pallas"):
     """Window + compressed sparse MQA with sink. Shapes in the module docstring.
 
-    mode: "decode", "prefill" or "auto" (decode when S <= DECODE_MAX_ROWS) picks the default tiling;
+    mode: "decode", "prefill" or "auto" (decode when S <= DECODE_MAX_ROWS) picks the default tiling
+    (`default_config`);
     block_* / num_* override it. num_splits > 1 splits each row's key blocks over programs
     (flash decoding, for small decode batches); None = `auto_splits` in decode mode, 1 in prefill.
     interpret: None = interpret unless on a GPU. impl="reference" runs `reference.window_sparse_attention`.
@@ -239,9 +244,8 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     b, s, h, d = q.shape
     if mode == "auto":
         mode = "decode" if s <= DECODE_MAX_ROWS else "prefill"
-    cfg = dict(DECODE_CONFIG if mode == "decode" else PREFILL_CONFIG)
-    for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
-                 ("prefetch", prefetch)):
+    cfg = default_config(mode, b * s, h, comp_idx is not None)
+    for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:
             cfg[k] = v
     if interpret is None:
@@ -295,7 +299,7 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     kern = functools.partial(
         _attn_kernel, scale=float(scale), window=int(window), ratio=int(ratio), block_n=bn, n_ring=n_ring,
         n_self=s, n_comp=n_comp, k_sel=k_sel, has_ring=ring_kv is not None, has_comp=comp_kv is not None,
-        csa=csa, num_splits=num_splits, fold_sink=fold, prefetch=bool(cfg["prefetch"]))
+        csa=csa, num_splits=num_splits, fold_sink=fold)
     params = plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if fold:
         o = pl.pallas_call(
@@ -338,7 +342,7 @@ def smem_bytes(head_dim: int, block_h: int, block_n: int, num_stages: int) -> in
     return 2 * head_dim * (num_stages * block_n + block_h) + 512
 
 
-def auto_splits(batch_rows: int, heads: int, block_h: int, sms: int = 132) -> int:
+def auto_splits(batch_rows: int, heads: int, block_h: int, sms: int = SMS) -> int:
     """Key splits for decode: about one program per SM (one 197-KB-SMEM program fits an SM), at most 4.
 
     Splits are not free at Dh=512: each writes an fp32 [block_h, Dh] partial that the combine re-reads

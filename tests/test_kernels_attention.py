@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from common import rel_err
+from pallas_kernels import attention as attention_mod
 from pallas_kernels import reference as ref
 from pallas_kernels.attention import sparse_attention
 from pallas_kernels.indexer import grouped_topk, indexer_scores, indexer_topk
@@ -159,6 +160,16 @@ def test_sparse_attention_head_dim_512():
     out = sparse_attention(*args, **kw)
     err = rel_err(out, expected(args, kw))
     assert err < 1e-2, f"seed {seed}: rel err {err}"
+
+
+def test_default_config_follows_the_h200_sweep():
+    """32-head blocks once they fill two waves of SMs (CSA only), 64-head blocks otherwise."""
+    wide, narrow = attention_mod.WIDE_CONFIG, attention_mod.NARROW_CONFIG
+    assert attention_mod.default_config("decode", 64, 64, csa=True) == wide        # decode B64: 128 programs
+    assert attention_mod.default_config("decode", 64 * 4, 64, csa=True) == narrow  # verify B64 x 4 rows
+    assert attention_mod.default_config("decode", 256, 64, csa=False) == wide      # HCA
+    assert attention_mod.default_config("prefill", 4096, 64, csa=True) == narrow
+    assert attention_mod.default_config("prefill", 4096, 64, csa=False) == wide
 
 
 def test_sparse_attention_rejects_bad_shapes():

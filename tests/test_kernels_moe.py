@@ -126,6 +126,13 @@ def test_route_plan(block_m):
     assert plan.row_weight.sum() == pytest.approx(w.sum(), rel=1e-5)  # padding rows weigh 0
 
 
+@pytest.mark.parametrize("shape", [(256, 48), (64, 16), (8, 200)])
+def test_transpose_kernel(shape):
+    """The swap path's materialised transpose (any R, C: tiles are gcd(dim, 64))."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(K.transpose(a, interpret=not GPU)), np.asarray(a).T)
+
+
 def test_dropped_ids_cost_nothing():
     """Ids outside [0, E) (an expert-parallel shard's rows for other shards' experts) get no tile and
     combine to 0; the kept rows give the reference's result over the kept rows."""

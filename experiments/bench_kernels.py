@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import attention as pk_attn
+from pallas_kernels import attention_mgpu as pk_attn_mgpu
 from pallas_kernels import indexer as pk_idx
 from pallas_kernels import reference as ref
 
@@ -268,6 +269,9 @@ def attention_variants(*, b, s, h, d, ring, n, k, w, ratio, csa, mode, opts, sta
     cfg = pk_attn.default_config(mode, b * s, h, csa)
     cfg["num_splits"] = pk_attn.auto_splits(b * s, h, cfg["block_h"]) if mode == "decode" else 1
     variants.append(("pallas", pallas({}), f"default {mode} config {cfg}", 0, must_bytes))
+    if (h, d) == (pk_attn_mgpu.HEADS, pk_attn_mgpu.DIM) and opts.gpu:
+        variants.append(("mgpu", pallas(dict(impl="mgpu")), "Mosaic GPU kernel (attention_mgpu: inline-TMA row "
+                         "gather, two compute warpgroups), one program per query row", 0, must_bytes))
     if sweep:
         # (block_h, block_n, num_warps, num_stages, num_splits); results/bench_kernels_20261130-080535_gpu.* has
         # a wider grid (3-4 stages, 16-head and 32-key blocks: all slower)

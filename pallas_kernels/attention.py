@@ -1,4 +1,5 @@
 """Sparse + window MQA at head dim 512 with a per-head sink (MODEL_SPEC 2.4-2.5), Pallas (Triton lowering).
+(`attention_mgpu` holds a Mosaic GPU kernel for the same contract at 64 heads x 512: `impl="mgpu"`.)
 
 One query row of one sequence attends to the union of
   * its sliding window: keys at positions max(floor, p-W+1) <= k <= p, taken from the SWA ring
@@ -228,7 +229,8 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     (`default_config`);
     block_* / num_* override it. num_splits > 1 splits each row's key blocks over programs
     (flash decoding, for small decode batches); None = `auto_splits` in decode mode, 1 in prefill.
-    interpret: None = interpret unless on a GPU. impl="reference" runs `reference.window_sparse_attention`.
+    interpret: None = interpret unless on a GPU. impl="reference" runs `reference.window_sparse_attention`;
+    impl="mgpu" the Mosaic GPU kernel (`attention_mgpu`: 64 heads x 512, bf16, Hopper; tilings ignored).
     Returns o [B, S, H, Dh] in q's dtype (fp32 accumulation).
     """
     _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, comp_idx, ratio, window_floor,
@@ -237,8 +239,14 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
         return ref.window_sparse_attention(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window,
                                            ring_kv=ring_kv, ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx,
                                            ratio=ratio, window_floor=window_floor)
+    if impl == "mgpu":
+        from .attention_mgpu import sparse_attention_mgpu
+        return sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window, ring_kv=ring_kv,
+                                     ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx, ratio=ratio,
+                                     window_floor=window_floor,
+                                     interpret=(not on_gpu()) if interpret is None else bool(interpret))
     if impl != "pallas":
-        raise ValueError(f"sparse_attention: impl must be 'reference' or 'pallas', got {impl!r}")
+        raise ValueError(f"sparse_attention: impl must be 'reference', 'pallas' or 'mgpu', got {impl!r}")
     if mode not in ("auto", "decode", "prefill"):
         raise ValueError(f"sparse_attention: mode must be auto|decode|prefill, got {mode!r}")
     b, s, h, d = q.shape

@@ -1,0 +1,384 @@
+"""Window + compressed sparse MQA at 64 heads x 512 with a per-head sink, Mosaic GPU (Hopper).
+
+Same contract as `pallas_kernels.attention.sparse_attention` (MODEL_SPEC 2.4-2.5; shapes there), for the
+V4 widths only: 64 query heads sharing one 512-wide bf16 key/value vector per key.
+
+1. `key_list` (XLA) turns each query row's candidate keys -- its ring slots, the own rows in its window band,
+   its selected compressed entries (CSA) or every compressed entry (HCA) -- into a compacted list of valid
+   keys, each an int32 code `row * 4 + source` (source 0 ring, 1 own rows, 2 compressed; row in the source's
+   flattened [B * rows, 512] view), padded past `count` with a valid dummy row that the kernel masks.
+2. The kernel runs one program per query row (its 64 heads are wgmma's M) over the list in blocks of 64 keys:
+   * a producer warpgroup gathers each block into a 2-stage SMEM ring by TMA, 8 copies of 128 B per key row
+     (Hopper has no TMA gather; a stage is the wgmma-ready (8, 64)-tiled, 128B-swizzled [64, 512] layout, and
+     a `plgpu.RefUnion` gives the same bytes a [.., 8 rows, 64] row view whose 1-row slices TMA accepts; the
+     engine swizzles by address). Compiled, the copies are issued from `plgpu.inline_mgpu` by one lane of
+     each of 4 warps, with ONE expect-tx per block: Pallas' `copy_gmem_to_smem` makes all 128 lanes arrive
+     per copy and adds a warpgroup barrier per copy, which ran 5x slower (docs/benchmarks.md);
+   * two compute warpgroups split the head dim (a 64 x 512 f32 accumulator is 256 registers per thread: too
+     many for one): warpgroup h computes the partial scores q[:, 256h:+256] k[:, 256h:+256]^T, the two
+     exchange them through SMEM, both run the same online softmax (log2 units, from m = sink, l = 1: the
+     sink joins the denominator) and each accumulates P v[:, 256h:+256]. Keys past `count` are masked; a row
+     without keys returns exact zeros.
+SMEM: q 64 KiB + KV 2 x 64 KiB + score exchange 32 KiB + barriers = 229,432 of 232,448 B; the codes are read
+from GMEM (an SMEM copy would not fit: every buffer is 1 KiB-aligned).
+
+Measured on the H200 as a probe (CSA part only, 512 rows per sequence): 57.9 us = 2.32 TB/s at B=256, the
+gather alone 3.33 TB/s (docs/benchmarks.md). Not built: key splits (a batch below 132 rows leaves SMs idle).
+
+CPU: the Mosaic GPU interpreter has no rules for inline_mgpu, RefUnion aliasing, transposed / register wgmma
+operands or layout casts, so `interpret=True` runs the same program with Pallas copies into the tiled stage
+and plain dots: it checks the key list, the barrier protocol, the exchange, the masks and the softmax; the
+compiled path's gather and MMA forms are checked by lowering for CUDA and on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import reference as ref
+
+HEADS, DIM = 64, 512
+HALF = DIM // 2          # head-dim columns per compute warpgroup
+CHUNK = 64               # bf16 columns per 128-byte swizzle chunk
+BLOCK = 64               # keys per block (wgmma N of the score product, K of the value product)
+STAGES = 2
+ISSUE_WARPS = 4          # producer warps issuing TMAs
+RING, OWN, COMP = 0, 1, 2
+LOG2E = math.log2(math.e)
+
+
+def _check(cond, msg):
+    if not cond:
+        raise ValueError(f"sparse_attention_mgpu: {msg}")
+
+
+# ----------------------------------------------------------------------------- key list (XLA)
+def key_list(q_pos, self_pos, *, window: int, ring_pos=None, comp_idx=None, n_comp: int = 0, ratio: int = 0,
+             window_floor=None):
+    """Compacted valid keys per query row. q_pos / self_pos [B, S], ring_pos [B, R] | None, comp_idx [B, S, K]
+    (CSA) | None (HCA over n_comp entries, or no compressed keys when n_comp == 0), window_floor [B] | None.
+
+    -> (codes [B * S, L] int32, count [B * S] int32): codes[i, :count[i]] are the row's valid keys as
+    `flat_row * 4 + source` (flat rows of ring_kv / self_kv / comp_kv reshaped to [B * rows, Dh]); the tail
+    holds the row's own slot (a valid address, masked in the kernel). L is a multiple of BLOCK covering the
+    most keys a row can have (its W window positions + its K selected or N visible entries)."""
+    b, s = q_pos.shape
+    band = min(window, s)                         # own rows s - band + 1 .. s can be in row s's window
+    codes, valid = [], []
+    if ring_pos is not None:
+        r = ring_pos.shape[1]
+        codes.append(jnp.broadcast_to((jnp.arange(b)[:, None, None] * r + jnp.arange(r)) * 4 + RING, (b, s, r)))
+        valid.append(ref.window_key_mask(q_pos, ring_pos, window, window_floor))
+    j = jnp.arange(s)[:, None] - band + 1 + jnp.arange(band)[None, :]                # [S, band] own row index
+    jc = jnp.clip(j, 0, s - 1)
+    codes.append(jnp.broadcast_to((jnp.arange(b)[:, None, None] * s + jc) * 4 + OWN, (b, s, band)))
+    kpos = jnp.where(j[None] >= 0, self_pos[:, jc], -1)                            # [B, S, band]
+    ok = (q_pos[..., None] - kpos >= 0) & (q_pos[..., None] - kpos < window) & (kpos >= 0)
+    if window_floor is not None:
+        ok = ok & (kpos >= window_floor[:, None, None])
+    valid.append(ok)
+    n_sel = 0
+    if n_comp:
+        visible = jnp.clip((q_pos + 1) // ratio, 0, n_comp)                           # [B, S]
+        if comp_idx is not None:
+            idx = comp_idx.astype(jnp.int32)
+            n_sel = idx.shape[2]
+            valid.append((idx >= 0) & (idx < visible[..., None]))
+        else:
+            n_sel = n_comp
+            idx = jnp.broadcast_to(jnp.arange(n_comp, dtype=jnp.int32), (b, s, n_comp))
+            valid.append(idx < visible[..., None])
+        codes.append((jnp.arange(b)[:, None, None] * n_comp + jnp.clip(idx, 0, n_comp - 1)) * 4 + COMP)
+    codes = jnp.concatenate(codes, -1).astype(jnp.int32).reshape(b * s, -1)
+    valid = jnp.concatenate(valid, -1).reshape(b * s, -1)
+    width = min(codes.shape[1], window + n_sel)
+    width = -(-width // BLOCK) * BLOCK
+    order = jnp.argsort(~valid, axis=1, stable=True)[:, :width]                       # valid keys first
+    count = jnp.sum(valid, axis=1).astype(jnp.int32)
+    picked = jnp.take_along_axis(codes, order, axis=1)
+    own = ((jnp.arange(b)[:, None] * s + jnp.arange(s)[None]) * 4 + OWN).reshape(b * s, 1)
+    picked = jnp.where(jnp.arange(picked.shape[1])[None] < count[:, None], picked, own)
+    if picked.shape[1] < width:   # fewer candidates than a whole block: pad with the dummy
+        picked = jnp.concatenate([picked, jnp.broadcast_to(own, (b * s, width - picked.shape[1]))], 1)
+    return picked, jnp.minimum(count, width)
+
+
+# ----------------------------------------------------------------------------- kernel pieces
+def _tiled(plgpu):
+    """wgmma-ready SMEM layout of a [rows, 512] bf16 tile: (8, 64) tiles, 128-byte swizzle."""
+    return (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
+
+
+def _row_view(plgpu):
+    """A [.., 8 rows, 64] view with the same byte order as `_tiled` whose 1-row slices are TMA destinations."""
+    return (plgpu.TilingTransform((1, CHUNK)), plgpu.SwizzleTransform(128))
+
+
+@functools.cache
+def _barrier_address_primitive():
+    """A primitive returning the int32 shared-memory address of barrier 0 of a Pallas Barrier group: Pallas
+    cannot hand a Barrier to `inline_mgpu` (its lowering takes IR values; barriers are Python objects there),
+    so the inline producer rebuilds a Mosaic GPU BarrierRef from this address. Compiled lowering only."""
+    from jax._src import core as jax_core
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax._src.pallas.mosaic_gpu import lowering as plow
+    from jax.experimental import mosaic
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    prim = jax_core.Primitive("barrier_smem_address")
+
+    @prim.def_effectful_abstract_eval
+    def _abstract(barrier):
+        return jax_core.ShapedArray((), jnp.int32), {gpu_core._memory_effect}
+
+    def _lower(ctx, barrier):
+        bref = getattr(barrier, "barrier_ref", barrier)   # DialectBarrierRef -> BarrierRef
+        ptr = mu.getelementptr(bref.base_address, [bref.offset], ir.IntegerType.get_signless(64))
+        return llvm.ptrtoint(ir.IntegerType.get_signless(32), ptr)
+
+    for sem in (mosaic.gpu.LoweringSemantics.Warpgroup, mosaic.gpu.LoweringSemantics.Lane):
+        plow.register_lowering_rule(prim, sem)(_lower)
+    return prim
+
+
+def _inline_issue(plgpu, sources: tuple[int, ...]):
+    """issue(*source_refs, row_view, codes, barrier_address, prog, blk, slot): the TMA gather of one block.
+    All 128 producer lanes arrive once on full[slot] expecting the block's bytes; lane 0 of each of
+    ISSUE_WARPS warps then issues 8 copies of 128 B per key of its share of the block's key tiles."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    tiles_per_warp = BLOCK // 8 // ISSUE_WARPS
+    splat = plgpu.Layout.WG_SPLAT
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(sources) + (
+        plgpu.RefType(_row_view(plgpu)), plgpu.RefType(), splat, splat, splat, splat))
+    def issue(ctx, *args):
+        srcs = args[:len(sources)]
+        rows, codes, bar_addr, prog, blk, slot = args[len(sources):]
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        ci = lambda v: arith.constant(index, v)  # noqa: E731
+        c32 = lambda v: arith.constant(i32, v)   # noqa: E731
+        slot_i32 = slot.registers.item()
+        slot = arith.index_cast(index, slot_i32)
+        prog = arith.index_cast(index, prog.registers.item())
+        blk = arith.index_cast(index, blk.registers.item())
+        ptr = llvm.inttoptr(llvm.PointerType.get(address_space=3), bar_addr.registers.item())
+        barrier = mu.BarrierRef(ptr, slot_i32, None, 1)                     # full[slot]
+        barrier.arrive_expect_tx(BLOCK * DIM * 2 // 128)                   # x 128 lanes = the block's bytes
+        warp = arith.remui(mu.warp_idx(sync=True), c32(4))                   # elect before any divergence
+        issuer = arith.andi(mu.single_thread_predicate(mu.ThreadSubset.WARP),
+                            arith.cmpi(arith.CmpIPredicate.ult, warp, c32(ISSUE_WARPS)))
+        first = arith.muli(arith.index_cast(index, warp), ci(tiles_per_warp))
+        with mu.when(issuer):
+            loop = scf.ForOp(first, arith.addi(first, ci(tiles_per_warp)), ci(1))
+            with ir.InsertionPoint(loop.body):
+                rt = loop.induction_variable
+                key0 = arith.addi(arith.muli(blk, ci(BLOCK)), arith.muli(rt, ci(8)))
+                for r in range(8):
+                    code = memref.load(codes, [prog, arith.addi(key0, ci(r))])
+                    row = arith.index_cast(index, arith.shrui(code, c32(2)))
+                    src = arith.andi(code, c32(3))
+                    for ref_, sid in zip(srcs, sources):
+                        with mu.when(arith.cmpi(arith.CmpIPredicate.eq, src, c32(sid))):
+                            for ct in range(DIM // CHUNK):
+                                ctx.async_copy(
+                                    src_ref=ref_, dst_ref=mu.memref_slice(rows, (slot, rt, ci(ct), mu.ds(ci(r), 1))),
+                                    gmem_slice=(mu.ds(row, 1), mu.ds(ci(ct * CHUNK), CHUNK)), swizzle=128,
+                                    gmem_transform=(mgpu.TileTransform((1, CHUNK)),), barrier=barrier,
+                                    arrive=False, predicate=None)
+                scf.YieldOp([])
+
+    return issue
+
+
+def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, interpret):
+    """f(q [rows, 64, 512] bf16, codes [rows, width] int32, count [rows] int32, sink [64] f32,
+    *source_kv [n_i, 512] bf16) -> o [rows, 64, 512] bf16."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    compiled = interpret is None
+    dt = jnp.bfloat16
+    c2 = scale * LOG2E   # scores in log2 units
+
+    def body(q_g, codes_g, count_g, sink_g, *refs):
+        src_g = refs[:len(sources)]
+        o_g, q_s, kv_u, exch, in_bar, full_bar, free_bar, xfull_bar, xfree_bar = refs[len(sources):]
+        kv_t, kv_rows = kv_u if compiled else (kv_u, None)    # two views of one stage ring (compiled)
+        prog = lax.axis_index("r")
+        wg = lax.axis_index("wg")
+        nblk = (count_g[prog] + BLOCK - 1) // BLOCK
+
+        @pl.when(wg == 2)
+        def _producer():
+            if compiled:   # 2 x 232 + 40 registers x 128 threads <= 64K
+                plgpu.set_max_registers(40, action="decrease")
+            for h in range(2):
+                plgpu.copy_gmem_to_smem(q_g.at[prog, :, pl.ds(h * HALF, HALF)], q_s.at[h], in_bar)
+            if compiled:
+                issue = _inline_issue(plgpu, sources)
+                bar_addr = _barrier_address_primitive().bind(full_bar)
+
+            @pl.loop(0, nblk)
+            def _blocks(blk):
+                slot = lax.rem(blk, STAGES)
+
+                @pl.when(blk >= STAGES)
+                def _():
+                    plgpu.barrier_wait(free_bar.at[slot])
+
+                if compiled:
+                    issue(*src_g, kv_rows, codes_g, bar_addr, prog, blk, slot)
+                    return
+
+                @pl.loop(0, BLOCK)
+                def _keys(j):   # interpreter: one Pallas copy per 128-byte chunk, each an arrival
+                    code = codes_g[prog, blk * BLOCK + j]
+                    for ref_, sid in zip(src_g, sources):
+                        @pl.when(code % 4 == sid)
+                        def _():
+                            for ct in range(DIM // CHUNK):
+                                plgpu.copy_gmem_to_smem(ref_.at[pl.ds(code // 4, 1), pl.ds(ct * CHUNK, CHUNK)],
+                                                        kv_t.at[slot, pl.ds(j, 1), pl.ds(ct * CHUNK, CHUNK)],
+                                                        full_bar.at[slot])
+
+            for s_ in range(STAGES):   # observe each used slot's last release (the interpreter insists)
+                @pl.when(nblk > s_)
+                def _():
+                    plgpu.barrier_wait(free_bar.at[s_])
+
+        def compute(h):
+            if compiled:
+                plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(in_bar)
+            qh = q_s.at[h]
+            cast = plgpu.layout_cast if compiled else (lambda x, _: x)
+            if compiled:   # straight from GMEM: an SMEM copy would cost 1 KiB of alignment we do not have
+                m0 = plgpu.load(sink_g, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                cols = plgpu.broadcasted_iota(jnp.int32, (HEADS, BLOCK), 1, layout=plgpu.Layout.WGMMA)
+            else:
+                m0 = sink_g[...]
+                cols = lax.broadcasted_iota(jnp.int32, (HEADS, BLOCK), 1)
+            l0 = cast(jnp.full((HEADS,), 1.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc0 = cast(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+            count = count_g[prog]
+
+            def step(blk, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(blk, STAGES)
+                plgpu.barrier_wait(full_bar.at[slot])
+                kh = kv_t.at[slot, :, pl.ds(h * HALF, HALF)]                   # [BLOCK, 256]
+                if compiled:
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, qh, plgpu.transpose_ref(kh, (1, 0)))
+                        return acc_ref[...]
+                    s_h = pl.run_scoped(qk, plgpu.ACC((HEADS, BLOCK), jnp.float32))
+                else:
+                    s_h = lax.dot_general(qh[...], kh[...], (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+
+                @pl.when(blk > 0)
+                def _():
+                    plgpu.barrier_wait(xfree_bar)   # the other warpgroup has read exch[h]
+                exch[h] = s_h
+                plgpu.barrier_arrive(xfull_bar)
+                plgpu.barrier_wait(xfull_bar)
+                s_o = exch[1 - h]
+                plgpu.barrier_arrive(xfree_bar)
+                s = (s_h + s_o) if h == 0 else (s_o + s_h)                       # the same sum in both
+                s = jnp.where(blk * BLOCK + cols < count, s * c2, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dt)
+                if compiled:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, kh)
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                else:
+                    acc = acc + lax.dot(p16, kh[...], preferred_element_type=jnp.float32)
+                plgpu.barrier_arrive(free_bar.at[slot])
+                return acc, m_new, l_i
+
+            acc, _, l_i = lax.fori_loop(0, nblk, step, (acc0, m0 * LOG2E, l0))
+
+            @pl.when(nblk > 0)
+            def _():
+                plgpu.barrier_wait(xfree_bar)       # the last exchange's release (the interpreter insists)
+            qh[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dt)   # q half -> o staging
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qh, o_g.at[prog, :, pl.ds(h * HALF, HALF)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == 0)(lambda: compute(0))
+        pl.when(wg == 1)(lambda: compute(1))
+
+    kv_tiled = plgpu.SMEM((STAGES, BLOCK, DIM), dt, transforms=_tiled(plgpu))
+    kv_scratch = (plgpu.RefUnion(kv_tiled, plgpu.SMEM((STAGES, BLOCK // 8, DIM // CHUNK, 8, CHUNK), dt,
+                                                      transforms=_row_view(plgpu)))
+                  if compiled else kv_tiled)
+    scratch = [
+        plgpu.SMEM((2, HEADS, HALF), dt, transforms=_tiled(plgpu)),     # q halves, then the output staging
+        kv_scratch,
+        plgpu.SMEM((2, HEADS, BLOCK), jnp.float32),                      # partial-score exchange
+        plgpu.Barrier(num_arrivals=2),                                    # q halves landed
+        plgpu.Barrier(num_arrivals=1 if compiled else BLOCK * DIM // CHUNK, num_barriers=STAGES),  # stage full
+        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),              # stage free (2 compute warpgroups)
+        plgpu.Barrier(num_arrivals=2),                                    # exchange written
+        plgpu.Barrier(num_arrivals=2),                                    # exchange read
+    ]
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((rows, HEADS, DIM), dt), grid=(rows,), grid_names=("r",),
+        num_threads=3, thread_name="wg", scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
+            # the only reductions are row max / sum of [64, 64] WGMMA tiles (inside a warp); the default
+            # 2 KiB of cross-warp scratch would not fit
+            reduction_scratch_bytes=0),
+        interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "ratio", "interpret"))
+def sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, *, scale: float, window: int, ring_kv=None,
+                          ring_pos=None, comp_kv=None, comp_idx=None, ratio: int = 0, window_floor=None,
+                          interpret: bool | None = None):
+    """`attention.sparse_attention`'s contract at V4 widths (q [B, S, 64, 512] bf16, keys bf16), one program per
+    query row (also `sparse_attention(..., impl="mgpu")`). interpret: None / False = compiled (a Hopper GPU),
+    True = the Mosaic GPU CPU interpreter."""
+    from .attention import _validate   # (attention imports this module lazily: no cycle)
+    _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, comp_idx, ratio, window_floor, window)
+    b, s, h, d = q.shape
+    _check((h, d) == (HEADS, DIM), f"needs {HEADS} heads x {DIM} (one wgmma M tile, two 256-column halves), "
+                                   f"got {h} x {d}: use attention.sparse_attention")
+    for name, x in (("q", q), ("self_kv", self_kv), ("ring_kv", ring_kv), ("comp_kv", comp_kv)):
+        _check(x is None or x.dtype == jnp.bfloat16, f"{name} must be bfloat16, got {None if x is None else x.dtype}")
+    n_comp = 0 if comp_kv is None else comp_kv.shape[1]
+    i32 = lambda x: None if x is None else x.astype(jnp.int32)  # noqa: E731
+    codes, count = key_list(i32(q_pos), i32(self_pos), window=window, ring_pos=i32(ring_pos), comp_idx=comp_idx,
+                            n_comp=n_comp, ratio=ratio, window_floor=i32(window_floor))
+    _check(max(b * (ring_kv.shape[1] if ring_kv is not None else 0), b * s, b * n_comp) < 1 << 29,
+           "too many cache rows for the 29-bit row field of a key code")
+    sources = [(OWN, self_kv.reshape(b * s, d))]
+    if ring_kv is not None:
+        sources.insert(0, (RING, ring_kv.reshape(-1, d)))
+    if comp_kv is not None:
+        sources.append((COMP, comp_kv.reshape(-1, d)))
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret = InterpretGPUParams()
+    else:
+        interpret = None
+    kern = _kernel(b * s, codes.shape[1], tuple(sid for sid, _ in sources), float(scale), interpret)
+    o = kern(q.reshape(b * s, h, d), codes, count, sink.astype(jnp.float32), *(x for _, x in sources))
+    return o.reshape(b, s, h, d)

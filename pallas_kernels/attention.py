@@ -230,7 +230,8 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     block_* / num_* override it. num_splits > 1 splits each row's key blocks over programs
     (flash decoding, for small decode batches); None = `auto_splits` in decode mode, 1 in prefill.
     interpret: None = interpret unless on a GPU. impl="reference" runs `reference.window_sparse_attention`;
-    impl="mgpu" the Mosaic GPU kernel (`attention_mgpu`: 64 heads x 512, bf16, Hopper; tilings ignored).
+    impl="mgpu" the Mosaic GPU kernel (`attention_mgpu`: 64 heads x 512, bf16, Hopper; tilings ignored,
+    num_splits honoured).
     Returns o [B, S, H, Dh] in q's dtype (fp32 accumulation).
     """
     _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, comp_idx, ratio, window_floor,
@@ -243,7 +244,7 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
         from .attention_mgpu import sparse_attention_mgpu
         return sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window, ring_kv=ring_kv,
                                      ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx, ratio=ratio,
-                                     window_floor=window_floor,
+                                     window_floor=window_floor, num_splits=num_splits,
                                      interpret=(not on_gpu()) if interpret is None else bool(interpret))
     if impl != "pallas":
         raise ValueError(f"sparse_attention: impl must be 'reference', 'pallas' or 'mgpu', got {impl!r}")

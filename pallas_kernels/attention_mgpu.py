@@ -23,7 +23,8 @@ SMEM: q 64 KiB + KV 2 x 64 KiB + score exchange 32 KiB + barriers = 229,432 of 2
 from GMEM (an SMEM copy would not fit: every buffer is 1 KiB-aligned).
 
 Measured on the H200 as a probe (CSA part only, 512 rows per sequence): 57.9 us = 2.32 TB/s at B=256, the
-gather alone 3.33 TB/s (docs/benchmarks.md). Not built: key splits (a batch below 132 rows leaves SMs idle).
+gather alone 3.33 TB/s (docs/benchmarks.md). Small batches split each row's key blocks over programs
+(`num_splits`, flash decoding; partials combined in XLA with the sink).
 
 CPU: the Mosaic GPU interpreter has no rules for inline_mgpu, RefUnion aliasing, transposed / register wgmma
 operands or layout casts, so `interpret=True` runs the same program with Pallas copies into the tiled stage
@@ -51,6 +52,7 @@ STAGES = 2
 ISSUE_WARPS = 4          # producer warps issuing TMAs
 RING, OWN, COMP = 0, 1, 2
 LOG2E = math.log2(math.e)
+NEG = -1e30   # finite start of a partial's running maximum (2^(NEG - m) == 0, never NaN)
 
 
 def _check(cond, msg):
@@ -202,9 +204,12 @@ def _inline_issue(plgpu, sources: tuple[int, ...]):
     return issue
 
 
-def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, interpret):
+def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, splits: int, interpret):
     """f(q [rows, 64, 512] bf16, codes [rows, width] int32, count [rows] int32, sink [64] f32,
-    *source_kv [n_i, 512] bf16) -> o [rows, 64, 512] bf16."""
+    *source_kv [n_i, 512] bf16) -> o [rows, 64, 512] bf16 (splits == 1: the sink folded in), or with key splits
+    (program (r, p) takes the p-th share of row r's key blocks) the partials: o_p [rows, splits, 64, 512] bf16
+    normalised by their own l_p, and lse_p = m_p + log2 l_p [rows, splits, 64, 64] f32 (column-broadcast: one
+    [64, 64] tile is the smallest dense SMEM -> GMEM copy of a register vector), combined by `_combine`."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     compiled = interpret is None
     dt = jnp.bfloat16
@@ -212,11 +217,16 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, inter
 
     def body(q_g, codes_g, count_g, sink_g, *refs):
         src_g = refs[:len(sources)]
-        o_g, q_s, kv_u, exch, in_bar, full_bar, free_bar, xfull_bar, xfree_bar = refs[len(sources):]
+        outs, (q_s, kv_u, exch, in_bar, full_bar, free_bar, xfull_bar, xfree_bar) = (
+            refs[len(sources):-8], refs[-8:])
         kv_t, kv_rows = kv_u if compiled else (kv_u, None)    # two views of one stage ring (compiled)
         prog = lax.axis_index("r")
+        split = lax.axis_index("p")
         wg = lax.axis_index("wg")
-        nblk = (count_g[prog] + BLOCK - 1) // BLOCK
+        total = (count_g[prog] + BLOCK - 1) // BLOCK           # the row's key blocks; this split's share:
+        per = (total + splits - 1) // splits
+        first = jnp.minimum(split * per, total)
+        nblk = jnp.minimum(first + per, total) - first
 
         @pl.when(wg == 2)
         def _producer():
@@ -237,12 +247,12 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, inter
                     plgpu.barrier_wait(free_bar.at[slot])
 
                 if compiled:
-                    issue(*src_g, kv_rows, codes_g, bar_addr, prog, blk, slot)
+                    issue(*src_g, kv_rows, codes_g, bar_addr, prog, first + blk, slot)
                     return
 
                 @pl.loop(0, BLOCK)
                 def _keys(j):   # interpreter: one Pallas copy per 128-byte chunk, each an arrival
-                    code = codes_g[prog, blk * BLOCK + j]
+                    code = codes_g[prog, (first + blk) * BLOCK + j]
                     for ref_, sid in zip(src_g, sources):
                         @pl.when(code % 4 == sid)
                         def _():
@@ -262,13 +272,17 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, inter
             plgpu.barrier_wait(in_bar)
             qh = q_s.at[h]
             cast = plgpu.layout_cast if compiled else (lambda x, _: x)
-            if compiled:   # straight from GMEM: an SMEM copy would cost 1 KiB of alignment we do not have
-                m0 = plgpu.load(sink_g, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            vec = plgpu.Layout.WGMMA.reduce(1)
+            if compiled:
                 cols = plgpu.broadcasted_iota(jnp.int32, (HEADS, BLOCK), 1, layout=plgpu.Layout.WGMMA)
             else:
-                m0 = sink_g[...]
                 cols = lax.broadcasted_iota(jnp.int32, (HEADS, BLOCK), 1)
-            l0 = cast(jnp.full((HEADS,), 1.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            if splits > 1:     # a partial starts empty; the sink joins once, in _combine
+                m0, l0 = cast(jnp.full((HEADS,), NEG, jnp.float32), vec), cast(jnp.zeros((HEADS,), jnp.float32), vec)
+            else:              # from m = sink, l = exp(sink - sink) = 1: the sink is in the denominator
+                # straight from GMEM: an SMEM copy would cost 1 KiB of alignment we do not have
+                m0 = plgpu.load(sink_g, (), layout=vec, optimized=False) if compiled else sink_g[...]
+                m0, l0 = m0 * LOG2E, cast(jnp.ones((HEADS,), jnp.float32), vec)
             acc0 = cast(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
             count = count_g[prog]
 
@@ -295,7 +309,7 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, inter
                 s_o = exch[1 - h]
                 plgpu.barrier_arrive(xfree_bar)
                 s = (s_h + s_o) if h == 0 else (s_o + s_h)                       # the same sum in both
-                s = jnp.where(blk * BLOCK + cols < count, s * c2, -jnp.inf)
+                s = jnp.where((first + blk) * BLOCK + cols < count, s * c2, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -311,14 +325,22 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, inter
                 plgpu.barrier_arrive(free_bar.at[slot])
                 return acc, m_new, l_i
 
-            acc, _, l_i = lax.fori_loop(0, nblk, step, (acc0, m0 * LOG2E, l0))
+            acc, m_i, l_i = lax.fori_loop(0, nblk, step, (acc0, m0, l0))
 
             @pl.when(nblk > 0)
             def _():
                 plgpu.barrier_wait(xfree_bar)       # the last exchange's release (the interpreter insists)
-            qh[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dt)   # q half -> o staging
+            l_safe = jnp.maximum(l_i, 1e-30)        # an empty split: acc = 0 -> o_p = 0, lse_p = -inf
+            qh[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dt)   # q half -> o staging
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qh, o_g.at[prog, :, pl.ds(h * HALF, HALF)])
+            if splits == 1:
+                plgpu.copy_smem_to_gmem(qh, outs[0].at[prog, :, pl.ds(h * HALF, HALF)])
+            else:
+                plgpu.copy_smem_to_gmem(qh, outs[0].at[prog, split, :, pl.ds(h * HALF, HALF)])
+                if h == 0:   # the exchange buffer is free now: stage lse there
+                    exch[0] = lax.broadcast_in_dim(m_i + jnp.log2(l_i), (HEADS, BLOCK), [0])
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(exch.at[0], outs[1].at[prog, split])
             plgpu.wait_smem_to_gmem(0)
 
         pl.when(wg == 0)(lambda: compute(0))
@@ -338,8 +360,11 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, inter
         plgpu.Barrier(num_arrivals=2),                                    # exchange written
         plgpu.Barrier(num_arrivals=2),                                    # exchange read
     ]
+    out_type = (jax.ShapeDtypeStruct((rows, HEADS, DIM), dt) if splits == 1 else
+                (jax.ShapeDtypeStruct((rows, splits, HEADS, DIM), dt),
+                 jax.ShapeDtypeStruct((rows, splits, HEADS, BLOCK), jnp.float32)))
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((rows, HEADS, DIM), dt), grid=(rows,), grid_names=("r",),
+        body, out_type=out_type, grid=(rows, splits), grid_names=("r", "p"),
         num_threads=3, thread_name="wg", scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
@@ -349,14 +374,27 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, inter
         interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "ratio", "interpret"))
+def _combine(o_p: jax.Array, lse_p: jax.Array, sink: jax.Array) -> jax.Array:
+    """Key-split partials o_p [R, P, H, D] (each normalised by its own l_p), lse_p [R, P, H, BLOCK] (log2 units,
+    column-broadcast) and the sink [H] -> o [R, H, D] bf16:
+    sum_p 2^(lse_p - M) o_p / (2^(sink log2 e - M) + sum_p 2^(lse_p - M)), M the largest exponent."""
+    lse = lse_p[..., 0]
+    s2 = sink.astype(jnp.float32) * LOG2E
+    mx = jnp.maximum(lse.max(axis=1), s2[None])
+    w = jnp.exp2(lse - mx[:, None])
+    den = jnp.exp2(s2[None] - mx) + w.sum(axis=1)
+    return ((w[..., None] * o_p.astype(jnp.float32)).sum(axis=1) / den[..., None]).astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "ratio", "num_splits", "interpret"))
 def sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, *, scale: float, window: int, ring_kv=None,
                           ring_pos=None, comp_kv=None, comp_idx=None, ratio: int = 0, window_floor=None,
-                          interpret: bool | None = None):
+                          num_splits: int | None = None, interpret: bool | None = None):
     """`attention.sparse_attention`'s contract at V4 widths (q [B, S, 64, 512] bf16, keys bf16), one program per
-    query row (also `sparse_attention(..., impl="mgpu")`). interpret: None / False = compiled (a Hopper GPU),
-    True = the Mosaic GPU CPU interpreter."""
-    from .attention import _validate   # (attention imports this module lazily: no cycle)
+    query row and key split (also `sparse_attention(..., impl="mgpu")`). num_splits: each row's key blocks
+    over that many programs, combined in XLA (None: `attention.auto_splits`, about one program per SM).
+    interpret: None / False = compiled (a Hopper GPU), True = the Mosaic GPU CPU interpreter."""
+    from .attention import _validate, auto_splits   # (attention imports this module lazily: no cycle)
     _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, comp_idx, ratio, window_floor, window)
     b, s, h, d = q.shape
     _check((h, d) == (HEADS, DIM), f"needs {HEADS} heads x {DIM} (one wgmma M tile, two 256-column halves), "
@@ -379,6 +417,10 @@ def sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, *, scale: float, wi
         interpret = InterpretGPUParams()
     else:
         interpret = None
-    kern = _kernel(b * s, codes.shape[1], tuple(sid for sid, _ in sources), float(scale), interpret)
+    splits = auto_splits(b * s, h, HEADS) if num_splits is None else int(num_splits)
+    _check(splits >= 1, f"num_splits must be >= 1, got {splits}")
+    kern = _kernel(b * s, codes.shape[1], tuple(sid for sid, _ in sources), float(scale), splits, interpret)
     o = kern(q.reshape(b * s, h, d), codes, count, sink.astype(jnp.float32), *(x for _, x in sources))
+    if splits > 1:
+        o = _combine(*o, sink)
     return o.reshape(b, s, h, d)

@@ -330,10 +330,11 @@ def test_lower_for_cuda_real_shapes():
 
 
 # ----------------------------------------------------------------------------- Mosaic GPU kernel (impl="mgpu")
-MGPU_CASES = {  # 64 heads x 512 only; small caches so the interpreter stays under ~15 s a case
-    "csa_verify_dead_row": dict(b=2, s=3, ring=20, n=40, k=16, window=16, ratio=4, starts=[60, 150], csa=True,
-                                floors=[0, 149], dead_rows=(0,)),
-    "hca_two_blocks": dict(b=2, s=3, ring=20, n=50, k=0, window=16, ratio=4, starts=[100, 190], csa=False),
+MGPU_CASES = {  # (shape, key splits): 64 heads x 512 only; small caches keep the interpreter at ~10-30 s a case
+    "csa_verify_dead_row": (dict(b=2, s=3, ring=20, n=40, k=16, window=16, ratio=4, starts=[60, 150], csa=True,
+                                 floors=[0, 149], dead_rows=(0,)), 1),
+    "hca_two_blocks_three_splits": (dict(b=2, s=3, ring=20, n=50, k=0, window=16, ratio=4, starts=[100, 190],
+                                         csa=False), 3),   # some splits get no block
 }
 
 
@@ -342,9 +343,9 @@ def test_mgpu_attention_interpret(name):
     """The Mosaic GPU kernel in the CPU interpreter (Pallas copies into the tiled stage, plain dots: the key
     list, barriers, score exchange, masks and softmax; the compiled gather / wgmma forms are lowered below)."""
     seed = fresh_seed()
-    shape = MGPU_CASES[name]
+    shape, splits = MGPU_CASES[name]
     args, kw = attention_inputs(seed, h=64, d=512, **shape)
-    out = sparse_attention(*args, **kw, impl="mgpu", interpret=True)
+    out = sparse_attention(*args, **kw, impl="mgpu", num_splits=splits, interpret=True)
     err = rel_err(out, expected(args, kw))
     assert out.dtype == jnp.bfloat16 and err < 1e-2, f"{name} seed {seed}: rel err {err}"
     for r in shape.get("dead_rows", ()):
@@ -353,8 +354,8 @@ def test_mgpu_attention_interpret(name):
 
 @pytest.mark.skipif(GPU, reason="CPU-only cross-lowering check")
 def test_mgpu_attention_lower_for_cuda():
-    """The compiled path (inline-TMA gather, RefUnion stage views, wgmma) lowers at V4-Flash shapes; SMEM
-    overflow would fail here."""
+    """The compiled path (inline-TMA gather, RefUnion stage views, wgmma) lowers at V4-Flash shapes, with the
+    default key splits (2 at B64 x 1 row, 4 at B8 x 4, none for prefill); SMEM overflow would fail here."""
     for b, s, n, k, csa in ((64, 1, 32768, 512, True), (8, 4, 32768, 512, True), (64, 1, 1024, 0, False),
                             (1, 4096, 32768, 512, True)):
         _lower_attention(b, s, 64, 512, 136, n, k, csa, impl="mgpu", expect="mosaic_gpu")

@@ -58,7 +58,7 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window
         self.eps = cfg.rms_norm_eps
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
-        self.impl = cfg.attention_impl  # "reference" | "pallas" (_attention_kernel, _topk_kernel)
+        self.impl = cfg.attention_impl  # "reference" | "pallas" | "mgpu" (_attention_kernel, _topk_kernel)
         # on a mesh: runs the Pallas kernels per batch shard (sharding.batch_parallel.attach)
         self.batch_parallel = None
 
@@ -141,7 +141,7 @@ class Attention(nnx.Module):
             visible = visible_entries(pos, entries.shape[1], self.spec.compress_ratio)
             if self.indexer is not None:
                 iq, iw = self.indexer.queries(h, c_q, pos)
-                if self.impl == "pallas" and not (self.indexer.candidate_source or self.indexer.uses_candidates):
+                if self.impl != "reference" and not (self.indexer.candidate_source or self.indexer.uses_candidates):
                     topk, cand = self._topk_kernel(iq, iw, shared.keys, pos), shared.candidates
                 else:
                     topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates)
@@ -150,13 +150,13 @@ class Attention(nnx.Module):
                 visible = visible & ref.indices_to_mask(shared.topk, entries.shape[1])
             keys.append(entries)
             masks.append(visible)
-        if self.impl == "pallas":
+        if self.impl != "reference":
             return self.output(self._attention_kernel(q, step, keys, ring_pos, own_pos, shared), pos), cache, shared
         o = ref.sink_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(masks, axis=2),
                                self.attn_sink[...], self.head_dim ** -0.5)
         return self.output(o, pos), cache, shared
 
-    # ------------------------------------------------------------ attention_impl == "pallas"
+    # ------------------------------------------------------------ attention_impl "pallas" / "mgpu"
     def _topk_kernel(self, iq: jax.Array, iw: jax.Array, keys: jax.Array, pos: jax.Array) -> jax.Array:
         """Fused indexer scores + top-k (pallas_kernels.indexer); V4.1 candidate layers use `select`."""
         from pallas_kernels import indexer as pk_indexer
@@ -182,7 +182,8 @@ class Attention(nnx.Module):
         def kernel(q, q_pos, own_kv, own_pos, ring_kv, ring_pos, comp, idx, sink):
             return pk_attention.sparse_attention(
                 q, q_pos, own_kv, own_pos, sink, scale=self.head_dim ** -0.5, window=self.window, ring_kv=ring_kv,
-                ring_pos=ring_pos, comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1))
+                ring_pos=ring_pos, comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1),
+                impl=self.impl)
         return self._per_sequence(kernel, (q, step.positions, keys[1], own_pos, keys[0], ring_pos, comp, idx),
                                   (self.attn_sink[...],))
 

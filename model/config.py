@@ -28,6 +28,8 @@ HF_MLP_LAYER_TYPES = ("hash_moe", "moe")
 SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")
 GENERATIONS = ("v4", "v41")
 IMPLS = ("reference", "pallas")
+ATTENTION_IMPLS = IMPLS + ("mgpu",)  # mgpu: pallas_kernels.attention_mgpu for the window attention (64 x 512, bf16,
+                                     # Hopper); the indexer's top-k kernel as with "pallas"
 EXPERT_WEIGHTS = ("dense", "fp4")
 DENSE_WEIGHTS = ("model", "fp8")
 HEAD_DTYPES = ("float32", "bfloat16")
@@ -141,7 +143,8 @@ class ModelConfig:
     # the inputs of its FP8 / FP4 GEMMs: the release's FP8 linears but wo_a, the routed experts): on for
     # fidelity to the trained model, off for exactness tests.
     quant_sim: bool = False
-    # Implementations of the hot paths (pallas_kernels): "reference" (pure jnp, every backend) or "pallas".
+    # Implementations of the hot paths (pallas_kernels): "reference" (pure jnp, every backend) or "pallas";
+    # attention also "mgpu" (ATTENTION_IMPLS).
     attention_impl: str = "reference"
     moe_impl: str = "reference"
     # How the routed experts' weights are held in memory: "dense" (the model dtype) or "fp4" (packed E2M1 +
@@ -202,8 +205,11 @@ class ModelConfig:
         need(self.csa_ratio > 0, "csa_ratio must be positive")
         if self.generation == "v41":
             self._validate_v41(need)
-        for f in ("attention_impl", "moe_impl"):
-            need(getattr(self, f) in IMPLS, f"{f} must be one of {IMPLS}, got {getattr(self, f)!r}")
+        for f, allowed in (("attention_impl", ATTENTION_IMPLS), ("moe_impl", IMPLS)):
+            need(getattr(self, f) in allowed, f"{f} must be one of {allowed}, got {getattr(self, f)!r}")
+        if self.attention_impl == "mgpu":
+            need((self.num_heads, self.head_dim) == (64, 512),
+                 f"attention_impl='mgpu' needs 64 heads x 512 (got {self.num_heads} x {self.head_dim}): use 'pallas'")
         need(self.expert_weights in EXPERT_WEIGHTS,
              f"expert_weights must be one of {EXPERT_WEIGHTS}, got {self.expert_weights!r}")
         if self.expert_weights == "fp4":

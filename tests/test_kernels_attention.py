@@ -352,6 +352,13 @@ def test_mgpu_attention_interpret(name):
         assert float(jnp.abs(out[r].astype(jnp.float32)).max()) == 0.0, f"{name} seed {seed}"
 
 
+def test_model_attention_impl_mgpu_needs_v4_widths():
+    from model import ModelConfig
+    assert ModelConfig.preset("v4-flash").replace(attention_impl="mgpu").attention_impl == "mgpu"
+    with pytest.raises(ValueError, match="64 heads x 512"):
+        ModelConfig.preset("tiny-v4").replace(attention_impl="mgpu")
+
+
 @pytest.mark.skipif(GPU, reason="CPU-only cross-lowering check")
 def test_mgpu_attention_lower_for_cuda():
     """The compiled path (inline-TMA gather, RefUnion stage views, wgmma) lowers at V4-Flash shapes, with the

@@ -15,13 +15,15 @@
 # session): FP8 activations (act_quant) -- the GPU tests, FP8 x FP8 MMA prefill and decode sweeps -- and the
 # model's FP4 prefill now that `auto` takes the Mosaic GPU swap kernels for it; 13 (one GPU is enough): the
 # same act_quant tests and sweeps after the fix of the reference's FP8 rounding on the GPU, whose convert pair
-# XLA had folded away -- experiments/probes/triton_fp8_dot.py found it).
+# XLA had folded away -- experiments/probes/triton_fp8_dot.py found it); 14, 15 (seventh session): the Mosaic GPU
+# attention kernel (pallas_kernels/attention_mgpu.py: GPU tests, kernel table, the model with it) and the MoE
+# GPU tests after the transpose-kernel combine.
 # Every script copies its results to $OUT; they are archived into one file at the end (a call returns at
 # most 8 files).
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 11}" in
+case "${1:?part 1 to 15}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -197,6 +199,17 @@ case "${1:?part 1 to 11}" in
         --impls xla,triton,mgpu --act-block 128 --routing balanced --iters 10 2>&1 | grep "^| decode"
     timeout 150 python -m experiments.bench_moe --regime prefill --prefill-tokens 8192 --formats fp8 \
         --impls triton --act-block 128 --routing balanced --iters 10 --quick 2>&1 | grep "^| prefill" ;;
-*)  echo "part must be 1 to 13" >&2; exit 2 ;;
+14) # seventh session (one GPU is enough): the Mosaic GPU attention kernel -- its GPU tests first (a wrong
+    # barrier count would hang: hence the timeouts), then its bench_kernels rows and the model with it; the
+    # MoE GPU tests after the transpose-kernel combine / dispatch
+    export PYTHONUNBUFFERED=1
+    timeout 240 python -m pytest -q -m gpu tests/test_kernels_attention.py -k mgpu 2>&1 | tail -5
+    timeout 300 python -m experiments.bench_kernels --only attention_decode,attention_prefill --out "$OUT" \
+        2>&1 | grep -E "^\| (csa|hca)" | grep -E "pallas |mgpu"
+    timeout 200 python -m pytest -q -m gpu tests/test_kernels_moe.py 2>&1 | tail -3 ;;
+15) # the model with the Mosaic GPU attention and the MoE combine fix (FP4, verify and prefill)
+    timeout 560 $B --preset v4-flash-4l --expert-weights fp4 --attention-impl mgpu --phase decode,prefill --step verify \
+        --batch 64,256 --prefill-batch 1 --context 32768 --tag h200_mgpu_attention ;;
+*)  echo "part must be 1 to 15" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

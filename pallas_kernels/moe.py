@@ -789,15 +789,18 @@ def _swap_w(fmt, w, s):
     return (w,) if fmt == "dense" else (w, s) if fmt == "fp8" else (w, jnp.swapaxes(s, 1, 2))
 
 
-def _gate_up_mgpu_swap(xt, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
+def _gate_up_mgpu_swap(xs, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
                        interpret, z_dtype=None):
-    """zT [I, P] = swiglu(W1_e xT, W3_e xT) * row_weight for each tile of block_m token columns (in z_dtype,
-    default xt's)."""
+    """zT [I, P] = swiglu(W1_e xT, W3_e xT) * row_weight for each tile of block_m token columns of xT = xs.T
+    (xs [P, D] the tile-aligned rows; z in z_dtype, default xs's)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    d, p = xt.shape
+    p, d = xs.shape
     i_dim = w1.shape[1]
     bm, bn, bk, steps, delay, fp8_block = _swap_tiles("gate/up", fmt, cfg, ("block_n", "block_k"), i_dim, d, p,
                                                       w1, s1)
+    # -> [D, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
+    # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
+    xt = transpose(xs, interpret=interpret is not None) if bm >= 64 else xs.T
     w1v, w3v = _swap_w(fmt, w1, s1), _swap_w(fmt, w3, s3)
     nw = len(w1v)
 
@@ -1033,10 +1036,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
         xs = jnp.take(rounded(x), plan.row_token, axis=0)                      # [P, D] tile-aligned rows
-        # -> [D, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
-        # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
-        xt = transpose(xs, interpret=interp is not None) if config.block_m >= 64 else xs.T
-        zt = _gate_up_mgpu_swap(xt, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
+        zt = _gate_up_mgpu_swap(xs, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
                                 cfg=config, interpret=interp, z_dtype=z_dtype)
         zt = rounded(zt.T).T if act_block else zt
         yt = _down_mgpu_swap(zt, plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt, interpret=interp)

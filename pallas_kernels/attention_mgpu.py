@@ -81,10 +81,7 @@ def key_list(q_pos, self_pos, *, window: int, ring_pos=None, comp_idx=None, n_co
     jc = jnp.clip(j, 0, s - 1)
     codes.append(jnp.broadcast_to((jnp.arange(b)[:, None, None] * s + jc) * 4 + OWN, (b, s, band)))
     kpos = jnp.where(j[None] >= 0, self_pos[:, jc], -1)                            # [B, S, band]
-    ok = (q_pos[..., None] - kpos >= 0) & (q_pos[..., None] - kpos < window) & (kpos >= 0)
-    if window_floor is not None:
-        ok = ok & (kpos >= window_floor[:, None, None])
-    valid.append(ok)
+    valid.append(ref.window_key_mask(q_pos, kpos, window, window_floor))
     n_sel = 0
     if n_comp:
         visible = jnp.clip((q_pos + 1) // ratio, 0, n_comp)                           # [B, S]

@@ -288,12 +288,14 @@ def moe_experts_quantized(x: jax.Array, expert_ids: jax.Array, weights: jax.Arra
 # equal (tests/test_kernels_attention.py); the kernel is tested against the latter.
 
 def window_key_mask(q_pos: jax.Array, k_pos: jax.Array, window: int, floor: jax.Array | None) -> jax.Array:
-    """[B, S] query positions x [B, N] key positions (-1 = no key) -> [B, S, N] bool:
-    max(floor, q - W + 1) <= k <= q (MODEL_SPEC 2.4; floor = bounded-replay start, 0 when None)."""
-    delta = q_pos[:, :, None] - k_pos[:, None, :]
-    ok = (delta >= 0) & (delta < window) & (k_pos >= 0)[:, None, :]
+    """[B, S] query positions x key positions (-1 = no key), [B, N] shared by a sequence's rows or [B, S, N] per
+    row -> [B, S, N] bool: max(floor, q - W + 1) <= k <= q (MODEL_SPEC 2.4; floor = bounded-replay start, 0 when
+    None)."""
+    k_pos = k_pos if k_pos.ndim == 3 else k_pos[:, None, :]
+    delta = q_pos[:, :, None] - k_pos
+    ok = (delta >= 0) & (delta < window) & (k_pos >= 0)
     if floor is not None:
-        ok = ok & (k_pos[:, None, :] >= floor[:, None, None])
+        ok = ok & (k_pos >= floor[:, None, None])
     return ok
 
 

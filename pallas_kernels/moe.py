@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import reference as ref
-from .common import on_gpu
+from .common import interpret_flag, on_hopper
 
 # ----------------------------------------------------------------------------------------------- routing
 
@@ -918,23 +918,6 @@ def transpose(a: jax.Array, *, interpret: bool = False) -> jax.Array:
 # ----------------------------------------------------------------------------------------- entry point
 
 
-def _interpret_flag(backend: str, interpret):
-    """None -> interpret on a CPU; True -> the backend's interpreter object; False -> compile."""
-    if interpret is None:
-        interpret = not on_gpu()
-    if not interpret:
-        return None if backend == "mgpu" else False
-    if backend == "mgpu":
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        return interpret if not isinstance(interpret, bool) else InterpretGPUParams()
-    return True
-
-
-def on_hopper() -> bool:
-    d = jax.devices()[0]
-    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
-
-
 def choose_backend(fmt: str, compute_dtype) -> str:
     """The kernel that measured fastest on the H200 for the load (experiments/bench_moe.py, docs/benchmarks.md):
     Mosaic GPU swap_ab for FP4 (registers decode the E2M1 table; decode / verify 1.4-2.1x Triton, prefill 6.14 /
@@ -998,7 +981,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         backend = choose_backend(fmt, cdt)
     if config is None:
         config = default_config(backend, m * k, e, fmt)
-    interp = _interpret_flag(backend, interpret)
+    interp = interpret_flag(backend, interpret)
     # FP8 x FP8 MMA where it measured faster (bench_moe, H200): decode / verify tiles (3.84-3.90 TB/s against
     # 3.32-3.43 for the Mosaic GPU swap kernels at 64 / 256 tokens); prefill ran 186-193 TFLOP/s in Triton,
     # below the bf16 MMA of the rounded activations (256), so prefill keeps that

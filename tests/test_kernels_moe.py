@@ -525,6 +525,7 @@ def test_gpu_model_pallas_moe_matches_reference():
     from model import ModelConfig, init_random
     cfg = ModelConfig.preset("tiny-v4")
     tok = jnp.asarray(fresh_rng().integers(2, cfg.vocab_size, (2, 48)), jnp.int32)
-    logits = {impl: init_random(cfg.replace(moe_impl=impl), seed=0, dtype="float32")(tok)
-              for impl in ("reference", "pallas")}
-    assert rel_err(logits["pallas"], logits["reference"]) < 1e-2   # XLA may use TF32 for float32 on GPU
+    with jax.default_matmul_precision("highest"):   # XLA's float32 GEMMs are TF32 by default on the GPU: 1.6e-2
+        logits = {impl: init_random(cfg.replace(moe_impl=impl), seed=0, dtype="float32")(tok)
+                  for impl in ("reference", "pallas")}
+    assert rel_err(logits["pallas"], logits["reference"]) < 1e-3

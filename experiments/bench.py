@@ -1038,6 +1038,7 @@ def defaults(backend: str, quick: bool) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from model.config import ATTENTION_IMPLS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help="ModelConfig preset (default v4-flash-4l on GPU, tiny-v4 on CPU)")
     p.add_argument("--layers", type=int, help="scale to N backbone layers keeping the layer pattern")
@@ -1055,8 +1056,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replay", action="store_true", help="[V4.1] decoder-side bounded replay in prefill")
     p.add_argument("--dtype", choices=("bfloat16", "float32"))
     p.add_argument("--moe-impl", choices=("reference", "pallas"))
-    p.add_argument("--attention-impl", choices=("reference", "pallas", "mgpu"),
-                   help="mgpu: the Mosaic GPU window-attention kernel (V4 widths, bf16, Hopper)")
+    p.add_argument("--attention-impl", choices=ATTENTION_IMPLS,
+                   help="pallas: the faster of triton and mgpu per call; mgpu: the Mosaic GPU window-attention "
+                        "kernel (V4 widths, bf16, Hopper)")
     p.add_argument("--expert-weights", choices=("dense", "fp4"), help="routed experts held dense or FP4-packed")
     p.add_argument("--dense-weights", choices=("model", "fp8"),
                    help="the release's FP8 tensors held in the model dtype or FP8 + block scales")

@@ -248,7 +248,7 @@ def attention_variants(*, b, s, h, d, ring, n, k, w, ratio, csa, mode, opts, sta
         def f(comp, sink, q, q_pos, self_kv, self_pos, ring_kv, ring_pos, idx):
             return pk_attn.sparse_attention(q, q_pos, self_kv, self_pos, sink, ring_kv=ring_kv, ring_pos=ring_pos,
                                             comp_kv=comp, comp_idx=idx, mode=mode, interpret=opts.interpret,
-                                            **kern_kw, **cfg)
+                                            **kern_kw, **{"impl": "triton", **cfg})
         return f
 
     def xla_gather(comp, sink, q, q_pos, self_kv, self_pos, ring_kv, ring_pos, idx):
@@ -268,7 +268,7 @@ def attention_variants(*, b, s, h, d, ring, n, k, w, ratio, csa, mode, opts, sta
     variants = []
     cfg = pk_attn.default_config(mode, b * s, h, csa)
     cfg["num_splits"] = pk_attn.auto_splits(b * s, h, cfg["block_h"]) if mode == "decode" else 1
-    variants.append(("pallas", pallas({}), f"default {mode} config {cfg}", 0, must_bytes))
+    variants.append(("triton", pallas({}), f"default {mode} config {cfg}", 0, must_bytes))
     if (h, d) == (pk_attn_mgpu.HEADS, pk_attn_mgpu.DIM) and opts.gpu:
         variants.append(("mgpu", pallas(dict(impl="mgpu")), "Mosaic GPU kernel (attention_mgpu: inline-TMA row "
                          "gather, two compute warpgroups), one program per query row", 0, must_bytes))
@@ -278,10 +278,10 @@ def attention_variants(*, b, s, h, d, ring, n, k, w, ratio, csa, mode, opts, sta
         grid = ([(32, 64, 4, 2, 1), (32, 64, 4, 2, 2), (64, 64, 8, 2, 1), (64, 64, 8, 2, 2), (32, 32, 4, 3, 1)]
                 if mode == "decode" else [(64, 64, 8, 2, 1), (32, 64, 4, 2, 1), (64, 32, 8, 3, 1)])
         for bh, bn, nw, ns, sp in grid:
-            if pk_attn.smem_bytes(d, bh, bn, ns) > 232448:
+            if pk_attn.smem_bytes(d, bh, bn, ns) > pk_attn.SMEM_LIMIT:
                 continue
             cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
-            variants.append((f"pallas_bh{bh}_bn{bn}_w{nw}_s{ns}_p{sp}", pallas(cfg), "sweep", 0, must_bytes))
+            variants.append((f"triton_bh{bh}_bn{bn}_w{nw}_s{ns}_p{sp}", pallas(cfg), "sweep", 0, must_bytes))
     variants.append(("xla_gather", xla_gather, "pure-jnp gather formulation (reference.window_sparse_attention)",
                      gather_mem, must_bytes))
     variants.append(("xla_dense", xla_dense, "model reference path: concat keys + [B,S,R+S+N] mask + sink_attention",

@@ -28,8 +28,9 @@ HF_MLP_LAYER_TYPES = ("hash_moe", "moe")
 SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")
 GENERATIONS = ("v4", "v41")
 IMPLS = ("reference", "pallas")
-ATTENTION_IMPLS = IMPLS + ("mgpu",)  # mgpu: pallas_kernels.attention_mgpu for the window attention (64 x 512, bf16,
-                                     # Hopper); the indexer's top-k kernel as with "pallas"
+# the window attention's kernel (pallas_kernels.attention.sparse_attention's impl): "pallas" = the faster of
+# "triton" and "mgpu" (attention_mgpu: 64 x 512, bf16, Hopper) per call; the indexer's top-k kernel with any of them
+ATTENTION_IMPLS = IMPLS + ("triton", "mgpu")
 EXPERT_WEIGHTS = ("dense", "fp4")
 DENSE_WEIGHTS = ("model", "fp8")
 HEAD_DTYPES = ("float32", "bfloat16")
@@ -144,7 +145,7 @@ class ModelConfig:
     # fidelity to the trained model, off for exactness tests.
     quant_sim: bool = False
     # Implementations of the hot paths (pallas_kernels): "reference" (pure jnp, every backend) or "pallas";
-    # attention also "mgpu" (ATTENTION_IMPLS).
+    # attention also "triton" / "mgpu" to force one kernel (ATTENTION_IMPLS).
     attention_impl: str = "reference"
     moe_impl: str = "reference"
     # How the routed experts' weights are held in memory: "dense" (the model dtype) or "fp4" (packed E2M1 +

@@ -1,5 +1,6 @@
 """Sparse + window MQA at head dim 512 with a per-head sink (MODEL_SPEC 2.4-2.5), Pallas (Triton lowering).
-(`attention_mgpu` holds a Mosaic GPU kernel for the same contract at 64 heads x 512: `impl="mgpu"`.)
+(`attention_mgpu` holds a Mosaic GPU kernel for the same contract at 64 heads x 512: `impl="mgpu"`;
+`impl="pallas"` takes it where it measured faster, `impl="triton"` always this module's kernel.)
 
 One query row of one sequence attends to the union of
   * its sliding window: keys at positions max(floor, p-W+1) <= k <= p, taken from the SWA ring
@@ -43,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import reference as ref
-from .common import next_pow2, on_gpu, pad_axis
+from .common import next_pow2, on_gpu, on_hopper, pad_axis
 
 NEG = -1e30  # finite start for running maxima of split partials: exp(NEG - m) == 0, never NaN
 
@@ -52,18 +53,31 @@ WIDE_CONFIG = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)    # 197 K
 NARROW_CONFIG = dict(block_h=32, block_n=64, num_warps=4, num_stages=2)  # 164 KB; 2 head blocks share keys via L2
 DECODE_MAX_ROWS = 16  # chunks up to this many rows use the decode configuration
 SMS = 132  # H200 streaming multiprocessors
+SMEM_LIMIT = 232448  # bytes of shared memory per block on the H200 (PALLAS_H200.md)
+MGPU_MIN_ROWS = 64  # query rows (B x S) from which impl="pallas" takes the Mosaic GPU kernel (`pallas_backend`)
+IMPLS = ("pallas", "triton", "mgpu", "reference")
 
 
-def default_config(mode: str, rows: int, heads: int, csa: bool) -> dict:
+def default_config(mode: str, rows: int, heads: int, csa: bool, head_dim: int = 512, itemsize: int = 2) -> dict:
     """Tiling by launch: measured on the H200 over 14 decode / 9 prefill tilings (docs/benchmarks.md,
     results/bench_kernels_20261130-080535_gpu.*). 32-head blocks win by 7-8% once they fill two waves
     of SMs (CSA verify B64 x 4 rows, decode B256, CSA prefill); 64-head blocks (+ key splits) win on
     fewer rows (decode B64: 48.5 vs 51.9 us) and on HCA prefill, whose aligned tiles are read once
-    (2.35 vs 2.88 ms). More stages (3, 4) or 32-key blocks were slower everywhere."""
+    (2.35 vs 2.88 ms). More stages (3, 4) or 32-key blocks were slower everywhere.
+    Wider elements (float32 inputs: the model's parity mode) halve block_n, then block_h, until the tiles
+    fit the SMEM (`smem_bytes` of the padded head dim)."""
     if mode == "prefill":
-        return dict(NARROW_CONFIG if csa else WIDE_CONFIG)
-    narrow_programs = rows * -(-heads // NARROW_CONFIG["block_h"])
-    return dict(NARROW_CONFIG if csa and narrow_programs >= 2 * SMS else WIDE_CONFIG)
+        cfg = dict(NARROW_CONFIG if csa else WIDE_CONFIG)
+    else:
+        narrow_programs = rows * -(-heads // NARROW_CONFIG["block_h"])
+        cfg = dict(NARROW_CONFIG if csa and narrow_programs >= 2 * SMS else WIDE_CONFIG)
+    dp = max(16, next_pow2(head_dim))
+    while smem_bytes(dp, cfg["block_h"], cfg["block_n"], cfg["num_stages"], itemsize) > SMEM_LIMIT:
+        key = "block_n" if cfg["block_n"] > 16 else "block_h"
+        if cfg[key] == 16:
+            break   # nothing left to shrink: the compile reports it
+        cfg[key] //= 2
+    return cfg
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -229,9 +243,10 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     (`default_config`);
     block_* / num_* override it. num_splits > 1 splits each row's key blocks over programs
     (flash decoding, for small decode batches); None = `auto_splits` in decode mode, 1 in prefill.
-    interpret: None = interpret unless on a GPU. impl="reference" runs `reference.window_sparse_attention`;
-    impl="mgpu" the Mosaic GPU kernel (`attention_mgpu`: 64 heads x 512, bf16, Hopper; tilings ignored,
-    num_splits honoured).
+    interpret: None = interpret unless on a GPU. impl="triton" runs this module's kernel, impl="mgpu" the
+    Mosaic GPU kernel (`attention_mgpu`: 64 heads x 512, bf16, Hopper; tilings ignored, num_splits honoured),
+    impl="pallas" the faster of the two for the call (`pallas_backend`), impl="reference"
+    `reference.window_sparse_attention`.
     Returns o [B, S, H, Dh] in q's dtype (fp32 accumulation).
     """
     _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, comp_idx, ratio, window_floor,
@@ -240,25 +255,27 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
         return ref.window_sparse_attention(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window,
                                            ring_kv=ring_kv, ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx,
                                            ratio=ratio, window_floor=window_floor)
+    if impl not in IMPLS:
+        raise ValueError(f"sparse_attention: impl must be one of {IMPLS}, got {impl!r}")
+    if interpret is None:
+        interpret = not on_gpu()
+    tiling_given = any(v is not None for v in (block_h, block_n, num_warps, num_stages))
+    if impl == "pallas":
+        impl = pallas_backend(q, (self_kv, ring_kv, comp_kv), tiling_given, bool(interpret))
     if impl == "mgpu":
         from .attention_mgpu import sparse_attention_mgpu
         return sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window, ring_kv=ring_kv,
                                      ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx, ratio=ratio,
-                                     window_floor=window_floor, num_splits=num_splits,
-                                     interpret=(not on_gpu()) if interpret is None else bool(interpret))
-    if impl != "pallas":
-        raise ValueError(f"sparse_attention: impl must be 'reference', 'pallas' or 'mgpu', got {impl!r}")
+                                     window_floor=window_floor, num_splits=num_splits, interpret=bool(interpret))
     if mode not in ("auto", "decode", "prefill"):
         raise ValueError(f"sparse_attention: mode must be auto|decode|prefill, got {mode!r}")
     b, s, h, d = q.shape
     if mode == "auto":
         mode = "decode" if s <= DECODE_MAX_ROWS else "prefill"
-    cfg = default_config(mode, b * s, h, comp_idx is not None)
+    cfg = default_config(mode, b * s, h, comp_idx is not None, d, jnp.dtype(q.dtype).itemsize)
     for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:
             cfg[k] = v
-    if interpret is None:
-        interpret = not on_gpu()
     bh, bn = cfg["block_h"], cfg["block_n"]
     if num_splits is None:
         num_splits = auto_splits(b * s, h, bh) if mode == "decode" else 1
@@ -346,9 +363,22 @@ def sparse_attention_prefill(q, q_pos, self_kv, self_pos, sink, **kw):
     return sparse_attention(q, q_pos, self_kv, self_pos, sink, mode="prefill", **kw)
 
 
-def smem_bytes(head_dim: int, block_h: int, block_n: int, num_stages: int) -> int:
-    """Triton SMEM estimate at bf16 from PALLAS_H200.md section 1.6 (limit 232,448 B on the H200)."""
-    return 2 * head_dim * (num_stages * block_n + block_h) + 512
+def smem_bytes(head_dim: int, block_h: int, block_n: int, num_stages: int, itemsize: int = 2) -> int:
+    """Triton SMEM estimate from PALLAS_H200.md section 1.6 (bf16: itemsize 2; limit SMEM_LIMIT)."""
+    return itemsize * head_dim * (num_stages * block_n + block_h) + 512
+
+
+def pallas_backend(q: jax.Array, keys: tuple, tiling_given: bool, interpret: bool) -> str:
+    """The kernel impl="pallas" runs: "mgpu" (attention_mgpu) for compiled bf16 calls at 64 heads x 512 on
+    Hopper with >= MGPU_MIN_ROWS query rows and no Triton tiling asked for, else "triton". Measured on the
+    H200 (results/bench_kernels_20261130-100833_gpu.md, CUPTI us, Triton / Mosaic GPU): decode B8 25.1 / 31.9,
+    verify B8x4 32.4 / 37.5, decode B64 48.7 / 46.0, verify B64x4 136.9 / 97.1, decode B256 137.1 / 96.4,
+    HCA verify B256x4 789 / 566, CSA / HCA prefill 4K rows 1552 / 1316 and 2348 / 2196."""
+    b, s, h, d = q.shape
+    fits = (h, d) == (64, 512) and all(x is None or x.dtype == jnp.bfloat16 for x in (q, *keys))
+    if fits and not tiling_given and not interpret and b * s >= MGPU_MIN_ROWS and on_hopper():
+        return "mgpu"
+    return "triton"
 
 
 def auto_splits(batch_rows: int, heads: int, block_h: int, sms: int = SMS) -> int:

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import reference as ref
+from .common import interpret_flag
 
 HEADS, DIM = 64, 512
 HALF = DIM // 2          # head-dim columns per compute warpgroup
@@ -98,13 +99,15 @@ def key_list(q_pos, self_pos, *, window: int, ring_pos=None, comp_idx=None, n_co
     valid = jnp.concatenate(valid, -1).reshape(b * s, -1)
     width = min(codes.shape[1], window + n_sel)
     width = -(-width // BLOCK) * BLOCK
-    order = jnp.argsort(~valid, axis=1, stable=True)[:, :width]                       # valid keys first
-    count = jnp.sum(valid, axis=1).astype(jnp.int32)
-    picked = jnp.take_along_axis(codes, order, axis=1)
+    # compaction in order: each valid key goes to its rank among the row's valid keys, a scatter (H200, decode
+    # B64: 10.5 us; a stable argsort of the mask, the same result: 12.6 us)
+    rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32)                                  # [B * S, C]
+    count = rank[:, -1]
     own = ((jnp.arange(b)[:, None] * s + jnp.arange(s)[None]) * 4 + OWN).reshape(b * s, 1)
-    picked = jnp.where(jnp.arange(picked.shape[1])[None] < count[:, None], picked, own)
-    if picked.shape[1] < width:   # fewer candidates than a whole block: pad with the dummy
-        picked = jnp.concatenate([picked, jnp.broadcast_to(own, (b * s, width - picked.shape[1]))], 1)
+    rows = jnp.broadcast_to(jnp.arange(b * s)[:, None], codes.shape)
+    dest = jnp.where(valid, rank - 1, width + jnp.arange(codes.shape[1]))           # invalid: distinct, dropped
+    picked = jnp.broadcast_to(own, (b * s, width)).at[rows, dest].set(
+        codes, mode="drop", unique_indices=True)                     # the tail keeps the own-row dummy
     return picked, jnp.minimum(count, width)
 
 
@@ -409,11 +412,7 @@ def sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, *, scale: float, wi
         sources.insert(0, (RING, ring_kv.reshape(-1, d)))
     if comp_kv is not None:
         sources.append((COMP, comp_kv.reshape(-1, d)))
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        interpret = InterpretGPUParams()
-    else:
-        interpret = None
+    interpret = interpret_flag("mgpu", bool(interpret))
     splits = auto_splits(b * s, h, HEADS) if num_splits is None else int(num_splits)
     _check(splits >= 1, f"num_splits must be >= 1, got {splits}")
     kern = _kernel(b * s, codes.shape[1], tuple(sid for sid, _ in sources), float(scale), splits, interpret)

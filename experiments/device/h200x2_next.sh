@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 15}" in
+case "${1:?part 1 to 17}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -210,6 +210,21 @@ case "${1:?part 1 to 15}" in
 15) # the model with the Mosaic GPU attention and the MoE combine fix (FP4, verify and prefill)
     timeout 560 $B --preset v4-flash-4l --expert-weights fp4 --attention-impl mgpu --phase decode,prefill --step verify \
         --batch 64,256 --prefill-batch 1 --context 32768 --tag h200_mgpu_attention ;;
-*)  echo "part must be 1 to 15" >&2; exit 2 ;;
+16) # eighth session: impl="pallas" takes the Mosaic GPU attention kernel from 64 rows (GPU tests: the kernels, the
+    # bf16 V4-width layers, the dispatch), the MoE model test under "highest" precision, and where the Mosaic GPU
+    # kernel's time goes (key list / HBM gather / own work: experiments/probes/mgpu_attention_limits.py)
+    export PYTHONUNBUFFERED=1
+    timeout 240 python -m pytest -q tests/test_kernels_attention.py -k "real_width or bf16 or pallas_impl" 2>&1 | tail -4
+    timeout 100 python -m pytest -q -m gpu tests/test_kernels_moe.py -k model_pallas_moe 2>&1 | tail -3
+    timeout 240 python -m experiments.probes.mgpu_attention_limits 2>&1 | tee "$OUT/probe_mgpu_attention_limits.md" \
+        | grep "^|" ;;
+17) # after 16: the key list as a cumsum scatter (was a stable argsort: 12.6 of 45.5 us at decode B64), the probe
+    # passing its arrays as arguments (16's closed over the 8 GB caches as constants), the float32 model test
+    export PYTHONUNBUFFERED=1
+    timeout 140 python -m pytest -q -m gpu tests/test_kernels_attention.py -k "model_real_width or bf16" --tb=short \
+        2>&1 | grep -E "^E |Error|passed|failed" | head -12
+    timeout 300 python -m experiments.probes.mgpu_attention_limits 2>&1 | tee "$OUT/probe_mgpu_attention_limits.md" \
+        | grep "^|" ;;
+*)  echo "part must be 1 to 17" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -1,10 +1,12 @@
-"""What the kernel wrappers share: the backend query behind `interpret=None`, and the zero padding that
-brings head counts and head dims to the power-of-two sizes the Triton lowering needs."""
+"""What the kernel wrappers share: the backend query behind `interpret=None`, the zero padding that
+brings head counts and head dims to the power-of-two sizes the Triton lowering needs, and the in-kernel
+decoders of UE8M0 scales and packed FP4 (E2M1) tiles (MoE experts, indexer keys)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def on_gpu() -> bool:
@@ -44,3 +46,37 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pad, constant_values=value)
+
+
+def e8m0(b):
+    """uint8/int exponent bytes -> float32 2^(b-127) (b=0 -> 2^-127, b=255 -> NaN), elementwise in-kernel."""
+    b = b.astype(jnp.int32)
+    v = lax.bitcast_convert_type(b << 23, jnp.float32)
+    v = jnp.where(b == 0, jnp.float32(2.0 ** -127), v)
+    return jnp.where(b == 255, jnp.float32(jnp.nan), v)
+
+
+FP4_FOLD = 2.0 ** 14   # e2m1_pair returns E2M1 values / 2^14; the kernels multiply their accumulators back
+
+
+def e2m1_pair(p):
+    """Packed E2M1 bytes (int32, sign-extended) -> (even, odd) column values / 2^14 as float32.
+
+    Each nibble s|e1 e0|m is moved into an f16 bit pattern with the sign at bit 15, e1 e0 as the low two
+    exponent bits and m as the top mantissa bit: that f16 is exactly e2m1 * 2^-14 for every code (e=0 lands
+    on the f16 subnormals 0 and 2^-15). The f16 -> f32 conversion is exact, so no lookup table and no select.
+    """
+    lo = ((p & 0x7) << 9) | ((p & 0x8) << 12)
+    hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
+    f = lambda b: lax.bitcast_convert_type(b.astype(jnp.int16), jnp.float16).astype(jnp.float32)  # noqa: E731
+    return f(lo), f(hi)
+
+
+def fp4_tile(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """An FP4 tile in a kernel: packed E2M1 bytes [r, c] (column pairs, low nibble first) and their UE8M0
+    exponent bytes [r, c / 16] (one per 32 logical columns) -> (even, odd) logical columns [r, c] float32,
+    scaled, still divided by FP4_FOLD."""
+    r, c = packed.shape
+    full = jnp.broadcast_to(e8m0(scale)[:, :, None], (r, c // 16, 16)).reshape(r, c)
+    lo, hi = e2m1_pair(packed.astype(jnp.int32))
+    return lo * full, hi * full

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import reference as ref
-from .common import interpret_flag, on_hopper
+from .common import FP4_FOLD, e2m1_pair, e8m0, fp4_tile, interpret_flag, on_hopper
 
 # ----------------------------------------------------------------------------------------------- routing
 
@@ -252,30 +252,6 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
 # --------------------------------------------------------------------------------- in-kernel dequantisers
 
 
-def _e8m0(b):
-    """uint8/int exponent bytes -> float32 2^(b-127) (b=0 -> 2^-127, b=255 -> NaN), elementwise in-kernel."""
-    b = b.astype(jnp.int32)
-    v = lax.bitcast_convert_type(b << 23, jnp.float32)
-    v = jnp.where(b == 0, jnp.float32(2.0 ** -127), v)
-    return jnp.where(b == 255, jnp.float32(jnp.nan), v)
-
-
-FP4_FOLD = 2.0 ** 14   # _e2m1_pair returns E2M1 values / 2^14; the kernels multiply their accumulators back
-
-
-def _e2m1_pair(p):
-    """Packed E2M1 bytes (int32, sign-extended) -> (even, odd) column values / 2^14 as float32.
-
-    Each nibble s|e1 e0|m is moved into an f16 bit pattern with the sign at bit 15, e1 e0 as the low two
-    exponent bits and m as the top mantissa bit: that f16 is exactly e2m1 * 2^-14 for every code (e=0 lands
-    on the f16 subnormals 0 and 2^-15). The f16 -> f32 conversion is exact, so no lookup table and no select.
-    """
-    lo = ((p & 0x7) << 9) | ((p & 0x8) << 12)
-    hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
-    f = lambda b: lax.bitcast_convert_type(b.astype(jnp.int16), jnp.float16).astype(jnp.float32)  # noqa: E731
-    return f(lo), f(hi)
-
-
 def _precision(dtype):
     # float32 operands (the model's parity mode): IEEE, not Triton's default TF32
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else None
@@ -292,7 +268,7 @@ def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False):
 
     dense/fp8: xk = (x [bm, bk],); fp8 with FP8 activations: xk = (x float8 [bm, bk], the rows' act_quant
     scales [bm, 1] of this block), one FP8 MMA; fp4: xk = (x_even, x_odd), each [bm, bk] against bk packed
-    bytes (2*bk logical columns); the fp4 result is E2M1-folded (times 2^-14, see _e2m1_pair; the kernels
+    bytes (2*bk logical columns); the fp4 result is E2M1-folded (times 2^-14, see e2m1_pair; the kernels
     multiply their accumulators by FP4_FOLD).
     """
     if kn:  # dense weights stored [E, in, out]
@@ -305,16 +281,13 @@ def _wdot(xk, w_ref, s_ref, e, n0, k0, *, fmt, bn, bk, fp8_block, kn=False):
     if fmt == "fp8":
         # the tile sits inside one scale block (bn, bk divide B): scale the partial product once
         w = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
-        s = _e8m0(s_ref[e, n0 // fp8_block, k0 // fp8_block])
+        s = e8m0(s_ref[e, n0 // fp8_block, k0 // fp8_block])
         if len(xk) == 2:  # FP8 activations: both operands FP8, both scales on the f32 product
             return _dot_nt(xk[0], w) * (xk[1] * s)
         return _dot_nt(xk[0], w.astype(xk[0].dtype)) * s
     # fp4: bytes k0:k0+bk hold logical columns 2*k0 .. 2*(k0+bk); one UE8M0 scale per 16 bytes
     xe, xo = xk
-    packed = w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.int32)
-    s = s_ref[e, pl.ds(n0, bn), pl.ds(k0 // 16, bk // 16)]                   # [bn, bk/16]
-    scale = jnp.broadcast_to(_e8m0(s)[:, :, None], (bn, bk // 16, 16)).reshape(bn, bk)
-    lo, hi = (v * scale for v in _e2m1_pair(packed))
+    lo, hi = fp4_tile(w_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)], s_ref[e, pl.ds(n0, bn), pl.ds(k0 // 16, bk // 16)])
     return _dot_nt(xe, lo.astype(xe.dtype)) + _dot_nt(xo, hi.astype(xo.dtype))
 
 

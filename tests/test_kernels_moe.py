@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from common import rel_err
+from pallas_kernels import common as C
 from pallas_kernels import moe as K
 from pallas_kernels import reference as R
 
@@ -169,13 +170,13 @@ def test_e2m1_decoder_covers_all_codes():
     """The in-kernel f16 bit trick against the table, for all 256 packed bytes."""
     b = jnp.arange(256, dtype=jnp.int32)
     b = jnp.where(b > 127, b - 256, b)                                 # as the kernel sees int8
-    lo, hi = K._e2m1_pair(b)
+    lo, hi = C.e2m1_pair(b)
     mags = np.array(R.E2M1_MAGNITUDES, np.float32)
     val = lambda c: np.where(c >= 8, -mags[c & 7], mags[c & 7])      # noqa: E731
     u = np.arange(256)
-    assert np.array_equal(np.asarray(lo) * K.FP4_FOLD, val(u & 15))
-    assert np.array_equal(np.asarray(hi) * K.FP4_FOLD, val(u >> 4))
-    s = K._e8m0(jnp.array([0, 1, 100, 127, 254, 255]))
+    assert np.array_equal(np.asarray(lo) * C.FP4_FOLD, val(u & 15))
+    assert np.array_equal(np.asarray(hi) * C.FP4_FOLD, val(u >> 4))
+    s = C.e8m0(jnp.array([0, 1, 100, 127, 254, 255]))
     assert np.array_equal(np.asarray(s)[:5], np.ldexp(1.0, np.array([-127, -126, -27, 0, 127])).astype(np.float32))
     assert np.isnan(np.asarray(s)[5])
 

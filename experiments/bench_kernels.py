@@ -442,22 +442,19 @@ def prefill_builtins(*, s, h, d, opts):
 
 
 # ----------------------------------------------------------------------------- indexer
-def indexer_sets(key, *, b, t, hi, di, n, start, n_sets, fp8):
+def indexer_sets(key, *, b, t, hi, di, n, start, n_sets, quant):
     ks = jax.random.split(key, n_sets * 3)
     pos = jnp.full((b,), start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     sets = []
     for i in range(n_sets):
-        keys = rnd(ks[3 * i + 2], (b, n, di))
-        scale = None
-        if fp8:
-            keys, scale = ref.quantize_rows_fp8(keys)
+        keys, scale = ref.quantize_index_keys(rnd(ks[3 * i + 2], (b, n, di)), quant)
         sets.append((rnd(ks[3 * i], (b, t, hi, di)),
                      jax.random.normal(ks[3 * i + 1], (b, t, hi), jnp.float32) * (hi * di) ** -0.5, keys, pos, scale))
     jax.block_until_ready(sets)
     return (), sets
 
 
-def indexer_variants(*, b, t, n, k, ratio, mode, opts, key_bytes, fp8, sweep=False):
+def indexer_variants(*, b, t, n, k, ratio, mode, opts, key_bytes, quant, sweep=False):
     def pallas(cfg):
         def f(q, w, keys, pos, scale):
             return pk_idx.indexer_topk(q, w, keys, pos, ratio=ratio, k=k, key_scale=scale, mode=mode,
@@ -486,7 +483,7 @@ def indexer_variants(*, b, t, n, k, ratio, mode, opts, key_bytes, fp8, sweep=Fal
         return out.swapaxes(0, 1).reshape(b, t, -1)
 
     def xla_bf16_scores(q, w, keys, pos, scale):
-        kf = keys if scale is None else (keys.astype(jnp.float32) * scale[..., None]).astype(jnp.bfloat16)
+        kf = keys if scale is None else ref.dequantize_rows(keys, scale).astype(jnp.bfloat16)
         s = jnp.einsum("bthd,bnd->bthn", q, kf.astype(q.dtype), preferred_element_type=jnp.float32)
         s = jnp.einsum("bthn,bth->btn", jax.nn.relu(s), w)
         visible = jnp.arange(n)[None, None, :] < ((pos + 1) // ratio)[..., None]
@@ -513,8 +510,8 @@ def indexer_variants(*, b, t, n, k, ratio, mode, opts, key_bytes, fp8, sweep=Fal
           ("xla_bf16", xla_bf16_scores, "XLA bf16 einsum (fp32 acc) + lax.top_k", inter, key_bytes),
           ("xla_topk_only", xla_topk_only, "lax.top_k alone on [B,T,N] fp32 scores (selection cost)", 0,
            b * t * n * 4)]
-    if fp8:
-        v = [x for x in v if x[0] in ("pallas", "xla_reference")]
+    if quant:
+        v = [x for x in v if x[0] in ("pallas", "pallas_scores_only", "xla_reference")]
     return v
 
 
@@ -532,8 +529,12 @@ def indexer_check(sets, *, ratio, k, nb=8, rows=64):
     return check
 
 
-def indexer_roofline(*, b, t, hi, di, n, fp8):
-    key_bytes = b * n * (di * (1 if fp8 else 2) + (4 if fp8 else 0))
+KEY_ENTRY_BYTES = {None: lambda di: 2 * di, "fp8": lambda di: di + 4, "fp4": lambda di: di // 2 + di // 32}
+KEY_FORMATS = {None: "bfloat16", "fp8": "float8_e4m3fn+row scale", "fp4": "MXFP4 (packed E2M1 + UE8M0 per 32)"}
+
+
+def indexer_roofline(*, b, t, hi, di, n, quant):
+    key_bytes = b * n * KEY_ENTRY_BYTES[quant](di)
     bytes_ = key_bytes + b * t * hi * (di * 2 + 4) + b * t * n * 4 * (1 + 1 / pk_idx.GROUP)
     return roofline(bytes_, 2 * b * t * n * hi * di), key_bytes
 
@@ -541,22 +542,21 @@ def indexer_roofline(*, b, t, hi, di, n, fp8):
 def _indexer_family(opts: Opts, name: str, cases, mode: str) -> list[dict]:
     recs = []
     hi, di, k = (16, 64, 16) if opts.quick else (64, 128, 512)
-    for b, t, ctx, fp8 in cases:
+    for b, t, ctx, quant in cases:
         ratio = 4
         n = ctx // ratio
-        line, key_bytes = indexer_roofline(b=b, t=t, hi=hi, di=di, n=n, fp8=fp8)
-        shape = dict(B=b, T=t, HI=hi, DI=di, N=n, K=k, ratio=ratio, context=ctx,
-                     keys="float8_e4m3fn+row scale" if fp8 else "bfloat16")
-        case = f"B{b}_T{t}_N{n}{'_fp8' if fp8 else ''}"
+        line, key_bytes = indexer_roofline(b=b, t=t, hi=hi, di=di, n=n, quant=quant)
+        shape = dict(B=b, T=t, HI=hi, DI=di, N=n, K=k, ratio=ratio, context=ctx, keys=KEY_FORMATS[quant])
+        case = f"B{b}_T{t}_N{n}{'_' + quant if quant else ''}"
         print(f"[{name}] {case}: roofline {line}; index-key bytes {key_bytes}", flush=True)
         if opts.roofline_only:
             recs.append(roofline_record(name, case, shape, line))
             continue
         n_sets = n_sets_for(key_bytes, 8)
         shared, sets = indexer_sets(jax.random.key(b + t), b=b, t=t, hi=hi, di=di, n=n, start=ctx - t,
-                                    n_sets=n_sets, fp8=fp8)
+                                    n_sets=n_sets, quant=quant)
         variants = indexer_variants(b=b, t=t, n=n, k=k, ratio=ratio, mode=mode, opts=opts, key_bytes=key_bytes,
-                                    fp8=fp8, sweep=opts.sweep and not fp8 and (opts.quick or b in (1, 64)))
+                                    quant=quant, sweep=opts.sweep and not quant and (opts.quick or b in (1, 64)))
         rs = run_variants(name, case, shape, line, variants, shared, sets, indexer_check(sets, ratio=ratio, k=k), opts,
                           baselines=("xla_reference", "xla_bf16"))
         for r in rs:  # the issue's metric: HBM bandwidth on index-key bytes
@@ -570,16 +570,16 @@ def _indexer_family(opts: Opts, name: str, cases, mode: str) -> list[dict]:
 @family("indexer_decode")
 def bench_indexer_decode(opts: Opts) -> list[dict]:
     """Indexer + top-512 at 128K context (32K entries x 128 dims, 64 heads), 1 or 4 rows per sequence."""
-    cases = ([(2, 1, 2048, False), (2, 4, 2048, True)] if opts.quick else
-             [(8, 1, 131072, False), (64, 1, 131072, False), (64, 4, 131072, False), (256, 1, 131072, False),
-              (64, 1, 131072, True)])
+    cases = ([(2, 1, 2048, None), (2, 4, 2048, "fp8"), (2, 1, 2048, "fp4")] if opts.quick else
+             [(8, 1, 131072, None), (64, 1, 131072, None), (64, 4, 131072, None), (256, 1, 131072, None),
+              (64, 1, 131072, "fp8"), (64, 1, 131072, "fp4"), (256, 1, 131072, "fp4")])
     return _indexer_family(opts, "indexer_decode", cases, "decode")
 
 
 @family("indexer_prefill")
 def bench_indexer_prefill(opts: Opts) -> list[dict]:
     """Indexer + top-512 for a 4K-token chunk ending at 128K context (compute-bound: 2.2 TFLOP)."""
-    cases = [(1, 32, 2048, False)] if opts.quick else [(1, 4096, 131072, False)]
+    cases = [(1, 32, 2048, None)] if opts.quick else [(1, 4096, 131072, None), (1, 4096, 131072, "fp4")]
     return _indexer_family(opts, "indexer_prefill", cases, "prefill")
 
 

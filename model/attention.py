@@ -141,8 +141,8 @@ class Attention(nnx.Module):
             visible = visible_entries(pos, entries.shape[1], self.spec.compress_ratio)
             if self.indexer is not None:
                 iq, iw = self.indexer.queries(h, c_q, pos)
-                if self.impl != "reference" and not (self.indexer.candidate_source or self.indexer.uses_candidates):
-                    topk, cand = self._topk_kernel(iq, iw, shared.keys, pos), shared.candidates
+                if self.impl != "reference":
+                    topk, cand = self._topk_kernel(iq, iw, shared.keys, pos, shared.candidates)
                 else:
                     topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates)
                 shared = shared.replace(topk=topk, candidates=cand)
@@ -157,13 +157,27 @@ class Attention(nnx.Module):
         return self.output(o, pos), cache, shared
 
     # ------------------------------------------------------------ attention_impl "pallas" / "mgpu"
-    def _topk_kernel(self, iq: jax.Array, iw: jax.Array, keys: jax.Array, pos: jax.Array) -> jax.Array:
-        """Fused indexer scores + top-k (pallas_kernels.indexer); V4.1 candidate layers use `select`."""
+    def _topk_kernel(self, iq: jax.Array, iw: jax.Array, keys: jax.Array, pos: jax.Array,
+                     candidates: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """Fused indexer scores + top-k (pallas_kernels.indexer) -> (top-k, the candidate mask passed on):
+        [V4.1] the candidate source publishes its mask, Reindex layers select inside the one they get."""
         from pallas_kernels import indexer as pk_indexer
+        ix = self.indexer
+        if not (ix.candidate_source or ix.uses_candidates):
+            def kernel(iq, iw, keys, pos):
+                return pk_indexer.indexer_topk(iq, iw, keys, pos, ratio=ix.ratio, k=ix.topk)
+            return self._per_sequence(kernel, (iq, iw, keys, pos)), candidates
 
-        def kernel(iq, iw, keys, pos):
-            return pk_indexer.indexer_topk(iq, iw, keys, pos, ratio=self.indexer.ratio, k=self.indexer.topk)
-        return self._per_sequence(kernel, (iq, iw, keys, pos))
+        def kernel(iq, iw, keys, pos, restrict):
+            return pk_indexer.indexer_select(
+                iq, iw, keys, pos, ratio=ix.ratio, k=ix.topk, candidates=restrict, group=ix.candidate_block_size,
+                publish_groups=ix.candidate_topk_blocks if ix.candidate_source else 0)
+        restrict = candidates if ix.uses_candidates else None
+        if restrict is None:   # (a None leaf would not shard)
+            topk, published = self._per_sequence(lambda *a: kernel(*a, None), (iq, iw, keys, pos))
+        else:
+            topk, published = self._per_sequence(kernel, (iq, iw, keys, pos, restrict))
+        return topk, published if ix.candidate_source else candidates
 
     def _per_sequence(self, fn, batched: tuple, replicated: tuple = ()):
         """fn(*batched, *replicated), on a mesh once per batch shard (GSPMD cannot split a pallas_call)."""

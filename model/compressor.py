@@ -113,19 +113,13 @@ def visible_entries(positions: jax.Array, num_entries: int, ratio: int) -> jax.A
 def candidate_blocks(scores: jax.Array, reachable: jax.Array, topk_blocks: int, block: int) -> jax.Array:
     """[V4.1] level-1 selection: scores [B, T, N] (-inf where unreachable), reachable [B, T] entry counts.
 
-    Block score = max over `block` consecutive entries; the block holding the newest reachable entry is
-    forced in; keep the best `topk_blocks` blocks with a finite score -> candidate mask [B, T, N].
+    Block score = max over `block` consecutive entries; `reference.top_candidate_groups` keeps the best
+    `topk_blocks` blocks (the newest reachable one forced in) -> candidate mask [B, T, N].
     """
     n = scores.shape[-1]
-    pad = -n % block
-    s = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-    s = jnp.max(s.reshape(*s.shape[:-1], -1, block), axis=-1)  # [B, T, nb]
-    nb = s.shape[-1]
-    newest = (reachable - 1) // block  # -1 when nothing is reachable: no block forced
-    s = jnp.where(jnp.arange(nb) == newest[..., None], jnp.inf, s)
-    vals, idx = jax.lax.top_k(s, min(topk_blocks, nb))
-    keep = jnp.zeros(s.shape, bool).at[jnp.arange(s.shape[0])[:, None, None],
-                                       jnp.arange(s.shape[1])[None, :, None], idx].set(vals > -jnp.inf)
+    s = jnp.pad(scores, ((0, 0), (0, 0), (0, -n % block)), constant_values=-jnp.inf)
+    keep = ref.top_candidate_groups(jnp.max(s.reshape(*s.shape[:-1], -1, block), axis=-1), reachable, topk_blocks,
+                                    block)
     return jnp.repeat(keep, block, axis=-1)[..., :n]
 
 

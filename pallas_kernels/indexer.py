@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import reference as ref
-from .common import next_pow2, on_gpu, pad_axis
+from .common import FP4_FOLD, fp4_tile, next_pow2, on_gpu, pad_axis
 
 # (rows_per_block, block_n, num_warps, num_stages)
 DECODE_CONFIG = dict(rows_per_block=8, block_n=128, num_warps=4, num_stages=3)
@@ -43,14 +43,16 @@ def _check(cond, msg):
         raise ValueError(f"indexer: {msg}")
 
 
-def _scores_kernel(*refs, ratio, n, block_n, group, rows, has_scale, aligned):
-    """q [rows, HI, DI]; w [rows, HI] f32; pos [rows]; keys [N, DI]; [scale [N]] ->
-    scores [rows, block_n] f32, group maxima [rows, block_n // group] f32."""
-    if has_scale:
-        q_ref, w_ref, pos_ref, k_ref, sc_ref, s_ref, g_ref = refs
-    else:
-        q_ref, w_ref, pos_ref, k_ref, s_ref, g_ref = refs
-        sc_ref = None
+def _scores_kernel(*refs, ratio, n, block_n, group, rows, key_format, aligned):
+    """q [rows, HI, DI] (fp4: its even and odd columns, two refs [rows, HI, DI/2]); w [rows, HI] f32; pos [rows];
+    keys [N, DI] (fp4: packed [N, DI/2]); key_format "plain" | "row_scale" (+ scale [N] f32) | "fp4" (+ UE8M0
+    bytes [N, DI/32]) -> scores [rows, block_n] f32, group maxima [rows, block_n // group] f32."""
+    fp4 = key_format == "fp4"
+    it = iter(refs)
+    q_refs = (next(it), next(it)) if fp4 else (next(it),)
+    w_ref, pos_ref, k_ref = next(it), next(it), next(it)
+    sc_ref = None if key_format == "plain" else next(it)
+    s_ref, g_ref = next(it), next(it)
     t = pl.program_id(2)
     start = t * block_n
     cols = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
@@ -63,19 +65,19 @@ def _scores_kernel(*refs, ratio, n, block_n, group, rows, has_scale, aligned):
     def _compute():
         if aligned:  # N % block_n == 0: a plain aligned tile
             tile = pl.ds(pl.multiple_of(start, block_n), block_n)
-            k = k_ref[tile, :]
-            sc = sc_ref[tile] if has_scale else None
         else:       # ragged last tile: clamp rows (masked below)
-            rc = jnp.minimum(cols, n - 1)
-            k = k_ref[rc, :]
-            sc = sc_ref[rc] if has_scale else None
-        dt = q_ref.dtype
-        k = k.astype(dt)
+            tile = jnp.minimum(cols, n - 1)
+        k = k_ref[tile, :]
+        sc = None if sc_ref is None else (sc_ref[tile] if key_format == "row_scale" else sc_ref[tile, :])
+        dt = q_refs[0].dtype
+        kt = tuple(v.astype(dt) for v in fp4_tile(k, sc)) if fp4 else (k.astype(dt),)   # [block_n, DI(/2)] each
         for r in range(rows):
-            s = lax.dot_general(q_ref[r], k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [HI, block_n]
-            if has_scale:
+            s = sum(lax.dot_general(q_ref[r], kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    for q_ref, kp in zip(q_refs, kt))                                  # [HI, block_n]
+            if key_format == "row_scale":
                 s = s * sc.astype(jnp.float32)[None, :]
+            elif fp4:
+                s = s * FP4_FOLD
             s = jnp.maximum(s, 0.0) * w_ref[r].astype(jnp.float32)[:, None]
             row = jnp.where(cols < counts[r], s.sum(axis=0), -jnp.inf)
             s_ref[r, :] = row
@@ -93,8 +95,9 @@ def _scores_kernel(*refs, ratio, n, block_n, group, rows, has_scale, aligned):
 def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, mode: str = "auto",
                    rows_per_block: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, group: int = GROUP, interpret: bool | None = None):
-    """Fused indexer scores. q [B, T, HI, DI], weights [B, T, HI], keys [B, N, DI] (bf16/f32, or
-    float8_e4m3fn with key_scale [B, N] f32), positions [B, T] int32.
+    """Fused indexer scores. q [B, T, HI, DI], weights [B, T, HI], keys [B, N, DI] (bf16/f32; or
+    float8_e4m3fn with key_scale [B, N] f32; or MXFP4 as the release stores them: packed E2M1 int8/uint8
+    [B, N, DI/2], low nibble first, with key_scale the UE8M0 exponent bytes [B, N, DI/32]), positions [B, T] int32.
 
     -> (scores [B, T, Np] float32 (-inf where not visible or j >= N; Np = N rounded up to block_n),
         group maxima [B, T, Np // group] float32).
@@ -102,12 +105,19 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     _check(q.ndim == 4, f"q must be [B, T, HI, DI], got {q.shape}")
     b, t, hi, di = q.shape
     _check(weights.shape == (b, t, hi), f"weights must be {(b, t, hi)}, got {weights.shape}")
-    _check(keys.ndim == 3 and keys.shape[0] == b and keys.shape[2] == di and keys.shape[1] > 0,
-           f"keys must be [B, N>0, DI]=[{b}, N, {di}], got {keys.shape}")
+    fp4 = keys.dtype in (jnp.int8, jnp.uint8)
+    kdi = di // 2 if fp4 else di
+    _check(keys.ndim == 3 and keys.shape[0] == b and keys.shape[2] == kdi and keys.shape[1] > 0,
+           f"keys must be [B, N>0, {'DI/2 packed FP4' if fp4 else 'DI'}]=[{b}, N, {kdi}], got {keys.shape}")
     _check(positions.shape == (b, t), f"positions must be {(b, t)}, got {positions.shape}")
     _check(int(ratio) > 0, f"ratio must be positive, got {ratio}")
     n = keys.shape[1]
-    if key_scale is not None:
+    if fp4:
+        _check(di % 32 == 0, f"FP4 keys need DI % 32 == 0 (one scale per 32), got DI={di}")
+        _check(key_scale is not None and key_scale.shape == (b, n, di // 32) and key_scale.dtype == jnp.uint8,
+               f"FP4 keys need key_scale uint8 [B, N, DI/32]={(b, n, di // 32)} (UE8M0 bytes), got "
+               f"{None if key_scale is None else (key_scale.dtype, key_scale.shape)}")
+    elif key_scale is not None:
         _check(key_scale.shape == (b, n), f"key_scale must be {(b, n)}, got {key_scale.shape}")
     elif keys.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
         raise ValueError(f"indexer: keys of dtype {keys.dtype} need key_scale (one scale per row)")
@@ -135,19 +145,25 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     dt = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     q = pad_axis(pad_axis(q.astype(dt), 3, dp), 2, hp)
     weights = pad_axis(weights.astype(jnp.float32), 2, hp)
-    keys = pad_axis(keys, 2, dp)
+    kdp = dp // 2 if fp4 else dp
+    keys = pad_axis(keys, 2, kdp)          # (zero bytes: FP4 zeros)
     npad = -(-n // bn) * bn
     grid = (b, t // rows, npad // bn)
-    in_specs = [pl.BlockSpec((None, rows, hp, dp), lambda bi, ri, ti: (bi, ri, 0, 0)),
-                pl.BlockSpec((None, rows, hp), lambda bi, ri, ti: (bi, ri, 0)),
-                pl.BlockSpec((None, rows), lambda bi, ri, ti: (bi, ri)),
-                pl.BlockSpec((None, n, dp), lambda bi, ri, ti: (bi, 0, 0))]
-    args = [q, weights, positions.astype(jnp.int32), keys]
-    if key_scale is not None:
+    qs = (q[..., 0::2], q[..., 1::2]) if fp4 else (q,)     # FP4: the columns each nibble of a byte meets
+    in_specs = [pl.BlockSpec((None, rows, hp, kdp), lambda bi, ri, ti: (bi, ri, 0, 0)) for _ in qs]
+    in_specs += [pl.BlockSpec((None, rows, hp), lambda bi, ri, ti: (bi, ri, 0)),
+                 pl.BlockSpec((None, rows), lambda bi, ri, ti: (bi, ri)),
+                 pl.BlockSpec((None, n, kdp), lambda bi, ri, ti: (bi, 0, 0))]
+    args = [*qs, weights, positions.astype(jnp.int32), keys]
+    if fp4:
+        in_specs.append(pl.BlockSpec((None, n, dp // 32), lambda bi, ri, ti: (bi, 0, 0)))
+        args.append(pad_axis(key_scale, 2, dp // 32))   # (exponent 0 = 2^-127 times zero bytes)
+    elif key_scale is not None:
         in_specs.append(pl.BlockSpec((None, n), lambda bi, ri, ti: (bi, 0)))
         args.append(key_scale.astype(jnp.float32))
+    key_format = "fp4" if fp4 else "plain" if key_scale is None else "row_scale"
     kern = functools.partial(_scores_kernel, ratio=int(ratio), n=n, block_n=bn, group=group, rows=rows,
-                             has_scale=key_scale is not None, aligned=n % bn == 0)
+                             key_format=key_format, aligned=n % bn == 0)
     return pl.pallas_call(
         kern, grid=grid, in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, rows, bn), lambda bi, ri, ti: (bi, ri, ti)),
@@ -159,19 +175,30 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     )(*args)
 
 
-def grouped_topk(scores: jax.Array, group_max: jax.Array, k: int, n: int, group: int = GROUP) -> jax.Array:
+def grouped_topk(scores: jax.Array, group_max: jax.Array, k: int, n: int, group: int = GROUP,
+                 mask: jax.Array | None = None) -> jax.Array:
     """Top-k entry indices from scores [..., Np] and their group maxima [..., Np // group].
 
     -> [..., min(k, n)] int32, best first, -1 where the score is -inf. Same set as
-    `reference.topk_indices(scores[..., :n], k)` except between exactly tied scores.
+    `reference.topk_indices(scores[..., :n], k)` except between exactly tied scores. mask [..., n] bool
+    (optional): only entries inside it count; it must be constant on each group of `group` entries (whole
+    groups in or out, as V4.1's candidate source publishes them) -- entries outside are never picked either
+    way, but a group half in would rank by a maximum it may not own.
     """
     kk = min(k, n)
     ngroups = group_max.shape[-1]
+    if mask is not None:
+        mask = pad_axis(mask, mask.ndim - 1, ngroups * group, False)
+        group_max = jnp.where(mask.reshape(*mask.shape[:-1], ngroups, group).any(-1), group_max, -jnp.inf)
     if ngroups <= kk or kk * group >= n:  # two stages would not shrink the problem
-        vals, idx = lax.top_k(scores[..., :n], kk)
+        s = scores[..., :n] if mask is None else jnp.where(mask[..., :n], scores[..., :n], -jnp.inf)
+        vals, idx = lax.top_k(s, kk)
     else:
-        _, gidx = lax.top_k(group_max, kk)                                   # [..., kk] groups
-        cand = jnp.take_along_axis(scores.reshape(*scores.shape[:-1], ngroups, group), gidx[..., None], axis=-2)
+        gvals, gidx = lax.top_k(group_max, kk)                               # [..., kk] groups
+
+        def take(a):   # [..., Np] -> the entries of the chosen groups [..., kk, group]
+            return jnp.take_along_axis(a.reshape(*a.shape[:-1], ngroups, group), gidx[..., None], axis=-2)
+        cand = jnp.where(gvals[..., None] > -jnp.inf if mask is None else take(mask), take(scores), -jnp.inf)
         vals, pos = lax.top_k(cand.reshape(*cand.shape[:-2], kk * group), kk)  # [..., kk]
         idx = jnp.take_along_axis(gidx, pos // group, axis=-1) * group + pos % group
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
@@ -198,3 +225,27 @@ def indexer_topk(q, weights, keys, positions, *, ratio: int, k: int, key_scale=N
                                   rows_per_block=rows_per_block, block_n=block_n, num_warps=num_warps,
                                   num_stages=num_stages, group=group, interpret=interpret)
     return grouped_topk(scores, gmax, int(k), keys.shape[1], group)
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "k", "publish_groups", "group", "interpret"))
+def indexer_select(q, weights, keys, positions, *, ratio: int, k: int, candidates=None, publish_groups: int = 0,
+                   group: int = GROUP, key_scale=None, interpret: bool | None = None):
+    """[V4.1] a candidate layer's indexer step on the fused kernel (V41_NOTES, Indexer). Shapes as
+    `indexer_topk`; group = the candidate block size (the kernel's group maxima are the block scores).
+
+    publish_groups > 0 (the candidate source): its own top-k is unrestricted, and it returns the candidate
+    mask [B, T, N]: the publish_groups best groups (`reference.top_candidate_groups`). candidates [B, T, N]
+    bool (a Reindex layer): only entries inside count (whole groups, as published). -> (top-k indices
+    [B, T, min(k, N)], the published mask or None)."""
+    _check(not (publish_groups and candidates is not None), "a candidate source publishes, it is not restricted")
+    if candidates is not None:
+        _check(candidates.shape == positions.shape + (keys.shape[1],),
+               f"candidates must be [B, T, N]={positions.shape + (keys.shape[1],)}, got {candidates.shape}")
+    scores, gmax = indexer_scores(q, weights, keys, positions, ratio=ratio, key_scale=key_scale, group=group,
+                                  interpret=interpret)
+    n = keys.shape[1]
+    published = None
+    if publish_groups:
+        keep = ref.top_candidate_groups(gmax, (positions + 1) // ratio, int(publish_groups), group)
+        published = jnp.repeat(keep, group, axis=-1)[..., :n]
+    return grouped_topk(scores, gmax, int(k), n, group, mask=candidates), published

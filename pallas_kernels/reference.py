@@ -61,6 +61,19 @@ def topk_indices(scores: jax.Array, k: int) -> jax.Array:
     return jnp.where(vals > NEG_INF, idx, -1).astype(jnp.int32)
 
 
+def top_candidate_groups(group_max: jax.Array, reachable: jax.Array, topk_groups: int, group: int) -> jax.Array:
+    """[V4.1] level-1 candidate selection on group scores (V41_NOTES, Indexer): group_max [B, T, G] (the maximum
+    score of each group of `group` consecutive entries, -inf where none is reachable), reachable [B, T] entry
+    counts -> keep [B, T, G] bool: the `topk_groups` best groups with a finite score, the group holding the
+    newest reachable entry forced in."""
+    b, t, g = group_max.shape
+    newest = (reachable - 1) // group  # -1 when nothing is reachable: no group forced
+    s = jnp.where(jnp.arange(g) == newest[..., None], jnp.inf, group_max)
+    vals, idx = jax.lax.top_k(s, min(topk_groups, g))
+    return jnp.zeros(s.shape, bool).at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx].set(
+        vals > NEG_INF)
+
+
 def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
     """[B, T, K] int indices (-1 = none) -> [B, T, n] bool membership mask."""
     b, t, _ = indices.shape
@@ -373,8 +386,10 @@ def window_sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, 
 
 # ----------------------------------------------------------------------------- indexer + top-k
 def dequantize_rows(keys: jax.Array, scale: jax.Array | None) -> jax.Array:
-    """Keys stored low-precision with one scale per row: keys [B, N, DI] (e.g. float8_e4m3fn),
-    scale [B, N] float32 -> float32 keys * scale. scale None: keys as float32."""
+    """Index keys as stored -> float32 [B, N, DI]: keys [B, N, DI] (e.g. float8_e4m3fn) with one float32 scale
+    per row [B, N] (or none); or MXFP4, packed E2M1 int8/uint8 [B, N, DI/2] with UE8M0 bytes [B, N, DI/32]."""
+    if keys.dtype in (jnp.int8, jnp.uint8):
+        return dequant_fp4_experts(keys, scale)
     k = keys.astype(jnp.float32)
     return k if scale is None else k * scale.astype(jnp.float32)[..., None]
 
@@ -388,12 +403,24 @@ def quantize_rows_fp8(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (k / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
+def quantize_index_keys(keys: jax.Array, fmt: str | None) -> tuple[jax.Array, jax.Array | None]:
+    """Index keys [B, N, DI] -> (keys as stored, key_scale) for fmt None (as given, no scale), "fp8" (E4M3, one
+    scale per row) or "fp4" (MXFP4 as the release stores them: packed E2M1 [B, N, DI/2] + UE8M0 bytes [B, N, DI/32])."""
+    if fmt is None:
+        return keys, None
+    if fmt == "fp8":
+        return quantize_rows_fp8(keys)
+    if fmt == "fp4":
+        return quantize_fp4_experts(keys.astype(jnp.float32), 32)
+    raise ValueError(f"index key format must be None, 'fp8' or 'fp4', got {fmt!r}")
+
+
 def indexer_topk(q: jax.Array, weights: jax.Array, keys: jax.Array, positions: jax.Array, *, ratio: int,
                  k: int, key_scale: jax.Array | None = None) -> jax.Array:
     """Reference for `pallas_kernels.indexer.indexer_topk`: scores over the entries visible to each row
     (j < (p+1)//ratio) then the k best (ties -> lower index), -1 where fewer are visible.
 
-    q [B, T, HI, DI], weights [B, T, HI], keys [B, N, DI] (bf16/f32, or fp8 with key_scale [B, N]),
+    q [B, T, HI, DI], weights [B, T, HI], keys as `dequantize_rows` takes them (with key_scale),
     positions [B, T] -> [B, T, min(k, N)] int32.
     """
     n = keys.shape[1]

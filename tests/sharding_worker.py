@@ -134,6 +134,11 @@ def run_meshes(out_path: str, full: bool = False) -> None:
             case("redundant+rebalanced", mesh8, shard_model(model, mesh8, EPConfig("all_to_all", "padded"),
                                                             placements=placement),
                  slot_to_expert=list(placement.slot_to_expert))
+        else:  # V4.1's candidate source and Reindex layers on the fused indexer, per batch shard
+            mesh = ParallelConfig(2, 4, 1).make_mesh()
+            attn = init_random(cfg.replace(attention_impl="pallas"), seed=0, dtype="float32")
+            case("pallas attention", mesh, shard_model(attn, mesh), want=np.asarray(attn(tokens)),
+                 shards=shard_model(attn, mesh).layers[0].attn.batch_parallel.shards())
         results["timings"][preset] = time.perf_counter() - t0
     Path(out_path).write_text(json.dumps(results, indent=1))
 

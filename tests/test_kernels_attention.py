@@ -207,23 +207,23 @@ def same_sets(out, expect) -> int:
 
 
 INDEXER_CASES = {
-    # (b, t, hi, di, n, k, ratio, starts, dtype, fp8, kernel kwargs); starts[0] = 0: row 0 sees nothing
-    "verify_two_stage_ragged": (3, 4, 16, 64, 301, 16, 4, [0, 40, 1100], jnp.bfloat16, False,
+    # (b, t, hi, di, n, k, ratio, starts, dtype, key quantisation, kernel kwargs); starts[0] = 0: row 0 sees nothing
+    "verify_two_stage_ragged": (3, 4, 16, 64, 301, 16, 4, [0, 40, 1100], jnp.bfloat16, None,
                                 dict(block_n=32, group=4)),
-    "prefill_f32": (2, 24, 8, 32, 50, 6, 4, [0, 180], jnp.float32, False, dict(block_n=16, rows_per_block=8)),
-    "decode_fp8": (2, 2, 16, 64, 256, 8, 4, [500, 1500], jnp.bfloat16, True, dict(block_n=64)),
+    "prefill_f32": (2, 24, 8, 32, 50, 6, 4, [0, 180], jnp.float32, None, dict(block_n=16, rows_per_block=8)),
+    "decode_fp8": (2, 2, 16, 64, 256, 8, 4, [500, 1500], jnp.bfloat16, "fp8", dict(block_n=64)),
+    # MXFP4 keys as the release stores them; DI 96 pads to 128 (zero bytes, zero-exponent scales)
+    "decode_fp4_ragged": (2, 3, 16, 96, 150, 8, 4, [300, 590], jnp.bfloat16, "fp4", dict(block_n=32)),
 }
 
 
 @pytest.mark.parametrize("name", list(INDEXER_CASES))
 def test_indexer_interpret(name):
     """Fused scores (same -inf pattern, fp32-accurate) and the two-stage top-k (same sets)."""
-    b, t, hi, di, n, k, ratio, starts, dtype, fp8, kern = INDEXER_CASES[name]
+    b, t, hi, di, n, k, ratio, starts, dtype, quant, kern = INDEXER_CASES[name]
     seed = fresh_seed()
     q, w, keys, pos = indexer_inputs(seed, b=b, t=t, hi=hi, di=di, n=n, starts=starts, dtype=dtype)
-    scale = None
-    if fp8:
-        keys, scale = ref.quantize_rows_fp8(keys)
+    keys, scale = ref.quantize_index_keys(keys, quant)
     scores, gmax = indexer_scores(q, w, keys, pos, ratio=ratio, key_scale=scale, **kern)
     out = grouped_topk(scores, gmax, k, n, kern.get("group", 8))  # = indexer_topk(...), one compile less
     expect = jax.jit(ref.indexer_topk, static_argnames=("ratio", "k"))(q, w, keys, pos, ratio=ratio, k=k,
@@ -239,6 +239,24 @@ def test_indexer_interpret(name):
         assert (np.asarray(out[0, 0]) == -1).all()
 
 
+def test_indexer_rejects_bad_keys():
+    q, w, keys, pos = indexer_inputs(0, b=1, t=2, hi=16, di=64, n=40, starts=[100])
+    packed, scale = ref.quantize_index_keys(keys, "fp4")
+    with pytest.raises(ValueError, match="keys must be"):
+        indexer_scores(q, w, keys[:, :, :32], pos, ratio=4)
+    with pytest.raises(ValueError, match="need key_scale"):
+        indexer_scores(q, w, keys.astype(jnp.float8_e4m3fn), pos, ratio=4)
+    with pytest.raises(ValueError, match="FP4 keys need key_scale"):
+        indexer_scores(q, w, packed, pos, ratio=4)
+    with pytest.raises(ValueError, match="FP4 keys need key_scale"):
+        indexer_scores(q, w, packed, pos, ratio=4, key_scale=scale[..., :1])
+    with pytest.raises(ValueError, match="DI % 32"):
+        indexer_scores(q[..., :48], w, packed[..., :24], pos, ratio=4, key_scale=scale)
+    from pallas_kernels.indexer import indexer_select
+    with pytest.raises(ValueError, match="candidates must be"):
+        indexer_select(q, w, keys, pos, ratio=4, k=4, candidates=jnp.ones((1, 2, 39), bool))
+
+
 def test_grouped_topk_equals_top_k():
     rng = np.random.default_rng(fresh_seed())
     for n, k, g in ((1000, 16, 8), (4096, 64, 8), (333, 20, 4), (64, 40, 8)):
@@ -251,6 +269,33 @@ def test_grouped_topk_equals_top_k():
         gmax = sp.reshape(3, 2, npad // g, g).max(-1)
         out = grouped_topk(jnp.asarray(sp), jnp.asarray(gmax), k, n, g)
         assert same_sets(out, ref.topk_indices(jnp.asarray(s), k)) == 0, (n, k, g)
+        # restricted to whole groups (V4.1 candidates): the same as masking the scores first
+        mask = np.repeat(rng.random((3, 2, npad // g)) < 0.3, g, axis=-1)[..., :n]
+        out = grouped_topk(jnp.asarray(sp), jnp.asarray(gmax), k, n, g, mask=jnp.asarray(mask))
+        assert same_sets(out, ref.topk_indices(jnp.asarray(np.where(mask, s, -np.inf)), k)) == 0, (n, k, g)
+
+
+@pytest.mark.parametrize("n", [301, 40])   # two-stage top-k; one stage (few groups)
+def test_indexer_select_candidates_interpret(n):
+    """[V4.1] the candidate source's published mask and a Reindex layer's restricted top-k on the fused kernel
+    equal the reference's (model.compressor.candidate_blocks; top-k of the masked scores)."""
+    from model.compressor import candidate_blocks
+
+    from pallas_kernels.indexer import indexer_select
+    seed = fresh_seed()
+    b, t, k, ratio, blocks, g = 2, 3, 8, 1, 2, 8
+    q, w, keys, pos = indexer_inputs(seed, b=b, t=t, hi=16, di=32, n=n, starts=[n - 3, n // 2],
+                                     dtype=jnp.float32)
+    visible = jnp.arange(n)[None, None] < ((pos + 1) // ratio)[..., None]
+    scores = jax.jit(ref.indexer_scores)(q, w, keys, visible)
+    want_mask = candidate_blocks(scores, (pos + 1) // ratio, blocks, g)
+    top, published = indexer_select(q, w, keys, pos, ratio=ratio, k=k, publish_groups=blocks, group=g)
+    np.testing.assert_array_equal(np.asarray(published), np.asarray(want_mask))
+    assert same_sets(top, ref.topk_indices(scores, k)) == 0, f"seed {seed}"    # the source's own: unrestricted
+    assert int(np.asarray(want_mask).sum(-1).max()) <= blocks * g < n // 2      # the restriction matters
+    top, none = indexer_select(q, w, keys, pos, ratio=ratio, k=k, candidates=want_mask, group=g)
+    assert none is None
+    assert same_sets(top, ref.topk_indices(jnp.where(want_mask, scores, -jnp.inf), k)) == 0, f"seed {seed}"
 
 
 # ----------------------------------------------------------------------------- model level
@@ -261,6 +306,20 @@ def test_tiny_v4_pallas_matches_reference():
 
     cfg = ModelConfig.preset("tiny-v4")
     tokens = np.random.default_rng(fresh_seed()).integers(2, cfg.vocab_size, (2, 24))
+    expect = np.asarray(init_random(cfg, seed=1)(tokens))
+    out = np.asarray(init_random(dataclasses.replace(cfg, attention_impl="pallas"), seed=1)(tokens))
+    assert rel_err(out, expect) < 1e-4
+
+
+def test_tiny_v41_pallas_matches_reference():
+    """tiny-v41, float32, 40 tokens: the Pallas path equals the reference forward, including the candidate
+    source (layer 5: 3 blocks of 2 entries published out of up to 40) and the Reindex layer restricted to them
+    (layer 7), both on the fused indexer kernel."""
+    from model import ModelConfig, init_random
+
+    cfg = ModelConfig.preset("tiny-v41")
+    assert cfg.candidate_topk_blocks * cfg.candidate_block_size < 40
+    tokens = np.random.default_rng(fresh_seed()).integers(3, cfg.vocab_size - 1, (2, 40))
     expect = np.asarray(init_random(cfg, seed=1)(tokens))
     out = np.asarray(init_random(dataclasses.replace(cfg, attention_impl="pallas"), seed=1)(tokens))
     assert rel_err(out, expect) < 1e-4
@@ -322,11 +381,14 @@ def test_lower_for_cuda_real_shapes():
     _lower_attention(1, 4096, 64, 512, 136, 32768, 512, True)                # prefill, CSA
     _lower_attention(1, 4096, 64, 512, 136, 1024, 0, False)                  # prefill, HCA
     _lower_attention(2, 40, 4, 96, 16, 10, 4, True, dtype=jnp.float32)      # tiny-v4 (padded dims)
-    for t, n, fp8 in ((1, 32768, False), (4, 32768, True), (4096, 32768, False), (3, 1000, False)):
-        kd = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-        args = (sds((64 if t < 16 else 1, t, 64, 128), jnp.bfloat16), sds((64 if t < 16 else 1, t, 64), jnp.float32),
-                sds((64 if t < 16 else 1, n, 128), kd), sds((64 if t < 16 else 1, t), jnp.int32))
-        scale = sds((args[2].shape[0], n), jnp.float32) if fp8 else None
+    for t, n, quant in ((1, 32768, None), (4, 32768, "fp8"), (4096, 32768, None), (3, 1000, None), (1, 32768, "fp4"),
+                        (4096, 32768, "fp4")):
+        b = 64 if t < 16 else 1
+        keys = (sds((b, n, 64), jnp.uint8) if quant == "fp4" else
+                sds((b, n, 128), jnp.float8_e4m3fn if quant == "fp8" else jnp.bfloat16))
+        args = (sds((b, t, 64, 128), jnp.bfloat16), sds((b, t, 64), jnp.float32), keys, sds((b, t), jnp.int32))
+        scale = (sds((b, n), jnp.float32) if quant == "fp8" else sds((b, n, 4), jnp.uint8) if quant == "fp4"
+                 else None)
         text = jax.jit(lambda *a, sc=None: indexer_topk(*a, key_scale=sc, ratio=4, k=512, interpret=False)
                        ).trace(*args, sc=scale).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text
@@ -462,14 +524,12 @@ def test_gpu_model_attention_layers_bf16():
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("t,fp8", [(1, False), (4, True), (512, False)])
-def test_gpu_indexer_real_width(t, fp8):
+@pytest.mark.parametrize("t,quant", [(1, None), (4, "fp8"), (512, None), (1, "fp4"), (512, "fp4")])
+def test_gpu_indexer_real_width(t, quant):
     seed = fresh_seed()
     b = 8 if t < 16 else 1
     q, w, keys, pos = indexer_inputs(seed, b=b, t=t, hi=64, di=128, n=8192, starts=[30000] * b)
-    scale = None
-    if fp8:
-        keys, scale = ref.quantize_rows_fp8(keys)
+    keys, scale = ref.quantize_index_keys(keys, quant)
     out = indexer_topk(q, w, keys, pos, ratio=4, k=512, key_scale=scale)
     with jax.default_matmul_precision("highest"):  # fp32 reference, not TF32
         expect = ref.indexer_topk(q, w, keys, pos, ratio=4, k=512, key_scale=scale)

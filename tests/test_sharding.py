@@ -260,6 +260,8 @@ def test_born_sharded_and_placement_cases(mesh_results):
         assert c["logits_rel_err"] < _tol(c), c
     (c,) = _cases(mesh_results, "tiny-v4", "pallas attention")
     assert c["shards"] == 8  # the kernels ran once per (dp, ep) shard, not replicated
+    (c,) = _cases(mesh_results, "tiny-v41", "pallas attention")   # candidate source + Reindex, per shard
+    assert c["logits_rel_err"] < _tol(c) and c["shards"] == 8, c
     (c,) = _cases(mesh_results, "tiny-v4", "redundant+rebalanced")
     assert len(c["slot_to_expert"]) == 16 and c["slot_to_expert"] != list(range(16))
 

@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 17}" in
+case "${1:?part 1 to 18}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -225,6 +225,13 @@ case "${1:?part 1 to 17}" in
         2>&1 | grep -E "^E |Error|passed|failed" | head -12
     timeout 300 python -m experiments.probes.mgpu_attention_limits 2>&1 | tee "$OUT/probe_mgpu_attention_limits.md" \
         | grep "^|" ;;
-*)  echo "part must be 1 to 17" >&2; exit 2 ;;
+18) # for the ninth session: the indexer's MXFP4 keys and V4.1 candidate layers on the GPU (tests), then one
+    # bench_kernels run of attention (key-list scatter; Triton / Mosaic GPU / XLA / built-ins) and the indexer
+    # (bf16 / FP8 / FP4 keys) for issue 5's closing table
+    export PYTHONUNBUFFERED=1
+    timeout 200 python -m pytest -q -m gpu tests/test_kernels_attention.py -k "indexer or bf16" 2>&1 | tail -3
+    timeout 380 python -m experiments.bench_kernels --only attention_decode,attention_prefill,indexer_decode \
+        --out "$OUT" 2>&1 | grep -E "^\| (csa|hca|B)" | grep -E "triton|mgpu|pallas \||xla_gather|xla_reference" ;;
+*)  echo "part must be 1 to 18" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -168,12 +168,14 @@ def kv_entry_bytes(cfg, kv_dtype: str) -> dict:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     dh, di = cfg.head_dim, cfg.index_head_dim
+    # index keys cached as MXFP4 rows (ModelConfig.index_key_format="fp4") whatever the KV format
+    index = packed_entry_bytes(cfg, "index") if cfg.index_key_format == "fp4" else None
     if kv_dtype == "bf16":
-        return {"window": 2.0 * dh, "comp": 2.0 * dh, "index": 2.0 * di}
+        return {"window": 2.0 * dh, "comp": 2.0 * dh, "index": index or 2.0 * di}
     # FP8 rows: V4 keeps the RoPE dims in BF16 (FlashMLA 584 B row), V4.1 quantises all dims per 32.
     fp8_row = packed_entry_bytes(cfg, "comp") if cfg.generation == "v4" else dh + dh / 32
     if kv_dtype == "fp8":
-        return {"window": fp8_row, "comp": fp8_row, "index": di + di / 32}
+        return {"window": fp8_row, "comp": fp8_row, "index": index or di + di / 32}
     return {"window": fp8_row, "comp": packed_entry_bytes(cfg, "comp"), "index": packed_entry_bytes(cfg, "index")}
 
 

@@ -31,7 +31,7 @@ class Shared:
     """[V4.1] what sources hand down the stack within one step (MODEL_SPEC 2.6, V41_NOTES 2.3)."""
 
     kv: jax.Array | None = None  # latest source's global KV store [B, N, Dh]
-    keys: jax.Array | None = None  # its index keys [B, N, DI]
+    keys: jax.Array | None = None  # its index keys [B, N, DI] (or MXFP4 rows uint8 [B, N, DI/2 + DI/32])
     topk: jax.Array | None = None  # latest index source's selection [B, S, K]
     candidates: jax.Array | None = None  # candidate source's mask [B, S, N]
 
@@ -101,9 +101,11 @@ class Attention(nnx.Module):
         if self.v4:
             klat, kj, ka, kg = self.indexer.compressor.latents(h, step, index.proj_a, index.proj_g, h.dtype)
             keys = self.indexer.finish_keys(apply_rope(klat, kj * r, self.freqs))
-            index = index.replace(proj_a=ka, proj_g=kg, entries=store_entries(index.entries, keys, kj))
+            index = index.replace(proj_a=ka, proj_g=kg, entries=store_entries(index.entries, self.indexer.cached(keys),
+                                                                              kj))
         else:
-            index = index.replace(entries=store_entries(index.entries, self.indexer.keys_from_latent(lat, at), j))
+            keys = self.indexer.cached(self.indexer.keys_from_latent(lat, at))
+            index = index.replace(entries=store_entries(index.entries, keys, j))
         return cache.replace(index=index)
 
     def output(self, o: jax.Array, positions: jax.Array) -> jax.Array:

@@ -138,7 +138,7 @@ def geometry(cfg: ModelConfig, max_len: int, spec_room: int = 8) -> CacheGeometr
 
 
 def _layer_shapes(cfg: ModelConfig, index: int, geo: CacheGeometry, batch: int) -> dict:
-    """Per-layer arrays as {name: (shape, kind)} with kind in {"act", "f32"}.
+    """Per-layer arrays as {name: (shape, kind)} with kind in {"act", "f32", "u8"}.
 
     Global KV lives only in the layers that own a compressor ([V4] every compressed layer, [V4.1]
     KV sources); index keys with their own projection ring in V4 CSA layers, derived from the
@@ -157,7 +157,10 @@ def _layer_shapes(cfg: ModelConfig, index: int, geo: CacheGeometry, batch: int) 
                 width = (2 if spec.overlap else 1) * d
                 shapes[f"{part}.proj_a"] = ((batch, geo.compressor_ring(r), width), "f32")
                 shapes[f"{part}.proj_g"] = ((batch, geo.compressor_ring(r), width), "f32")
-            shapes[f"{part}.entries"] = ((batch, geo.entries(r), d), "act")
+            if part == "index" and cfg.index_key_format == "fp4":   # MXFP4 rows: packed E2M1 + UE8M0 bytes
+                shapes[f"{part}.entries"] = ((batch, geo.entries(r), d // 2 + d // 32), "u8")
+            else:
+                shapes[f"{part}.entries"] = ((batch, geo.entries(r), d), "act")
     return shapes
 
 
@@ -165,8 +168,8 @@ def allocate_layer(cfg: ModelConfig, index: int, batch: int, max_len: int, dtype
                    spec_room: int = 8) -> LayerCache:
     """An empty cache for block `index` (backbone layer or MTP slot)."""
     geo = geometry(cfg, max_len, spec_room)
-    arrays = {name: jnp.zeros(shape, dtype if kind == "act" else jnp.float32)
-              for name, (shape, kind) in _layer_shapes(cfg, index, geo, batch).items()}
+    kinds = {"act": dtype, "f32": jnp.float32, "u8": jnp.uint8}
+    arrays = {name: jnp.zeros(shape, kinds[kind]) for name, (shape, kind) in _layer_shapes(cfg, index, geo, batch).items()}
 
     def comp(part):
         if f"{part}.entries" not in arrays:
@@ -210,7 +213,7 @@ def memory_estimate(cfg: ModelConfig, max_len: int, dtype=jnp.bfloat16, spec_roo
     per_token, fixed = 0.0, 0
     for i in range(cfg.num_layers):
         for name, (shape, kind) in _layer_shapes(cfg, i, geo, 1).items():
-            size = int(np.prod(shape)) * (act if kind == "act" else 4)
+            size = int(np.prod(shape)) * {"act": act, "f32": 4, "u8": 1}[kind]
             if name.endswith("entries"):
                 entry = packed_entry_bytes(cfg, name.split(".")[0]) if packed else size / shape[1]
                 per_token += entry / cfg.layer_spec(i).compress_ratio

@@ -140,6 +140,7 @@ class Indexer(nnx.Module):
         self.topk = cfg.index_topk
         self.ratio = spec.compress_ratio
         self.quant_sim = cfg.quant_sim
+        self.key_format = cfg.index_key_format
         self.candidate_source = spec.candidate_source
         self.uses_candidates = spec.uses_candidates
         self.candidate_topk_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
@@ -150,6 +151,10 @@ class Indexer(nnx.Module):
         if self.v4:
             keys = hadamard(keys)
         return fp4_fake_quant(keys, 32) if self.quant_sim else keys
+
+    def cached(self, keys: jax.Array) -> jax.Array:
+        """Finished keys [B, n, DI] -> their cache rows: as they are, or MXFP4 rows (index_key_format='fp4')."""
+        return ref.quantize_index_keys(keys, "fp4")[0] if self.key_format == "fp4" else keys
 
     def keys_from_latent(self, latent: jax.Array, positions: jax.Array) -> jax.Array:
         """[V4.1] index keys k_j = RoPE(k_norm(W_k L_j)) at j*r from the unrotated latent."""
@@ -167,6 +172,8 @@ class Indexer(nnx.Module):
         """Top-k entry indices per query [B, T, min(K, N)] (-1 = none), and the candidate mask this
         layer publishes (candidate source) or passes on."""
         visible = visible_entries(positions, keys.shape[1], self.ratio)
+        if keys.dtype == jnp.uint8:   # MXFP4 cache rows (exact in bf16)
+            keys = ref.dequantize_rows(keys, None).astype(q.dtype)
         scores = ref.indexer_scores(q, w, keys, visible)
         if self.candidate_source:
             candidates = candidate_blocks(scores, (positions + 1) // self.ratio, self.candidate_topk_blocks,

@@ -34,6 +34,7 @@ ATTENTION_IMPLS = IMPLS + ("triton", "mgpu")
 EXPERT_WEIGHTS = ("dense", "fp4")
 DENSE_WEIGHTS = ("model", "fp8")
 HEAD_DTYPES = ("float32", "bfloat16")
+INDEX_KEY_FORMATS = ("model", "fp4")
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,10 @@ class ModelConfig:
     # fp32 dots as TF32 on GPUs by default) or "bfloat16" (hidden state rounded to bf16, f32 accumulation: the
     # HF port's choice; half the head weight's bytes and the bf16 MMA rate). Logits are float32 either way.
     head_dtype: str = "float32"
+    # How the indexer's keys are cached: "model" (the cache dtype) or "fp4" (MXFP4 rows as the release stores
+    # them: DI/2 packed E2M1 bytes + one UE8M0 byte per 32, 68 B at DI = 128; quantised on write, read by the
+    # fused indexer kernel as stored). With quant_sim the keys are FP4 values already: the same numbers.
+    index_key_format: str = "model"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -228,6 +233,12 @@ class ModelConfig:
         need(self.dense_weights in DENSE_WEIGHTS,
              f"dense_weights must be one of {DENSE_WEIGHTS}, got {self.dense_weights!r}")
         need(self.head_dtype in HEAD_DTYPES, f"head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
+        need(self.index_key_format in INDEX_KEY_FORMATS,
+             f"index_key_format must be one of {INDEX_KEY_FORMATS}, got {self.index_key_format!r}")
+        if self.index_key_format == "fp4":
+            di = self.index_head_dim
+            need(di >= 32 and di & (di - 1) == 0,
+                 f"index_key_format='fp4' needs index_head_dim a power of two >= 32 (one scale per 32), got {di}")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
 

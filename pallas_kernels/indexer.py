@@ -45,13 +45,13 @@ def _check(cond, msg):
 
 def _scores_kernel(*refs, ratio, n, block_n, group, rows, key_format, aligned):
     """q [rows, HI, DI] (fp4: its even and odd columns, two refs [rows, HI, DI/2]); w [rows, HI] f32; pos [rows];
-    keys [N, DI] (fp4: packed [N, DI/2]); key_format "plain" | "row_scale" (+ scale [N] f32) | "fp4" (+ UE8M0
-    bytes [N, DI/32]) -> scores [rows, block_n] f32, group maxima [rows, block_n // group] f32."""
+    keys [N, DI] (fp4: MXFP4 rows [N, DI/2 + DI/32], packed E2M1 then UE8M0 bytes); key_format "plain" |
+    "row_scale" (+ scale [N] f32) | "fp4" -> scores [rows, block_n] f32, group maxima [rows, block_n // group] f32."""
     fp4 = key_format == "fp4"
     it = iter(refs)
     q_refs = (next(it), next(it)) if fp4 else (next(it),)
     w_ref, pos_ref, k_ref = next(it), next(it), next(it)
-    sc_ref = None if key_format == "plain" else next(it)
+    sc_ref = next(it) if key_format == "row_scale" else None
     s_ref, g_ref = next(it), next(it)
     t = pl.program_id(2)
     start = t * block_n
@@ -67,10 +67,14 @@ def _scores_kernel(*refs, ratio, n, block_n, group, rows, key_format, aligned):
             tile = pl.ds(pl.multiple_of(start, block_n), block_n)
         else:       # ragged last tile: clamp rows (masked below)
             tile = jnp.minimum(cols, n - 1)
-        k = k_ref[tile, :]
-        sc = None if sc_ref is None else (sc_ref[tile] if key_format == "row_scale" else sc_ref[tile, :])
         dt = q_refs[0].dtype
-        kt = tuple(v.astype(dt) for v in fp4_tile(k, sc)) if fp4 else (k.astype(dt),)   # [block_n, DI(/2)] each
+        if fp4:   # [block_n, DI/2] each: the row's packed bytes, then its scale bytes
+            half = q_refs[0].shape[-1]
+            kt = tuple(v.astype(dt) for v in fp4_tile(k_ref[tile, pl.ds(0, half)],
+                                                       k_ref[tile, pl.ds(half, half // 16)]))
+        else:
+            kt = (k_ref[tile, :].astype(dt),)
+        sc = sc_ref[tile] if sc_ref is not None else None
         for r in range(rows):
             s = sum(lax.dot_general(q_ref[r], kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                     for q_ref, kp in zip(q_refs, kt))                                  # [HI, block_n]
@@ -96,8 +100,9 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
                    rows_per_block: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, group: int = GROUP, interpret: bool | None = None):
     """Fused indexer scores. q [B, T, HI, DI], weights [B, T, HI], keys [B, N, DI] (bf16/f32; or
-    float8_e4m3fn with key_scale [B, N] f32; or MXFP4 as the release stores them: packed E2M1 int8/uint8
-    [B, N, DI/2], low nibble first, with key_scale the UE8M0 exponent bytes [B, N, DI/32]), positions [B, T] int32.
+    float8_e4m3fn with key_scale [B, N] f32; or MXFP4 rows as the release stores them, uint8 [B, N, DI/2 + DI/32]:
+    packed E2M1 (low nibble first) then one UE8M0 exponent byte per 32 -- `reference.quantize_index_keys`),
+    positions [B, T] int32.
 
     -> (scores [B, T, Np] float32 (-inf where not visible or j >= N; Np = N rounded up to block_n),
         group maxima [B, T, Np // group] float32).
@@ -105,18 +110,16 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     _check(q.ndim == 4, f"q must be [B, T, HI, DI], got {q.shape}")
     b, t, hi, di = q.shape
     _check(weights.shape == (b, t, hi), f"weights must be {(b, t, hi)}, got {weights.shape}")
-    fp4 = keys.dtype in (jnp.int8, jnp.uint8)
-    kdi = di // 2 if fp4 else di
+    fp4 = keys.dtype == jnp.uint8
+    kdi = di // 2 + di // 32 if fp4 else di
     _check(keys.ndim == 3 and keys.shape[0] == b and keys.shape[2] == kdi and keys.shape[1] > 0,
-           f"keys must be [B, N>0, {'DI/2 packed FP4' if fp4 else 'DI'}]=[{b}, N, {kdi}], got {keys.shape}")
+           f"keys must be [B, N>0, {'DI/2 + DI/32 (MXFP4 rows)' if fp4 else 'DI'}]=[{b}, N, {kdi}], got {keys.shape}")
     _check(positions.shape == (b, t), f"positions must be {(b, t)}, got {positions.shape}")
     _check(int(ratio) > 0, f"ratio must be positive, got {ratio}")
     n = keys.shape[1]
     if fp4:
-        _check(di % 32 == 0, f"FP4 keys need DI % 32 == 0 (one scale per 32), got DI={di}")
-        _check(key_scale is not None and key_scale.shape == (b, n, di // 32) and key_scale.dtype == jnp.uint8,
-               f"FP4 keys need key_scale uint8 [B, N, DI/32]={(b, n, di // 32)} (UE8M0 bytes), got "
-               f"{None if key_scale is None else (key_scale.dtype, key_scale.shape)}")
+        _check(di >= 32 and di & (di - 1) == 0, f"MXFP4 keys need DI a power of two >= 32, got DI={di}")
+        _check(key_scale is None, "MXFP4 key rows carry their scales: key_scale must be None")
     elif key_scale is not None:
         _check(key_scale.shape == (b, n), f"key_scale must be {(b, n)}, got {key_scale.shape}")
     elif keys.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
@@ -145,20 +148,17 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     dt = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     q = pad_axis(pad_axis(q.astype(dt), 3, dp), 2, hp)
     weights = pad_axis(weights.astype(jnp.float32), 2, hp)
-    kdp = dp // 2 if fp4 else dp
-    keys = pad_axis(keys, 2, kdp)          # (zero bytes: FP4 zeros)
+    if not fp4:
+        keys = pad_axis(keys, 2, dp)
     npad = -(-n // bn) * bn
     grid = (b, t // rows, npad // bn)
     qs = (q[..., 0::2], q[..., 1::2]) if fp4 else (q,)     # FP4: the columns each nibble of a byte meets
-    in_specs = [pl.BlockSpec((None, rows, hp, kdp), lambda bi, ri, ti: (bi, ri, 0, 0)) for _ in qs]
+    in_specs = [pl.BlockSpec((None, rows, hp, qs[0].shape[-1]), lambda bi, ri, ti: (bi, ri, 0, 0)) for _ in qs]
     in_specs += [pl.BlockSpec((None, rows, hp), lambda bi, ri, ti: (bi, ri, 0)),
                  pl.BlockSpec((None, rows), lambda bi, ri, ti: (bi, ri)),
-                 pl.BlockSpec((None, n, kdp), lambda bi, ri, ti: (bi, 0, 0))]
+                 pl.BlockSpec((None, n, keys.shape[2]), lambda bi, ri, ti: (bi, 0, 0))]
     args = [*qs, weights, positions.astype(jnp.int32), keys]
-    if fp4:
-        in_specs.append(pl.BlockSpec((None, n, dp // 32), lambda bi, ri, ti: (bi, 0, 0)))
-        args.append(pad_axis(key_scale, 2, dp // 32))   # (exponent 0 = 2^-127 times zero bytes)
-    elif key_scale is not None:
+    if key_scale is not None:
         in_specs.append(pl.BlockSpec((None, n), lambda bi, ri, ti: (bi, 0)))
         args.append(key_scale.astype(jnp.float32))
     key_format = "fp4" if fp4 else "plain" if key_scale is None else "row_scale"

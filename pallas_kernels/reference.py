@@ -387,9 +387,10 @@ def window_sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, 
 # ----------------------------------------------------------------------------- indexer + top-k
 def dequantize_rows(keys: jax.Array, scale: jax.Array | None) -> jax.Array:
     """Index keys as stored -> float32 [B, N, DI]: keys [B, N, DI] (e.g. float8_e4m3fn) with one float32 scale
-    per row [B, N] (or none); or MXFP4, packed E2M1 int8/uint8 [B, N, DI/2] with UE8M0 bytes [B, N, DI/32]."""
-    if keys.dtype in (jnp.int8, jnp.uint8):
-        return dequant_fp4_experts(keys, scale)
+    per row [B, N] (or none); or MXFP4 rows uint8 [B, N, DI/2 + DI/32] (`quantize_index_keys`), scale None."""
+    if keys.dtype == jnp.uint8:
+        half = keys.shape[-1] * 16 // 17           # DI/2 packed bytes of the DI/2 + DI/32
+        return dequant_fp4_experts(keys[..., :half], keys[..., half:])
     k = keys.astype(jnp.float32)
     return k if scale is None else k * scale.astype(jnp.float32)[..., None]
 
@@ -405,13 +406,15 @@ def quantize_rows_fp8(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def quantize_index_keys(keys: jax.Array, fmt: str | None) -> tuple[jax.Array, jax.Array | None]:
     """Index keys [B, N, DI] -> (keys as stored, key_scale) for fmt None (as given, no scale), "fp8" (E4M3, one
-    scale per row) or "fp4" (MXFP4 as the release stores them: packed E2M1 [B, N, DI/2] + UE8M0 bytes [B, N, DI/32])."""
+    scale per row) or "fp4" (MXFP4 rows as the release stores them, 68 B at DI = 128: uint8 [B, N, DI/2 + DI/32],
+    the packed E2M1 nibbles, low first, then one UE8M0 exponent byte per 32; no separate scale)."""
     if fmt is None:
         return keys, None
     if fmt == "fp8":
         return quantize_rows_fp8(keys)
     if fmt == "fp4":
-        return quantize_fp4_experts(keys.astype(jnp.float32), 32)
+        packed, scale = quantize_fp4_experts(keys.astype(jnp.float32), 32)
+        return jnp.concatenate([jax.lax.bitcast_convert_type(packed, jnp.uint8), scale], axis=-1), None
     raise ValueError(f"index key format must be None, 'fp8' or 'fp4', got {fmt!r}")
 
 

@@ -212,8 +212,8 @@ INDEXER_CASES = {
                                 dict(block_n=32, group=4)),
     "prefill_f32": (2, 24, 8, 32, 50, 6, 4, [0, 180], jnp.float32, None, dict(block_n=16, rows_per_block=8)),
     "decode_fp8": (2, 2, 16, 64, 256, 8, 4, [500, 1500], jnp.bfloat16, "fp8", dict(block_n=64)),
-    # MXFP4 keys as the release stores them; DI 96 pads to 128 (zero bytes, zero-exponent scales)
-    "decode_fp4_ragged": (2, 3, 16, 96, 150, 8, 4, [300, 590], jnp.bfloat16, "fp4", dict(block_n=32)),
+    # MXFP4 key rows as the release stores them (packed E2M1 + UE8M0 per 32), a ragged last tile
+    "decode_fp4_ragged": (2, 3, 16, 64, 150, 8, 4, [300, 590], jnp.bfloat16, "fp4", dict(block_n=32)),
 }
 
 
@@ -241,17 +241,17 @@ def test_indexer_interpret(name):
 
 def test_indexer_rejects_bad_keys():
     q, w, keys, pos = indexer_inputs(0, b=1, t=2, hi=16, di=64, n=40, starts=[100])
-    packed, scale = ref.quantize_index_keys(keys, "fp4")
+    rows, _ = ref.quantize_index_keys(keys, "fp4")                 # [1, 40, 34]
     with pytest.raises(ValueError, match="keys must be"):
         indexer_scores(q, w, keys[:, :, :32], pos, ratio=4)
     with pytest.raises(ValueError, match="need key_scale"):
         indexer_scores(q, w, keys.astype(jnp.float8_e4m3fn), pos, ratio=4)
-    with pytest.raises(ValueError, match="FP4 keys need key_scale"):
-        indexer_scores(q, w, packed, pos, ratio=4)
-    with pytest.raises(ValueError, match="FP4 keys need key_scale"):
-        indexer_scores(q, w, packed, pos, ratio=4, key_scale=scale[..., :1])
-    with pytest.raises(ValueError, match="DI % 32"):
-        indexer_scores(q[..., :48], w, packed[..., :24], pos, ratio=4, key_scale=scale)
+    with pytest.raises(ValueError, match="MXFP4 rows"):
+        indexer_scores(q, w, rows[..., :32], pos, ratio=4)
+    with pytest.raises(ValueError, match="key_scale must be None"):
+        indexer_scores(q, w, rows, pos, ratio=4, key_scale=jnp.ones((1, 40)))
+    with pytest.raises(ValueError, match="power of two"):
+        indexer_scores(q[..., :48], w, rows[..., :25], pos, ratio=4)
     from pallas_kernels.indexer import indexer_select
     with pytest.raises(ValueError, match="candidates must be"):
         indexer_select(q, w, keys, pos, ratio=4, k=4, candidates=jnp.ones((1, 2, 39), bool))
@@ -325,6 +325,42 @@ def test_tiny_v41_pallas_matches_reference():
     assert rel_err(out, expect) < 1e-4
 
 
+def test_fp4_index_key_cache(preset="tiny-v41"):   # (tiny-v4's V4 write path: the generate test below)
+    """index_key_format='fp4' caches the indexer's keys as MXFP4 rows (packed E2M1 + UE8M0 bytes). With
+    quant_sim the keys are FP4 values already, so the logits equal the model format's, on the reference path
+    (dequantised rows) and on the fused kernel (rows decoded in the tile). (Across the two paths FP4-valued
+    scores tie often, and the two top-k break exact ties differently: each path is compared with itself.)"""
+    from model import ModelConfig, init_random
+    from model.cache import allocate
+
+    base = ModelConfig.preset(preset)
+    tokens = np.random.default_rng(fresh_seed()).integers(3, base.vocab_size - 1, (2, 40))
+    cfg = base.replace(quant_sim=True)
+    for impl in ("reference", "pallas"):
+        want, got = (np.asarray(init_random(cfg.replace(index_key_format=f, attention_impl=impl), seed=1)(tokens))
+                     for f in ("model", "fp4"))
+        assert rel_err(got, want) < 1e-6, impl
+    index = [lc.index for lc in allocate(base.replace(index_key_format="fp4"), 1, 64).layers if lc.index is not None]
+    di = base.index_head_dim
+    assert index and all(x.entries.dtype == jnp.uint8 and x.entries.shape[2] == di // 2 + di // 32 for x in index)
+    with pytest.raises(ValueError, match="index_key_format"):
+        base.replace(index_key_format="fp8")
+    with pytest.raises(ValueError, match="power of two"):
+        base.replace(index_key_format="fp4", index_head_dim=48)
+
+
+def test_fp4_index_key_cache_generate():
+    """Decode steps write MXFP4 key rows too: greedy generation with quant_sim equals the model format's."""
+    from model import ModelConfig, init_random
+    from sampling import generate
+
+    cfg = ModelConfig.preset("tiny-v4").replace(quant_sim=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [9, 10, 11, 12, 13]]
+    out = {f: generate(init_random(cfg.replace(index_key_format=f), seed=2), prompts,
+                       max_new_tokens=12).tokens for f in ("model", "fp4")}
+    np.testing.assert_array_equal(out["fp4"], out["model"])
+
+
 def test_csa_layer_verify_step_pallas_matches_reference():
     """A tiny-v4 CSA layer after a ragged prefill (ring, compressed and index stores populated): a
     4-row verify step (decode launch, key splits, fused top-k) equals the reference layer (float32)."""
@@ -384,11 +420,10 @@ def test_lower_for_cuda_real_shapes():
     for t, n, quant in ((1, 32768, None), (4, 32768, "fp8"), (4096, 32768, None), (3, 1000, None), (1, 32768, "fp4"),
                         (4096, 32768, "fp4")):
         b = 64 if t < 16 else 1
-        keys = (sds((b, n, 64), jnp.uint8) if quant == "fp4" else
+        keys = (sds((b, n, 68), jnp.uint8) if quant == "fp4" else
                 sds((b, n, 128), jnp.float8_e4m3fn if quant == "fp8" else jnp.bfloat16))
         args = (sds((b, t, 64, 128), jnp.bfloat16), sds((b, t, 64), jnp.float32), keys, sds((b, t), jnp.int32))
-        scale = (sds((b, n), jnp.float32) if quant == "fp8" else sds((b, n, 4), jnp.uint8) if quant == "fp4"
-                 else None)
+        scale = sds((b, n), jnp.float32) if quant == "fp8" else None
         text = jax.jit(lambda *a, sc=None: indexer_topk(*a, key_scale=sc, ratio=4, k=512, interpret=False)
                        ).trace(*args, sc=scale).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text

@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 18}" in
+case "${1:?part 1 to 19}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -232,6 +232,12 @@ case "${1:?part 1 to 18}" in
     timeout 200 python -m pytest -q -m gpu tests/test_kernels_attention.py -k "indexer or bf16" 2>&1 | tail -3
     timeout 380 python -m experiments.bench_kernels --only attention_decode,attention_prefill,indexer_decode \
         --out "$OUT" 2>&1 | grep -E "^\| (csa|hca|B)" | grep -E "triton|mgpu|pallas \||xla_gather|xla_reference" ;;
-*)  echo "part must be 1 to 18" >&2; exit 2 ;;
+19) # for the ninth session: the index-key cache as MXFP4 rows at model level (V4-Flash widths, 4 layers, 128K
+    # context where the indexer's key stream matters), against the bf16 key cache
+    timeout 560 $B --preset v4-flash-4l --expert-weights fp4 --phase decode --step verify --batch 64 \
+        --context 131072 --tag h200_index_keys_bf16 && \
+    timeout 560 $B --preset v4-flash-4l --expert-weights fp4 --index-keys fp4 --phase decode --step verify \
+        --batch 64 --context 131072 --tag h200_index_keys_fp4 ;;
+*)  echo "part must be 1 to 19" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -165,20 +165,13 @@ class Attention(nnx.Module):
         [V4.1] the candidate source publishes its mask, Reindex layers select inside the one they get."""
         from pallas_kernels import indexer as pk_indexer
         ix = self.indexer
-        if not (ix.candidate_source or ix.uses_candidates):
-            def kernel(iq, iw, keys, pos):
-                return pk_indexer.indexer_topk(iq, iw, keys, pos, ratio=ix.ratio, k=ix.topk)
-            return self._per_sequence(kernel, (iq, iw, keys, pos)), candidates
+        group = ix.candidate_block_size if ix.candidate_source or ix.uses_candidates else pk_indexer.GROUP
 
         def kernel(iq, iw, keys, pos, restrict):
             return pk_indexer.indexer_select(
-                iq, iw, keys, pos, ratio=ix.ratio, k=ix.topk, candidates=restrict, group=ix.candidate_block_size,
+                iq, iw, keys, pos, ratio=ix.ratio, k=ix.topk, candidates=restrict, group=group,
                 publish_groups=ix.candidate_topk_blocks if ix.candidate_source else 0)
-        restrict = candidates if ix.uses_candidates else None
-        if restrict is None:   # (a None leaf would not shard)
-            topk, published = self._per_sequence(lambda *a: kernel(*a, None), (iq, iw, keys, pos))
-        else:
-            topk, published = self._per_sequence(kernel, (iq, iw, keys, pos, restrict))
+        topk, published = self._per_sequence(kernel, (iq, iw, keys, pos, candidates if ix.uses_candidates else None))
         return topk, published if ix.candidate_source else candidates
 
     def _per_sequence(self, fn, batched: tuple, replicated: tuple = ()):

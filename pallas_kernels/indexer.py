@@ -194,11 +194,11 @@ def grouped_topk(scores: jax.Array, group_max: jax.Array, k: int, n: int, group:
         s = scores[..., :n] if mask is None else jnp.where(mask[..., :n], scores[..., :n], -jnp.inf)
         vals, idx = lax.top_k(s, kk)
     else:
-        gvals, gidx = lax.top_k(group_max, kk)                               # [..., kk] groups
+        _, gidx = lax.top_k(group_max, kk)                                   # [..., kk] groups
 
         def take(a):   # [..., Np] -> the entries of the chosen groups [..., kk, group]
             return jnp.take_along_axis(a.reshape(*a.shape[:-1], ngroups, group), gidx[..., None], axis=-2)
-        cand = jnp.where(gvals[..., None] > -jnp.inf if mask is None else take(mask), take(scores), -jnp.inf)
+        cand = take(scores) if mask is None else jnp.where(take(mask), take(scores), -jnp.inf)
         vals, pos = lax.top_k(cand.reshape(*cand.shape[:-2], kk * group), kk)  # [..., kk]
         idx = jnp.take_along_axis(gidx, pos // group, axis=-1) * group + pos % group
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
@@ -230,9 +230,9 @@ def indexer_topk(q, weights, keys, positions, *, ratio: int, k: int, key_scale=N
 @functools.partial(jax.jit, static_argnames=("ratio", "k", "publish_groups", "group", "interpret"))
 def indexer_select(q, weights, keys, positions, *, ratio: int, k: int, candidates=None, publish_groups: int = 0,
                    group: int = GROUP, key_scale=None, interpret: bool | None = None):
-    """[V4.1] a candidate layer's indexer step on the fused kernel (V41_NOTES, Indexer). Shapes as
-    `indexer_topk`; group = the candidate block size (the kernel's group maxima are the block scores).
-
+    """A layer's indexer step on the fused kernel, V4.1's candidate layers included (V41_NOTES, Indexer).
+    Shapes as `indexer_topk`; without candidates or publish_groups it is `indexer_topk` at default tiling.
+    [V4.1] group = the candidate block size (the kernel's group maxima are the block scores);
     publish_groups > 0 (the candidate source): its own top-k is unrestricted, and it returns the candidate
     mask [B, T, N]: the publish_groups best groups (`reference.top_candidate_groups`). candidates [B, T, N]
     bool (a Reindex layer): only entries inside count (whole groups, as published). -> (top-k indices

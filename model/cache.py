@@ -164,12 +164,17 @@ def _layer_shapes(cfg: ModelConfig, index: int, geo: CacheGeometry, batch: int) 
     return shapes
 
 
+def _kind_dtype(kind: str, act_dtype) -> np.dtype:
+    """A `_layer_shapes` kind -> the array's dtype: "act" the cache dtype, "f32" float32, "u8" uint8."""
+    return np.dtype({"act": act_dtype, "f32": jnp.float32, "u8": jnp.uint8}[kind])
+
+
 def allocate_layer(cfg: ModelConfig, index: int, batch: int, max_len: int, dtype=jnp.bfloat16,
                    spec_room: int = 8) -> LayerCache:
     """An empty cache for block `index` (backbone layer or MTP slot)."""
     geo = geometry(cfg, max_len, spec_room)
-    kinds = {"act": dtype, "f32": jnp.float32, "u8": jnp.uint8}
-    arrays = {name: jnp.zeros(shape, kinds[kind]) for name, (shape, kind) in _layer_shapes(cfg, index, geo, batch).items()}
+    arrays = {name: jnp.zeros(shape, _kind_dtype(kind, dtype))
+              for name, (shape, kind) in _layer_shapes(cfg, index, geo, batch).items()}
 
     def comp(part):
         if f"{part}.entries" not in arrays:
@@ -209,11 +214,10 @@ def memory_estimate(cfg: ModelConfig, max_len: int, dtype=jnp.bfloat16, spec_roo
     (V4.1-Flash: 890 B/token; V4-Flash: 3514 B/token).
     """
     geo = geometry(cfg, max_len, spec_room)
-    act = np.dtype(dtype).itemsize
     per_token, fixed = 0.0, 0
     for i in range(cfg.num_layers):
         for name, (shape, kind) in _layer_shapes(cfg, i, geo, 1).items():
-            size = int(np.prod(shape)) * {"act": act, "f32": 4, "u8": 1}[kind]
+            size = int(np.prod(shape)) * _kind_dtype(kind, dtype).itemsize
             if name.endswith("entries"):
                 entry = packed_entry_bytes(cfg, name.split(".")[0]) if packed else size / shape[1]
                 per_token += entry / cfg.layer_spec(i).compress_ratio

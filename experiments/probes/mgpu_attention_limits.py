@@ -21,19 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_kernels import attention_sets
+from experiments.bench_kernels import attention_sets, cupti_ms
 from pallas_kernels import attention_mgpu as am
 from pallas_kernels.attention import auto_splits, sparse_attention
 
 H, D, RING, W, K, CTX = 64, 512, 136, 128, 512, 131072
 CASES = (("csa decode B64", 64, 1, True), ("csa decode B256", 256, 1, True), ("csa verify B64x4", 64, 4, True),
          ("hca verify B256x4", 256, 4, False), ("csa prefill 4K", 1, 4096, True), ("hca prefill 4K", 1, 4096, False))
-
-
-def cupti_us(f, *args) -> float:
-    from jax.experimental.mosaic.gpu import profiler
-    _, ts = profiler.measure(f, iterations=10)(*args)
-    return statistics.median(ts if isinstance(ts, list) else [ts]) * 1e3
 
 
 def variants(b, s, csa, comp, sink, q, q_pos, self_kv, self_pos, ring_kv, ring_pos, idx, interpret):
@@ -75,7 +69,8 @@ def main() -> None:
         np.testing.assert_allclose(np.asarray(outs["kernel"] if splits == 1 else am._combine(*outs["kernel"],
                                                                                            shared[1]), np.float32),
                                    np.asarray(outs["whole"], np.float32).reshape(b * s, H, D), rtol=1e-2, atol=1e-3)
-        times = [f"{cupti_us(f, *args):.1f}" if gpu else "-" for f, args in vs.values()]
+        times = [f"{statistics.median(cupti_ms(f, *args, iterations=10)) * 1e3:.1f}" if gpu else "-"
+                 for f, args in vs.values()]
         print(f"| {name} | {width} | {splits} | " + " | ".join(times) + " |", flush=True)
 
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench_kernels import cupti_ms
 from pallas_kernels.moe import route_plan, transpose
 
 D, E, K = 4096, 256, 6
@@ -85,9 +86,7 @@ def main() -> None:
             f, arg = jax.jit(fn), (y if fn is rows_input else yt)
             outs.append(np.asarray(f(arg, plan.dest)))
             if gpu:
-                from jax.experimental.mosaic.gpu import profiler
-                _, ts = profiler.measure(f, iterations=20)(arg, plan.dest)
-                times.append(float(np.median(ts)))
+                times.append(float(np.median(cupti_ms(f, arg, plan.dest, iterations=20))))
         for o in outs[1:]:
             np.testing.assert_allclose(o, outs[0], rtol=1e-6, atol=1e-6)
         x = jnp.asarray(rng.standard_normal((tokens, D), np.float32), jnp.bfloat16)
@@ -96,9 +95,7 @@ def main() -> None:
             f = jax.jit(fn)
             xts.append(np.asarray(f(x, plan.row_token)))
             if gpu:
-                from jax.experimental.mosaic.gpu import profiler
-                _, ts = profiler.measure(f, iterations=20)(x, plan.row_token)
-                times.append(float(np.median(ts)))
+                times.append(float(np.median(cupti_ms(f, x, plan.row_token, iterations=20))))
         np.testing.assert_array_equal(xts[1], xts[0])
         floor = (tokens * K * D * 2 + tokens * D * 4) / 3.40e12 * 1e3
         print(f"{tokens:>7} {block_m:>7} {p:>6} " + " ".join(f"{t:>11.4f}" for t in times) + f"  {floor:.4f}",

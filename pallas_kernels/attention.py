@@ -44,6 +44,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import reference as ref
+from .attention_mgpu import DIM as MGPU_DIM
+from .attention_mgpu import HEADS as MGPU_HEADS
+from .attention_mgpu import sparse_attention_mgpu
 from .common import next_pow2, on_gpu, on_hopper, pad_axis
 
 NEG = -1e30  # finite start for running maxima of split partials: exp(NEG - m) == 0, never NaN
@@ -263,7 +266,6 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     if impl == "pallas":
         impl = pallas_backend(q, (self_kv, ring_kv, comp_kv), tiling_given, bool(interpret))
     if impl == "mgpu":
-        from .attention_mgpu import sparse_attention_mgpu
         return sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window, ring_kv=ring_kv,
                                      ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx, ratio=ratio,
                                      window_floor=window_floor, num_splits=num_splits, interpret=bool(interpret))
@@ -375,7 +377,7 @@ def pallas_backend(q: jax.Array, keys: tuple, tiling_given: bool, interpret: boo
     verify B8x4 32.4 / 37.5, decode B64 48.7 / 46.0, verify B64x4 136.9 / 97.1, decode B256 137.1 / 96.4,
     HCA verify B256x4 789 / 566, CSA / HCA prefill 4K rows 1552 / 1316 and 2348 / 2196."""
     b, s, h, d = q.shape
-    fits = (h, d) == (64, 512) and all(x is None or x.dtype == jnp.bfloat16 for x in (q, *keys))
+    fits = (h, d) == (MGPU_HEADS, MGPU_DIM) and all(x is None or x.dtype == jnp.bfloat16 for x in (q, *keys))
     if fits and not tiling_given and not interpret and b * s >= MGPU_MIN_ROWS and on_hopper():
         return "mgpu"
     return "triton"

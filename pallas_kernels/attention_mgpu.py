@@ -394,7 +394,7 @@ def sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, *, scale: float, wi
     query row and key split (also `sparse_attention(..., impl="mgpu")`). num_splits: each row's key blocks
     over that many programs, combined in XLA (None: `attention.auto_splits`, about one program per SM).
     interpret: None / False = compiled (a Hopper GPU), True = the Mosaic GPU CPU interpreter."""
-    from .attention import _validate, auto_splits   # (attention imports this module lazily: no cycle)
+    from .attention import _validate, auto_splits   # (attention imports this module at its top: import late)
     _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, comp_idx, ratio, window_floor, window)
     b, s, h, d = q.shape
     _check((h, d) == (HEADS, DIM), f"needs {HEADS} heads x {DIM} (one wgmma M tile, two 256-column halves), "

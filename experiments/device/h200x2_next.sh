@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 19}" in
+case "${1:?part 1 to 20}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -238,6 +238,22 @@ case "${1:?part 1 to 19}" in
         --context 131072 --tag h200_index_keys_bf16 && \
     timeout 560 $B --preset v4-flash-4l --expert-weights fp4 --index-keys fp4 --phase decode --step verify \
         --batch 64 --context 131072 --tag h200_index_keys_fp4 ;;
-*)  echo "part must be 1 to 19" >&2; exit 2 ;;
+20) # ninth session, nvidia-h200-x2 as two single-GPU streams: part 18's tests and kernel table on GPU 0, part 19's
+    # two model runs on GPU 1 (each with a time budget, so both fit one call)
+    export PYTHONUNBUFFERED=1
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 200 python -m pytest -q -m gpu tests/test_kernels_attention.py -k "indexer or bf16" 2>&1 | tail -3
+     timeout 380 python -m experiments.bench_kernels --only attention_decode,attention_prefill,indexer_decode \
+         --out "$OUT"
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     for keys in model fp4; do
+         timeout 270 $B --preset v4-flash-4l --expert-weights fp4 --index-keys $keys --phase decode --step verify \
+             --batch 64 --context 131072 --time-budget 200 --tag h200_index_keys_$keys
+     done
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -E "passed|failed|rror|^\| (csa|hca|B)" "$OUT"/gpu0.log | head -70; tail -n 6 "$OUT"/gpu1.log ;;
+*)  echo "part must be 1 to 20" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

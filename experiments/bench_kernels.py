@@ -500,11 +500,11 @@ def indexer_variants(*, b, t, n, k, ratio, mode, opts, key_bytes, quant, sweep=F
          ("pallas_scores_only", pallas_scores_only, "kernel alone (scores + group maxima), no selection", 0, key_bytes),
          ("pallas_scores+lax_top_k", pallas_single_topk, "kernel + one lax.top_k over N", 0, key_bytes)]
     if sweep:
-        for rows, bn, nw, ns in ((1, 128, 4, 3), (4, 128, 4, 3), (8, 64, 4, 3), (8, 256, 8, 3), (4, 256, 8, 2),
-                                 (8, 128, 8, 4)):
-            v.append((f"pallas_r{rows}_bn{bn}_w{nw}_s{ns}",
-                      pallas(dict(rows_per_block=rows, block_n=bn, num_warps=nw, num_stages=ns)), "sweep", 0,
-                      key_bytes))
+        for rows, bn, tiles, nw, ns in ((8, 128, 4, 4, 3), (8, 128, 8, 4, 3), (8, 128, 16, 4, 3), (8, 128, 32, 4, 4),
+                                        (8, 64, 16, 4, 3), (8, 256, 8, 8, 3), (8, 128, 8, 8, 3), (4, 256, 4, 8, 2)):
+            v.append((f"pallas_r{rows}_bn{bn}_t{tiles}_w{nw}_s{ns}",
+                      pallas(dict(rows_per_block=rows, block_n=bn, tiles=tiles, num_warps=nw, num_stages=ns)),
+                      "sweep", 0, key_bytes))
     v += [("xla_reference", xla_reference, "reference.indexer_topk: fp32 einsums + lax.top_k"
            + (" (row chunks of 256)" if t > 64 else ""), inter if t <= 64 else b * 256 * 64 * n * 4, key_bytes),
           ("xla_bf16", xla_bf16_scores, "XLA bf16 einsum (fp32 acc) + lax.top_k", inter, key_bytes),
@@ -556,7 +556,7 @@ def _indexer_family(opts: Opts, name: str, cases, mode: str) -> list[dict]:
         shared, sets = indexer_sets(jax.random.key(b + t), b=b, t=t, hi=hi, di=di, n=n, start=ctx - t,
                                     n_sets=n_sets, quant=quant)
         variants = indexer_variants(b=b, t=t, n=n, k=k, ratio=ratio, mode=mode, opts=opts, key_bytes=key_bytes,
-                                    quant=quant, sweep=opts.sweep and not quant and (opts.quick or b in (1, 64)))
+                                    quant=quant, sweep=opts.sweep and not quant and (opts.quick or b in (1, 64, 256)))
         rs = run_variants(name, case, shape, line, variants, shared, sets, indexer_check(sets, ratio=ratio, k=k), opts,
                           baselines=("xla_reference", "xla_bf16"))
         for r in rs:  # the metric: HBM bandwidth on index-key bytes

@@ -3,9 +3,9 @@
 score[b, t, j] = sum_h w[b, t, h] * ReLU(q[b, t, h] . k[b, j])  for visible j < (p_t + 1) // ratio,
 -inf otherwise; then the k best entries per row (ties -> lower index in the reference).
 
-Kernel: one program per (sequence, block of `rows_per_block` query rows, tile of `block_n` entries).
-The key tile [block_n, DI] is read once and reused for every row of the block (decode: all S rows of a
-sequence in one program, so each index key is read from HBM exactly once). Per row: one MMA
+Kernel: one program per (sequence, block of `rows_per_block` query rows, `tiles` x `block_n` entries), a
+loop over its key tiles. Each key tile [block_n, DI] is read once and reused for every row of the block
+(decode: all S rows of a sequence in one program, so each index key is read from HBM exactly once). Per row: one MMA
 [HI, DI] x [DI, block_n] in fp32 accumulation, ReLU, head weights, sum over heads; the [HI, N]
 per-head scores that the XLA path materialises never leave registers. Tiles beyond every row's
 visible count are not computed. Keys may be bf16/f32 or float8_e4m3fn with one f32 scale per row
@@ -32,9 +32,10 @@ from jax.experimental.pallas import triton as plt
 from . import reference as ref
 from .common import FP4_FOLD, fp4_tile, next_pow2, on_gpu, pad_axis
 
-# (rows_per_block, block_n, num_warps, num_stages)
-DECODE_CONFIG = dict(rows_per_block=8, block_n=128, num_warps=4, num_stages=3)
-PREFILL_CONFIG = dict(rows_per_block=8, block_n=256, num_warps=8, num_stages=3)  # q rows re-read per tile: wide tiles
+# rows_per_block query rows share each key tile; a program loops over `tiles` key tiles of block_n entries
+# (one program per tile re-read the query rows from L2 per tile and paid a launch per 128 keys)
+DECODE_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3)
+PREFILL_CONFIG = dict(rows_per_block=8, block_n=256, tiles=1, num_warps=8, num_stages=3)
 GROUP = 8
 
 
@@ -43,31 +44,37 @@ def _check(cond, msg):
         raise ValueError(f"indexer: {msg}")
 
 
-def _scores_kernel(*refs, ratio, n, block_n, group, rows, key_format, aligned):
+def _scores_kernel(*refs, ratio, n, block_n, tiles, group, rows, key_format, aligned):
     """q [rows, HI, DI] (fp4: its even and odd columns, two refs [rows, HI, DI/2]); w [rows, HI] f32; pos [rows];
     keys [N, DI] (fp4: MXFP4 rows [N, DI/2 + DI/32], packed E2M1 then UE8M0 bytes); key_format "plain" |
-    "row_scale" (+ scale [N] f32) | "fp4" -> scores [rows, block_n] f32, group maxima [rows, block_n // group] f32."""
+    "row_scale" (+ scale [N] f32) | "fp4" -> scores [rows, tiles * block_n] f32, group maxima
+    [rows, tiles * block_n // group] f32: `tiles` consecutive key tiles of block_n entries, in a loop that
+    stops at the last tile any row sees (the rest are -inf)."""
     fp4 = key_format == "fp4"
     it = iter(refs)
     q_refs = (next(it), next(it)) if fp4 else (next(it),)
     w_ref, pos_ref, k_ref = next(it), next(it), next(it)
     sc_ref = next(it) if key_format == "row_scale" else None
     s_ref, g_ref = next(it), next(it)
-    t = pl.program_id(2)
-    start = t * block_n
-    cols = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    base = pl.program_id(2) * (tiles * block_n)
     counts = [jnp.clip((pos_ref[r] + 1) // ratio, 0, n) for r in range(rows)]  # visible entries per row
     top = counts[0]
     for c in counts[1:]:
         top = jnp.maximum(top, c)
+    live = jnp.clip((top - base + block_n - 1) // block_n, 0, tiles)   # tiles holding a visible entry
+    dt = q_refs[0].dtype
 
-    @pl.when(start < top)
-    def _compute():
+    def out_cols(i):   # tile i's columns of this program's output blocks
+        return (pl.ds(pl.multiple_of(i * block_n, block_n), block_n),
+                pl.ds(pl.multiple_of(i * (block_n // group), block_n // group), block_n // group))
+
+    def compute(i, carry):
+        start = base + i * block_n
+        cols = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
         if aligned:  # N % block_n == 0: a plain aligned tile
             tile = pl.ds(pl.multiple_of(start, block_n), block_n)
         else:       # ragged last tile: clamp rows (masked below)
             tile = jnp.minimum(cols, n - 1)
-        dt = q_refs[0].dtype
         if fp4:   # [block_n, DI/2] each: the row's packed bytes, then its scale bytes
             half = q_refs[0].shape[-1]
             kt = tuple(v.astype(dt) for v in fp4_tile(k_ref[tile, pl.ds(0, half)],
@@ -75,6 +82,7 @@ def _scores_kernel(*refs, ratio, n, block_n, group, rows, key_format, aligned):
         else:
             kt = (k_ref[tile, :].astype(dt),)
         sc = sc_ref[tile] if sc_ref is not None else None
+        s_cols, g_cols = out_cols(i)
         for r in range(rows):
             s = sum(lax.dot_general(q_ref[r], kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                     for q_ref, kp in zip(q_refs, kt))                                  # [HI, block_n]
@@ -84,28 +92,37 @@ def _scores_kernel(*refs, ratio, n, block_n, group, rows, key_format, aligned):
                 s = s * FP4_FOLD
             s = jnp.maximum(s, 0.0) * w_ref[r].astype(jnp.float32)[:, None]
             row = jnp.where(cols < counts[r], s.sum(axis=0), -jnp.inf)
-            s_ref[r, :] = row
-            g_ref[r, :] = row.reshape(block_n // group, group).max(axis=1)
+            s_ref[r, s_cols] = row
+            g_ref[r, g_cols] = row.reshape(block_n // group, group).max(axis=1)
+        return carry
 
-    @pl.when(start >= top)
-    def _skip():
+    def skip(i, carry):
+        s_cols, g_cols = out_cols(i)
         for r in range(rows):  # per row: `rows` need not be a power of two
-            s_ref[r, :] = jnp.full((block_n,), -jnp.inf, jnp.float32)
-            g_ref[r, :] = jnp.full((block_n // group,), -jnp.inf, jnp.float32)
+            s_ref[r, s_cols] = jnp.full((block_n,), -jnp.inf, jnp.float32)
+            g_ref[r, g_cols] = jnp.full((block_n // group,), -jnp.inf, jnp.float32)
+        return carry
+
+    lax.fori_loop(0, live, compute, 0)
+    lax.fori_loop(live, tiles, skip, 0)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "ratio", "mode", "rows_per_block", "block_n", "num_warps", "num_stages", "group", "interpret"))
+    "ratio", "mode", "rows_per_block", "block_n", "tiles", "num_warps", "num_stages", "group", "interpret"))
 def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, mode: str = "auto",
-                   rows_per_block: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, group: int = GROUP, interpret: bool | None = None):
+                   rows_per_block: int | None = None, block_n: int | None = None, tiles: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None, group: int = GROUP,
+                   interpret: bool | None = None):
     """Fused indexer scores. q [B, T, HI, DI], weights [B, T, HI], keys [B, N, DI] (bf16/f32; or
     float8_e4m3fn with key_scale [B, N] f32; or MXFP4 rows as the release stores them, uint8 [B, N, DI/2 + DI/32]:
     packed E2M1 (low nibble first) then one UE8M0 exponent byte per 32 -- `reference.quantize_index_keys`),
     positions [B, T] int32.
 
-    -> (scores [B, T, Np] float32 (-inf where not visible or j >= N; Np = N rounded up to block_n),
+    -> (scores [B, T, Np] float32 (-inf where not visible or j >= N; Np = N rounded up to one program's
+        tiles x block_n entries),
         group maxima [B, T, Np // group] float32).
+    Tiling (None: the mode's default): rows_per_block query rows per program, `tiles` key tiles of block_n
+    entries per program (powers of two).
     """
     _check(q.ndim == 4, f"q must be [B, T, HI, DI], got {q.shape}")
     b, t, hi, di = q.shape
@@ -129,12 +146,15 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     if mode == "auto":
         mode = "decode" if t <= 16 else "prefill"
     cfg = dict(DECODE_CONFIG if mode == "decode" else PREFILL_CONFIG)
-    for k, v in (("rows_per_block", rows_per_block), ("block_n", block_n), ("num_warps", num_warps),
-                 ("num_stages", num_stages)):
+    for k, v in (("rows_per_block", rows_per_block), ("block_n", block_n), ("tiles", tiles),
+                 ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:
             cfg[k] = v
     bn = cfg["block_n"]
     _check(bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16, got {bn}")
+    _check(cfg["tiles"] >= 1 and cfg["tiles"] & (cfg["tiles"] - 1) == 0,
+           f"tiles must be a power of two >= 1, got {cfg['tiles']}")
+    nt = min(cfg["tiles"], next_pow2(-(-n // bn)))   # short key lists: no program past the padded end
     _check(group >= 1 and group & (group - 1) == 0 and bn % group == 0,
            f"group must be a power of two dividing block_n={bn}, got {group}")
     if interpret is None:
@@ -150,8 +170,9 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     weights = pad_axis(weights.astype(jnp.float32), 2, hp)
     if not fp4:
         keys = pad_axis(keys, 2, dp)
-    npad = -(-n // bn) * bn
-    grid = (b, t // rows, npad // bn)
+    span = nt * bn                                   # entries per program
+    npad = -(-n // span) * span
+    grid = (b, t // rows, npad // span)
     qs = (q[..., 0::2], q[..., 1::2]) if fp4 else (q,)     # FP4: the columns each nibble of a byte meets
     in_specs = [pl.BlockSpec((None, rows, hp, qs[0].shape[-1]), lambda bi, ri, ti: (bi, ri, 0, 0)) for _ in qs]
     in_specs += [pl.BlockSpec((None, rows, hp), lambda bi, ri, ti: (bi, ri, 0)),
@@ -162,12 +183,12 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
         in_specs.append(pl.BlockSpec((None, n), lambda bi, ri, ti: (bi, 0)))
         args.append(key_scale.astype(jnp.float32))
     key_format = "fp4" if fp4 else "plain" if key_scale is None else "row_scale"
-    kern = functools.partial(_scores_kernel, ratio=int(ratio), n=n, block_n=bn, group=group, rows=rows,
+    kern = functools.partial(_scores_kernel, ratio=int(ratio), n=n, block_n=bn, tiles=nt, group=group, rows=rows,
                              key_format=key_format, aligned=n % bn == 0)
     return pl.pallas_call(
         kern, grid=grid, in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, rows, bn), lambda bi, ri, ti: (bi, ri, ti)),
-                   pl.BlockSpec((None, rows, bn // group), lambda bi, ri, ti: (bi, ri, ti))],
+        out_specs=[pl.BlockSpec((None, rows, span), lambda bi, ri, ti: (bi, ri, ti)),
+                   pl.BlockSpec((None, rows, span // group), lambda bi, ri, ti: (bi, ri, ti))],
         out_shape=[jax.ShapeDtypeStruct((b, t, npad), jnp.float32),
                    jax.ShapeDtypeStruct((b, t, npad // group), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
@@ -205,11 +226,12 @@ def grouped_topk(scores: jax.Array, group_max: jax.Array, k: int, n: int, group:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "ratio", "k", "mode", "rows_per_block", "block_n", "num_warps", "num_stages", "group", "interpret", "impl"))
+    "ratio", "k", "mode", "rows_per_block", "block_n", "tiles", "num_warps", "num_stages", "group", "interpret",
+    "impl"))
 def indexer_topk(q, weights, keys, positions, *, ratio: int, k: int, key_scale=None, mode: str = "auto",
-                 rows_per_block: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, group: int = GROUP, interpret: bool | None = None,
-                 impl: str = "pallas"):
+                 rows_per_block: int | None = None, block_n: int | None = None, tiles: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None, group: int = GROUP,
+                 interpret: bool | None = None, impl: str = "pallas"):
     """Indexer scoring + top-k: the k best visible entries per query row.
 
     q [B, T, HI, DI], weights [B, T, HI] (already scaled), keys [B, N, DI] (optionally fp8 with
@@ -222,7 +244,7 @@ def indexer_topk(q, weights, keys, positions, *, ratio: int, k: int, key_scale=N
         return ref.indexer_topk(q, weights, keys, positions, ratio=ratio, k=k, key_scale=key_scale)
     _check(impl == "pallas", f"impl must be 'reference' or 'pallas', got {impl!r}")
     scores, gmax = indexer_scores(q, weights, keys, positions, ratio=ratio, key_scale=key_scale, mode=mode,
-                                  rows_per_block=rows_per_block, block_n=block_n, num_warps=num_warps,
+                                  rows_per_block=rows_per_block, block_n=block_n, tiles=tiles, num_warps=num_warps,
                                   num_stages=num_stages, group=group, interpret=interpret)
     return grouped_topk(scores, gmax, int(k), keys.shape[1], group)
 

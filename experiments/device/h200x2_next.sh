@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 20}" in
+case "${1:?part 1 to 21}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -254,6 +254,22 @@ case "${1:?part 1 to 20}" in
     ) > "$OUT"/gpu1.log 2>&1 &
     wait
     grep -E "passed|failed|rror|^\| (csa|hca|B)" "$OUT"/gpu0.log | head -70; tail -n 6 "$OUT"/gpu1.log ;;
-*)  echo "part must be 1 to 20" >&2; exit 2 ;;
+21) # ninth session, two single-GPU streams: GPU 0 the indexer kernel's tile loop (`tiles` key tiles per program:
+    # GPU tests, then the decode and prefill tile sweeps); GPU 1 issue 6's table in one run per regime (XLA,
+    # jax's ragged_dot_mgpu, Triton, Mosaic GPU, the whole layer; bf16 / FP8 / FP4)
+    export PYTHONUNBUFFERED=1
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 150 python -m pytest -q -m gpu tests/test_kernels_attention.py -k indexer 2>&1 | tail -3
+     timeout 280 python -m experiments.bench_kernels --only indexer_decode --sweep --out "$OUT"
+     timeout 130 python -m experiments.bench_kernels --only indexer_prefill --sweep --out "$OUT"
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 250 python -m experiments.bench_moe --regime decode --routing balanced --iters 10
+     timeout 310 python -m experiments.bench_moe --regime prefill --routing balanced --iters 10
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -E "passed|failed|rror|^\| B" "$OUT"/gpu0.log | cut -c1-150 | head -80
+    grep -E "^\| |rror|Timeout" "$OUT"/gpu1.log | cut -c1-200 | tail -40 ;;
+*)  echo "part must be 1 to 21" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -500,8 +500,8 @@ def indexer_variants(*, b, t, n, k, ratio, mode, opts, key_bytes, quant, sweep=F
          ("pallas_scores_only", pallas_scores_only, "kernel alone (scores + group maxima), no selection", 0, key_bytes),
          ("pallas_scores+lax_top_k", pallas_single_topk, "kernel + one lax.top_k over N", 0, key_bytes)]
     if sweep:
-        for rows, bn, tiles, nw, ns in ((8, 128, 4, 4, 3), (8, 128, 8, 4, 3), (8, 128, 16, 4, 3), (8, 128, 32, 4, 4),
-                                        (8, 64, 16, 4, 3), (8, 256, 8, 8, 3), (8, 128, 8, 8, 3), (4, 256, 4, 8, 2)):
+        for rows, bn, tiles, nw, ns in ((8, 128, 1, 4, 3), (8, 128, 8, 8, 3), (8, 64, 8, 4, 3), (8, 64, 32, 4, 3),
+                                        (8, 32, 32, 4, 3), (8, 64, 16, 8, 3), (8, 64, 16, 4, 2), (8, 64, 16, 4, 1)):
             v.append((f"pallas_r{rows}_bn{bn}_t{tiles}_w{nw}_s{ns}",
                       pallas(dict(rows_per_block=rows, block_n=bn, tiles=tiles, num_warps=nw, num_stages=ns)),
                       "sweep", 0, key_bytes))

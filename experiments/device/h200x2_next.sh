@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 21}" in
+case "${1:?part 1 to 22}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -270,6 +270,19 @@ case "${1:?part 1 to 21}" in
     wait
     grep -E "passed|failed|rror|^\| B" "$OUT"/gpu0.log | cut -c1-150 | head -80
     grep -E "^\| |rror|Timeout" "$OUT"/gpu1.log | cut -c1-200 | tail -40 ;;
-*)  echo "part must be 1 to 21" >&2; exit 2 ;;
+22) # after 21 (the tile loop only for one-row decode, where it won; one tile per program otherwise, as before):
+    # GPU 0 the indexer tests and tables again (decode sweep, prefill); GPU 1 every kernel GPU test
+    export PYTHONUNBUFFERED=1
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 120 python -m pytest -q -m gpu tests/test_kernels_attention.py -k indexer 2>&1 | tail -3
+     timeout 250 python -m experiments.bench_kernels --only indexer_decode --sweep --out "$OUT"
+     timeout 120 python -m experiments.bench_kernels --only indexer_prefill --out "$OUT"
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 480 python -m pytest -q -m gpu tests/test_kernels_attention.py tests/test_kernels_moe.py 2>&1 | tail -8
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -E "passed|failed|rror|^\| B" "$OUT"/gpu0.log | cut -c1-140 | head -90; cat "$OUT"/gpu1.log ;;
+*)  echo "part must be 1 to 22" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

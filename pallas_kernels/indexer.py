@@ -33,9 +33,10 @@ from . import reference as ref
 from .common import FP4_FOLD, fp4_tile, next_pow2, on_gpu, pad_axis
 
 # rows_per_block query rows share each key tile; a program loops over `tiles` key tiles of block_n entries.
-# One query row (decode): 16 tiles of 64 (H200: 270 / 898 us at B64 / B256 against 297 / 1036 for one
-# program per 128-key tile, which re-read the query from L2 per tile). More rows: one tile per program (the
-# loop's pipelined query loads exceed SMEM at 4+ rows x 64 heads).
+# One query row over bf16 keys (decode): 16 tiles of 64 (H200: 270 / 903 us at B64 / B256 against 296 / 1030
+# for one program per 128-key tile, which re-read the query from L2 per tile). More rows: one tile per
+# program (the loop's pipelined query loads exceed SMEM at 4+ rows x 64 heads); FP8 / FP4 keys too (the
+# loop ran them slower: 362 / 349 us at B64 against 298 / 315).
 DECODE_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3)
 ONE_ROW_CONFIG = dict(rows_per_block=1, block_n=64, tiles=16, num_warps=4, num_stages=3)
 PREFILL_CONFIG = dict(rows_per_block=8, block_n=256, tiles=1, num_warps=8, num_stages=3)
@@ -152,7 +153,8 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
         raise ValueError(f"indexer: mode must be auto|decode|prefill, got {mode!r}")
     if mode == "auto":
         mode = "decode" if t <= 16 else "prefill"
-    cfg = dict(PREFILL_CONFIG if mode == "prefill" else ONE_ROW_CONFIG if t == 1 else DECODE_CONFIG)
+    plain = not fp4 and key_scale is None
+    cfg = dict(PREFILL_CONFIG if mode == "prefill" else ONE_ROW_CONFIG if t == 1 and plain else DECODE_CONFIG)
     for k, v in (("rows_per_block", rows_per_block), ("block_n", block_n), ("tiles", tiles),
                  ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:

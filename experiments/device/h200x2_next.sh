@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 22}" in
+case "${1:?part 1 to 23}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -283,6 +283,11 @@ case "${1:?part 1 to 22}" in
     ) > "$OUT"/gpu1.log 2>&1 &
     wait
     grep -E "passed|failed|rror|^\| B" "$OUT"/gpu0.log | cut -c1-140 | head -90; cat "$OUT"/gpu1.log ;;
-*)  echo "part must be 1 to 22" >&2; exit 2 ;;
+23) # ninth session, the last device minutes: issue 11's ep=2 / dp=2 table again with the current kernels (Mosaic
+    # GPU FP4 experts and attention, the combine fix); records are written as they finish
+    timeout 420 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-s9 --quiet \
+        | tail -20
+    cp experiments/results/sweep_h200x2-ep-s9* "$OUT"/ ;;
+*)  echo "part must be 1 to 23" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

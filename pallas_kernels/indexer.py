@@ -155,6 +155,7 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
         mode = "decode" if t <= 16 else "prefill"
     plain = not fp4 and key_scale is None
     cfg = dict(PREFILL_CONFIG if mode == "prefill" else ONE_ROW_CONFIG if t == 1 and plain else DECODE_CONFIG)
+    cfg["block_n"] = max(cfg["block_n"], group)   # a default tile holds whole groups (V4.1: candidate blocks)
     for k, v in (("rows_per_block", rows_per_block), ("block_n", block_n), ("tiles", tiles),
                  ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:

@@ -214,6 +214,8 @@ INDEXER_CASES = {
     "decode_fp8": (2, 2, 16, 64, 256, 8, 4, [500, 1500], jnp.bfloat16, "fp8", dict(block_n=64)),
     # MXFP4 key rows as the release stores them (packed E2M1 + UE8M0 per 32), a ragged last tile
     "decode_fp4_ragged": (2, 3, 16, 64, 150, 8, 4, [300, 590], jnp.bfloat16, "fp4", dict(block_n=32, tiles=2)),
+    # one row at the default tiling (a loop over key tiles), groups wider than its 64-key tile
+    "decode_one_row_wide_groups": (2, 1, 16, 32, 700, 8, 1, [699, 300], jnp.float32, None, dict(group=128)),
 }
 
 

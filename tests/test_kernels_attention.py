@@ -277,15 +277,15 @@ def test_grouped_topk_equals_top_k():
         assert same_sets(out, ref.topk_indices(jnp.asarray(np.where(mask, s, -np.inf)), k)) == 0, (n, k, g)
 
 
-@pytest.mark.parametrize("n", [301, 40])   # two-stage top-k; one stage (few groups)
-def test_indexer_select_candidates_interpret(n):
+@pytest.mark.parametrize("n,t", [(301, 3), (40, 3), (301, 1)])   # two-stage top-k; one stage; one row (tile loop)
+def test_indexer_select_candidates_interpret(n, t):
     """[V4.1] the candidate source's published mask and a Reindex layer's restricted top-k on the fused kernel
     equal the reference's (model.compressor.candidate_blocks; top-k of the masked scores)."""
     from model.compressor import candidate_blocks
 
     from pallas_kernels.indexer import indexer_select
     seed = fresh_seed()
-    b, t, k, ratio, blocks, g = 2, 3, 8, 1, 2, 8
+    b, k, ratio, blocks, g = 2, 8, 1, 2, 8
     q, w, keys, pos = indexer_inputs(seed, b=b, t=t, hi=16, di=32, n=n, starts=[n - 3, n // 2],
                                      dtype=jnp.float32)
     visible = jnp.arange(n)[None, None] < ((pos + 1) // ratio)[..., None]

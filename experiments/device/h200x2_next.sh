@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 23}" in
+case "${1:?part 1 to 25}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -288,6 +288,20 @@ case "${1:?part 1 to 23}" in
     timeout 420 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-s9 --quiet \
         | tail -20
     cp experiments/results/sweep_h200x2-ep-s9* "$OUT"/ ;;
-*)  echo "part must be 1 to 23" >&2; exit 2 ;;
+24) # for the tenth session (one GPU is enough): the indexer's heads_last score tile ([block_n, HI]: the head sum along
+    # the MMA's rows, no cross-warp exchange; not yet run on a GPU) -- its GPU tests, then the decode sweep that
+    # sets it against the measured defaults (one row: 16 x 64-key tiles; verify: one 128-key tile per program)
+    export PYTHONUNBUFFERED=1
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_attention.py -k indexer 2>&1 | tail -3
+    timeout 300 python -m experiments.bench_kernels --only indexer_decode --sweep --out "$OUT" 2>&1 \
+        | grep -E "^\| B" | cut -c1-140 ;;
+25) # for the tenth session (both GPUs): the dp=2 rows of the ninth session's ep=2 sweep (it resumes), then the
+    # per-kernel times of ep=2 verify B256 (slower than in the fourth session: 16.82 -> 18.55 ms)
+    timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-s9 --quiet \
+        | tail -3
+    cp experiments/results/sweep_h200x2-ep-s9* "$OUT"/
+    timeout 200 $B --preset v4-flash-4l --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 256 \
+        --context 32768 --kernel-times 3 --tag h200x2_ep2_kernels ;;
+*)  echo "part must be 1 to 25" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

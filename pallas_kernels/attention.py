@@ -47,7 +47,7 @@ from . import reference as ref
 from .attention_mgpu import DIM as MGPU_DIM
 from .attention_mgpu import HEADS as MGPU_HEADS
 from .attention_mgpu import sparse_attention_mgpu
-from .common import next_pow2, on_gpu, on_hopper, pad_axis
+from .common import interpret_flag, next_pow2, on_hopper, pad_axis
 
 NEG = -1e30  # finite start for running maxima of split partials: exp(NEG - m) == 0, never NaN
 
@@ -260,15 +260,14 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
                                            ratio=ratio, window_floor=window_floor)
     if impl not in IMPLS:
         raise ValueError(f"sparse_attention: impl must be one of {IMPLS}, got {impl!r}")
-    if interpret is None:
-        interpret = not on_gpu()
+    interpret = interpret_flag("triton", interpret)   # None -> a bool: the backend choice below reads it
     tiling_given = any(v is not None for v in (block_h, block_n, num_warps, num_stages))
     if impl == "pallas":
-        impl = pallas_backend(q, (self_kv, ring_kv, comp_kv), tiling_given, bool(interpret))
+        impl = pallas_backend(q, (self_kv, ring_kv, comp_kv), tiling_given, interpret)
     if impl == "mgpu":
         return sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window, ring_kv=ring_kv,
                                      ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx, ratio=ratio,
-                                     window_floor=window_floor, num_splits=num_splits, interpret=bool(interpret))
+                                     window_floor=window_floor, num_splits=num_splits, interpret=interpret)
     if mode not in ("auto", "decode", "prefill"):
         raise ValueError(f"sparse_attention: mode must be auto|decode|prefill, got {mode!r}")
     b, s, h, d = q.shape

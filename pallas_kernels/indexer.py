@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import reference as ref
-from .common import FP4_FOLD, fp4_tile, next_pow2, on_gpu, pad_axis
+from .common import FP4_FOLD, fp4_tile, interpret_flag, next_pow2, pad_axis
 
 # rows_per_block query rows share each key tile; a program loops over `tiles` key tiles of block_n entries.
 # One query row over bf16 keys (decode): 16 tiles of 64 (H200: 270 / 903 us at B64 / B256 against 296 / 1030
@@ -159,8 +159,9 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
         raise ValueError(f"indexer: mode must be auto|decode|prefill, got {mode!r}")
     if mode == "auto":
         mode = "decode" if t <= 16 else "prefill"
-    plain = not fp4 and key_scale is None
-    cfg = dict(PREFILL_CONFIG if mode == "prefill" else ONE_ROW_CONFIG if t == 1 and plain else DECODE_CONFIG)
+    key_format = "fp4" if fp4 else "plain" if key_scale is None else "row_scale"
+    cfg = dict(PREFILL_CONFIG if mode == "prefill" else ONE_ROW_CONFIG if t == 1 and key_format == "plain"
+               else DECODE_CONFIG)
     cfg["block_n"] = max(cfg["block_n"], group)   # a default tile holds whole groups (V4.1: candidate blocks)
     for k, v in (("rows_per_block", rows_per_block), ("block_n", block_n), ("tiles", tiles),
                  ("num_warps", num_warps), ("num_stages", num_stages), ("heads_last", heads_last)):
@@ -173,8 +174,6 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     nt = min(cfg["tiles"], next_pow2(-(-n // bn)))   # short key lists: no program past the padded end
     _check(group >= 1 and group & (group - 1) == 0 and bn % group == 0,
            f"group must be a power of two dividing block_n={bn}, got {group}")
-    if interpret is None:
-        interpret = not on_gpu()
     rows = max(1, min(cfg["rows_per_block"], t))
     while t % rows:  # rows per program must divide T (no ragged row blocks)
         rows -= 1
@@ -198,7 +197,6 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     if key_scale is not None:
         in_specs.append(pl.BlockSpec((None, n), lambda bi, ri, ti: (bi, 0)))
         args.append(key_scale.astype(jnp.float32))
-    key_format = "fp4" if fp4 else "plain" if key_scale is None else "row_scale"
     kern = functools.partial(_scores_kernel, ratio=int(ratio), n=n, block_n=bn, tiles=nt, group=group, rows=rows,
                              key_format=key_format, aligned=n % bn == 0, heads_last=bool(cfg["heads_last"]))
     return pl.pallas_call(
@@ -208,7 +206,7 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
         out_shape=[jax.ShapeDtypeStruct((b, t, npad), jnp.float32),
                    jax.ShapeDtypeStruct((b, t, npad // group), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
-        interpret=interpret, name="indexer_scores",
+        interpret=interpret_flag("triton", interpret), name="indexer_scores",
     )(*args)
 
 

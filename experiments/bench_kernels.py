@@ -531,7 +531,7 @@ def indexer_check(sets, *, ratio, k, nb=8, rows=64):
     return check
 
 
-KEY_ENTRY_BYTES = {None: lambda di: 2 * di, "fp8": lambda di: di + 4, "fp4": lambda di: di // 2 + di // 32}
+KEY_ENTRY_BYTES = {None: lambda di: 2 * di, "fp8": lambda di: di + 4, "fp4": ref.mxfp4_row_bytes}
 KEY_FORMATS = {None: "bfloat16", "fp8": "float8_e4m3fn+row scale", "fp4": "MXFP4 (packed E2M1 + UE8M0 per 32)"}
 
 

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels.reference import mxfp4_row_bytes
+
 from .config import ModelConfig
 
 @struct.dataclass
@@ -158,7 +160,7 @@ def _layer_shapes(cfg: ModelConfig, index: int, geo: CacheGeometry, batch: int) 
                 shapes[f"{part}.proj_a"] = ((batch, geo.compressor_ring(r), width), "f32")
                 shapes[f"{part}.proj_g"] = ((batch, geo.compressor_ring(r), width), "f32")
             if part == "index" and cfg.index_key_format == "fp4":   # MXFP4 rows: packed E2M1 + UE8M0 bytes
-                shapes[f"{part}.entries"] = ((batch, geo.entries(r), d // 2 + d // 32), "u8")
+                shapes[f"{part}.entries"] = ((batch, geo.entries(r), mxfp4_row_bytes(d)), "u8")
             else:
                 shapes[f"{part}.entries"] = ((batch, geo.entries(r), d), "act")
     return shapes

@@ -142,7 +142,7 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
     b, t, hi, di = q.shape
     _check(weights.shape == (b, t, hi), f"weights must be {(b, t, hi)}, got {weights.shape}")
     fp4 = keys.dtype == jnp.uint8
-    kdi = di // 2 + di // 32 if fp4 else di
+    kdi = ref.mxfp4_row_bytes(di) if fp4 else di
     _check(keys.ndim == 3 and keys.shape[0] == b and keys.shape[2] == kdi and keys.shape[1] > 0,
            f"keys must be [B, N>0, {'DI/2 + DI/32 (MXFP4 rows)' if fp4 else 'DI'}]=[{b}, N, {kdi}], got {keys.shape}")
     _check(positions.shape == (b, t), f"positions must be {(b, t)}, got {positions.shape}")

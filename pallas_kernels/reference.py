@@ -404,6 +404,11 @@ def quantize_rows_fp8(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (k / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
+def mxfp4_row_bytes(di: int) -> int:
+    """Bytes of one MXFP4 index-key row of di values (`quantize_index_keys`): di/2 packed E2M1 + di/32 UE8M0."""
+    return di // 2 + di // 32
+
+
 def quantize_index_keys(keys: jax.Array, fmt: str | None) -> tuple[jax.Array, jax.Array | None]:
     """Index keys [B, N, DI] -> (keys as stored, key_scale) for fmt None (as given, no scale), "fp8" (E4M3, one
     scale per row) or "fp4" (MXFP4 rows as the release stores them, 68 B at DI = 128: uint8 [B, N, DI/2 + DI/32],

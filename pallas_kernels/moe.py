@@ -78,6 +78,7 @@ class RoutePlan(NamedTuple):
     """Tile-aligned layout of the routed rows (all int32 except row_weight).
 
     tile_expert [T]   expert of tile t, -1 for t >= num_tiles
+    tile_rows   [T]   routed (non-padding) rows in tile t (its first ones), 0 for t >= num_tiles
     row_token   [P]   token feeding padded row p (0 for padding rows), P = T * block_m
     row_weight  [P]   routing weight of row p (0 for padding)
     dest        [M,k] padded row holding token t's j-th routed row
@@ -85,6 +86,7 @@ class RoutePlan(NamedTuple):
     group_sizes [E]   rows per expert
     """
     tile_expert: jax.Array
+    tile_rows: jax.Array
     row_token: jax.Array
     row_weight: jax.Array
     dest: jax.Array
@@ -124,8 +126,11 @@ def route_plan(expert_ids: jax.Array, weights: jax.Array, num_experts: int, bloc
     num_tiles = tiles_end[-1]
     t = jnp.arange(t_max, dtype=jnp.int32)
     tile_expert = jnp.searchsorted(tiles_end, t, side="right").astype(jnp.int32)
-    tile_expert = jnp.where(t < num_tiles, tile_expert, -1)
-    return RoutePlan(tile_expert, row_token, row_weight, dest, num_tiles, gs)
+    live = t < num_tiles
+    e_t = jnp.minimum(tile_expert, num_experts - 1)
+    tile_rows = jnp.where(live, jnp.clip(gs[e_t] - (t - tile_first[e_t]) * block_m, 0, block_m), 0)
+    return RoutePlan(jnp.where(live, tile_expert, -1), tile_rows.astype(jnp.int32), row_token, row_weight, dest,
+                     num_tiles, gs)
 
 
 # ----------------------------------------------------------------------------------------------- formats
@@ -202,8 +207,9 @@ class TritonConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
-    """Tiles of the Mosaic GPU kernels (one compute warpgroup per CTA, wgmma M = block_m)."""
-    block_m: int = 64          # multiple of 64
+    """Tiles of the Mosaic GPU kernels. Row tiles: compute_wgs compute warpgroups per CTA (plus one TMA
+    warpgroup), each owning block_m / compute_wgs rows (wgmma M, a multiple of 64)."""
+    block_m: int = 64          # rows per tile (route_plan's block_m)
     block_n: int = 128         # gate/up: gate and up each [block_m, block_n] f32 accumulators
     block_k: int = 64
     block_n_down: int = 256    # down: one [block_m, block_n_down] accumulator (<= 256)
@@ -214,6 +220,7 @@ class MgpuConfig:
     # weights dequantised in registers). Then block_m = tokens per tile (multiple of 16), block_n / block_n_down =
     # weight rows per tile (multiples of 64); FP4 steps are whole 32-column scale groups (block_k % 32 == 0).
     swap_ab: bool = False
+    compute_wgs: int = 1       # row tiles only: compute warpgroups sharing the CTA's weight tiles
 
 
 def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense"):
@@ -448,19 +455,12 @@ def _pipeline_depth(max_steps: int, nk: int) -> tuple[int, int]:
     return max(2, min(max_steps, nk)), 1
 
 
-def _check_mgpu_tiles(p, n, k, bm, bn, bk, what):
-    if bm % 64 or bn % 8 or bn > 256:
-        raise ValueError(f"moe {what} (mgpu): block_m must be a multiple of 64 and block_n <= 256, "
-                         f"got ({bm}, {bn})")
+def _check_mgpu_tiles(p, n, k, bm, wgs, bn, bk, what):
+    if wgs < 1 or bm % wgs or (bm // wgs) % 64 or bn % 8 or bn > 256:
+        raise ValueError(f"moe {what} (mgpu): block_m must be compute_wgs x a multiple of 64 rows and block_n "
+                         f"<= 256, got block_m={bm}, compute_wgs={wgs}, block_n={bn}")
     if p % bm or n % bn or k % bk:
         raise ValueError(f"moe {what} (mgpu): [{p}, {k}] x [{n}, {k}] does not tile by ({bm}, {bn}, {bk})")
-
-
-def _w_spec(plgpu, bn, bk, j, kn, delay):
-    """BlockSpec of one weight tile: [bn, bk] of a [N, K] matrix, or [bk, bn] of a [K, N] one."""
-    if kn:
-        return plgpu.BlockSpec((bk, bn), lambda kk: (kk, j), delay_release=delay)
-    return plgpu.BlockSpec((bn, bk), lambda kk: (j, kk), delay_release=delay)
 
 
 def _w_operand(plgpu, w_s, kn):
@@ -468,113 +468,101 @@ def _w_operand(plgpu, w_s, kn):
     return w_s if kn else plgpu.transpose_ref(w_s, (1, 0))
 
 
-def _gate_up_mgpu(xs, row_weight, tile_expert, w1, w3, *, limit, cfg: MgpuConfig, interpret, kn=False,
-                  z_dtype=None):
-    """z [P, I] = swiglu(xs W1_e^T, xs W3_e^T) * row_weight, per tile of block_m rows (TMA + wgmma).
+def _swiglu_epilogue(accs, rw, *, limit):
+    """Gate/up epilogue: clamped SwiGLU of the (gate, up) accumulators [rows, bn], times the rows' routing
+    weights rw [rows] where given (layout inference gives rw the WGMMA row layout of the broadcast)."""
+    z = _swiglu(*accs, limit)
+    return z if rw is None else z * lax.broadcast_in_dim(rw, z.shape, [0])
 
-    grid (tile, I-block): the CTA's expert e = tile_expert[tile] (-1: nothing to do). emit_pipeline streams
-    [bm, bk] of xs and [bn, bk] of W1_e and W3_e (K-major, fed to wgmma through a transposed view) and
-    keeps one wgmma group in flight (delay_release=1). Epilogue: clamped SwiGLU, routing weight as a
-    WGMMA-row vector, bf16 tile -> SMEM -> TMA store.
+
+def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue, out_dtype, interpret):
+    """Row-tile grouped GEMM: out [P, N] = epilogue([x_t W_e^T for W in ws], rw_t) for each tile t of block_m
+    rows of x [P, K] (e = tile_expert[t]; -1: nothing to do), ws: weights [E, N, K] ([E, K, N] if kn).
+
+    Warp-specialised (emit_pipeline_warp_specialized): one memory warpgroup streams [block_m, bk] of x and
+    [bn, bk] of each W_e by TMA into max_concurrent_steps slots; cfg.compute_wgs compute warpgroups each own
+    block_m / compute_wgs rows of the tile (a multiple of 64: wgmma's M) and keep one float32 [rows, bn]
+    accumulator per weight, one wgmma group in flight (delay_release=1). A warpgroup whose rows are all
+    padding (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others. Epilogue per
+    warpgroup: epilogue(accs, rw) with rw its rows' routing weights (None where plan_arrays has none),
+    -> SMEM -> TMA store.
+    plan_arrays: (tile_expert [T], tile_rows [T]) or (..., row_weight [P]) for an epilogue that takes rw.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    p, d = xs.shape
-    i_dim = w1.shape[2] if kn else w1.shape[1]
-    bm, bn, bk = cfg.block_m, min(cfg.block_n, i_dim), min(cfg.block_k, d)
-    _check_mgpu_tiles(p, i_dim, d, bm, bn, bk, "gate/up")
-    nk = d // bk
+    p, k = x.shape
+    n = ws[0].shape[2] if kn else ws[0].shape[1]
+    bm, wgs = cfg.block_m, cfg.compute_wgs
+    bn, bk = min(bn, n), min(bk, k)
+    _check_mgpu_tiles(p, n, k, bm, wgs, bn, bk, what)
+    wm, nk, nw = bm // wgs, k // bk, len(ws)
     steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
-    in_kernel_weight = cfg.route_weight_in_kernel
+    with_rw = len(plan_arrays) == 3
+    w_block, w_index = ((bk, bn), lambda kk: (kk, 0)) if kn else ((bn, bk), lambda kk: (0, kk))
+    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay)] + \
+            [plgpu.BlockSpec(w_block, w_index, delay_release=delay)] * nw
 
-    def body(te_gmem, rw_gmem, x_gmem, w1_gmem, w3_gmem, z_gmem, z_smem, rw_smem, bar):
-        t = lax.axis_index("t")
-        j = lax.axis_index("n")
-        e = te_gmem[t]
+    def pipeline(step, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(nk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=wgs,
+            max_concurrent_steps=steps, compute_context=context)
 
-        @pl.when(e >= 0)
-        def _():
-            if in_kernel_weight:
-                plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(t * bm, bm)], rw_smem, bar.at[0])
+    def w_cta(w, e, j):   # expert e's [bn, K] (kn: [K, bn]) slice for the CTA's block j of N
+        return w.at[e, :, pl.ds(j * bn, bn)] if kn else w.at[e, pl.ds(j * bn, bn)]
 
-            def acc_scope(acc_g, acc_u):
-                def step(_, x_s, w1_s, w3_s):
-                    plgpu.wgmma(acc_g, x_s, _w_operand(plgpu, w1_s, kn))
-                    plgpu.wgmma(acc_u, x_s, _w_operand(plgpu, w3_s, kn))
-                    plgpu.wgmma_wait(1)
+    def body(*refs):
+        te_gmem, tr_gmem = refs[:2]
+        rw_gmem = refs[2] if with_rw else None
+        x_gmem, w_gmems, out_gmem = refs[len(plan_arrays)], refs[len(plan_arrays) + 1:-1], refs[-1]
+        ignore = lambda *_, **__: None  # noqa: E731 -- the allocations do not depend on the bodies
 
-                plgpu.emit_pipeline(
-                    step, grid=(nk,), max_concurrent_steps=steps,
-                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (t, kk), delay_release=delay),
-                              _w_spec(plgpu, bn, bk, j, kn, delay), _w_spec(plgpu, bn, bk, j, kn, delay)],
-                )(x_gmem, w1_gmem.at[e], w3_gmem.at[e])
-                return acc_g[...], acc_u[...]
+        def scope(allocs, out_smem, rw_smem, bar):
+            t, j, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
+            e = te_gmem[t]
+            live = wg * wm < tr_gmem[t]
+            rows = pl.ds(t * bm + wg * wm, wm)
 
-            g, u = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32))
-            z = _swiglu(g, u, limit)
-            if in_kernel_weight:
-                plgpu.barrier_wait(bar.at[0])
-                rw = rw_smem[...]   # layout inference gives it the WGMMA row layout of the broadcast
-                z = z * lax.broadcast_in_dim(rw, (bm, bn), [0])
-            z_smem[...] = z.astype(z_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(z_smem, z_gmem.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)])
-            plgpu.wait_smem_to_gmem(0)
+            def context(run):
+                if with_rw:
+                    plgpu.copy_gmem_to_smem(rw_gmem.at[rows], rw_smem.at[wg], bar.at[wg])
+                def accumulate(*acc_refs):
+                    run(acc_refs)
+                    return tuple(r[...] for r in acc_refs)
+
+                accs = pl.run_scoped(accumulate, *[plgpu.ACC((wm, bn), jnp.float32)] * nw)
+                rw = None
+                if with_rw:
+                    plgpu.barrier_wait(bar.at[wg])
+                    rw = rw_smem.at[wg][...]
+                out_smem.at[wg][...] = epilogue(accs, rw).astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(j * bn, bn)])
+                plgpu.wait_smem_to_gmem(0)
+
+            def step(_, x_s, *rest):
+                w_s, accs = rest[:-1], rest[-1]
+
+                @pl.when(live)
+                def _():
+                    for acc, w in zip(accs, w_s):
+                        plgpu.wgmma(acc, x_s.at[pl.ds(wg * wm, wm)], _w_operand(plgpu, w, kn))
+                plgpu.wgmma_wait(delay)
+                return accs
+
+            @pl.when(e >= 0)
+            def _():
+                pipeline(step, context)(x_gmem.at[pl.ds(t * bm, bm)], *(w_cta(w, e, j) for w in w_gmems),
+                                        allocations=allocs)
+
+        pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(
+                          x_gmem.at[pl.ds(0, bm)], *(w_cta(w, 0, 0) for w in w_gmems)),
+                      plgpu.SMEM((wgs, wm, bn), out_dtype), plgpu.SMEM((wgs, wm), jnp.float32),
+                      plgpu.Barrier(num_barriers=wgs), collective_axes="wg")
 
     return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((p, i_dim), z_dtype or xs.dtype),
-        grid=(p // bm, i_dim // bn), grid_names=("t", "n"),
-        scratch_types=[plgpu.SMEM((bm, bn), z_dtype or xs.dtype), plgpu.SMEM((bm,), jnp.float32),
-                       plgpu.Barrier(num_barriers=1)],
-        compiler_params=_mgpu_params(),
-        interpret=interpret,
-    )(tile_expert, row_weight, xs, w1, w3)
-
-
-def _down_mgpu(z, tile_expert, w2, *, cfg: MgpuConfig, out_dtype, interpret, kn=False):
-    """y [P, D] = z_tile W2_e^T per tile (TMA + wgmma), bf16 out."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    p, i_dim = z.shape
-    d = w2.shape[2] if kn else w2.shape[1]
-    bm, bn, bk = cfg.block_m, min(cfg.block_n_down, d), min(cfg.block_k_down, i_dim)
-    _check_mgpu_tiles(p, d, i_dim, bm, bn, bk, "down")
-    nk = i_dim // bk
-    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
-
-    def body(te_gmem, z_gmem, w2_gmem, y_gmem, y_smem):
-        t = lax.axis_index("t")
-        j = lax.axis_index("n")
-        e = te_gmem[t]
-
-        @pl.when(e >= 0)
-        def _():
-            def acc_scope(acc):
-                def step(_, z_s, w_s):
-                    plgpu.wgmma(acc, z_s, _w_operand(plgpu, w_s, kn))
-                    plgpu.wgmma_wait(1)
-
-                plgpu.emit_pipeline(
-                    step, grid=(nk,), max_concurrent_steps=steps,
-                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (t, kk), delay_release=delay),
-                              _w_spec(plgpu, bn, bk, j, kn, delay)],
-                )(z_gmem, w2_gmem.at[e])
-                return acc[...]
-
-            y = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
-            y_smem[...] = y.astype(y_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)])
-            plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((p, d), out_dtype),
-        grid=(p // bm, d // bn), grid_names=("t", "n"),
-        scratch_types=[plgpu.SMEM((bm, bn), out_dtype)],
-        compiler_params=_mgpu_params(),
-        interpret=interpret,
-    )(tile_expert, z, w2)
-
+        body, out_type=jax.ShapeDtypeStruct((p, n), out_dtype),
+        grid=(p // bm, n // bn), grid_names=("t", "n"), num_threads=wgs + 1, thread_name="wg",
+        compiler_params=_mgpu_params(), interpret=interpret,
+    )(*plan_arrays, x, *ws)
 
 
 # ---------------------------------------------- Mosaic GPU, swapped operands (weights = wgmma M, tokens = N)
@@ -1006,11 +994,14 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if act_block and not config.route_weight_in_kernel:
             raise ValueError("moe_experts: act_block rounds the routing-weighted SwiGLU output; it needs "
                              "MgpuConfig(route_weight_in_kernel=True)")
-        rw = plan.row_weight if config.route_weight_in_kernel else jnp.ones_like(plan.row_weight)
+        tiles = (plan.tile_expert, plan.tile_rows)
         xs = jnp.take(rounded(x), plan.row_token, axis=0)                 # [P, D] tile-aligned rows
-        z = _gate_up_mgpu(xs, rw, plan.tile_expert, w1, w3, limit=limit, cfg=config, interpret=interp, kn=kn,
-                          z_dtype=z_dtype)
-        y = _down_mgpu(rounded(z), plan.tile_expert, w2, cfg=config, out_dtype=cdt, interpret=interp, kn=kn)
+        z = _row_gemm("gate/up", xs, tiles + ((plan.row_weight,) if config.route_weight_in_kernel else ()),
+                      (w1, w3), bn=config.block_n, bk=config.block_k, cfg=config, kn=kn,
+                      epilogue=functools.partial(_swiglu_epilogue, limit=limit), out_dtype=z_dtype,
+                      interpret=interp)
+        y = _row_gemm("down", rounded(z), tiles, (w2,), bn=config.block_n_down, bk=config.block_k_down,
+                      cfg=config, kn=kn, epilogue=lambda accs, _: accs[0], out_dtype=cdt, interpret=interp)
         if not config.route_weight_in_kernel:
             post = weights.astype(jnp.float32)
     else:

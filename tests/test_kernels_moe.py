@@ -118,6 +118,10 @@ def test_route_plan(block_m):
     assert n <= K.max_tiles(m * k, e, block_m) == len(plan.tile_expert)
     assert (plan.tile_expert[n:] == -1).all() and (np.diff(plan.tile_expert[:n]) >= 0).all()
     assert set(plan.tile_expert[:n]) == set(np.nonzero(gs)[0])
+    assert (plan.tile_rows[n:] == 0).all() and (plan.tile_rows[:n] > 0).all()
+    for ex in range(e):                                               # an expert's tiles hold its rows, in order
+        assert plan.tile_rows[plan.tile_expert == ex].sum() == gs[ex]
+        assert (plan.tile_rows[plan.tile_expert == ex][:-1] == block_m).all()
     for t in range(m):                                                # every routed row lands once, right
         for j in range(k):
             p = plan.dest[t, j]
@@ -262,7 +266,7 @@ def test_triton_act_quant_matches_reference(fmt, act_block, kind, m):
     assert rel_err(got, want) < rel_err(plain, want)
 
 
-@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "swap_ab", "swap_ab_act_quant"])
+@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "rows_2wg", "swap_ab", "swap_ab_act_quant"])
 def test_mgpu_matches_reference(variant):
     """Mosaic GPU kernels in the MGPU interpreter. Its wgmma has neither a transposed SMEM operand nor a
     register operand: the row-tile kernels take the weights as [E, in, out] here (the model's [E, out, in]
@@ -279,8 +283,11 @@ def test_mgpu_matches_reference(variant):
         got = kernel(bf(x), ids, w, bf(w1), bf(w2), bf(w3), backend="mgpu", config=cfg, interpret=True,
                      act_block=act)
     else:
-        cfg = K.MgpuConfig(block_m=64, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
-                           max_concurrent_steps=2, route_weight_in_kernel=variant == "rows")
+        # rows_2wg: two compute warpgroups of 64 rows per 128-row tile; skewed routing leaves some tiles'
+        # second warpgroup all padding (it skips its wgmmas)
+        cfg = K.MgpuConfig(block_m=128 if variant == "rows_2wg" else 64, block_n=64, block_k=64, block_n_down=64,
+                           block_k_down=64, max_concurrent_steps=2, route_weight_in_kernel=variant != "rows_weight_in_combine",
+                           compute_wgs=2 if variant == "rows_2wg" else 1)
         t = lambda a: jnp.swapaxes(bf(a), 1, 2)  # noqa: E731
         got = kernel(bf(x), ids, w, t(w1), t(w2), t(w3), backend="mgpu", config=cfg, interpret=True,
                      weight_layout="in_out")
@@ -429,21 +436,23 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
 
 @gpu
 @skip_no_gpu
-@pytest.mark.parametrize("backend,fmt,swap", [("triton", "bf16", False), ("triton", "fp8", False),
-                                              ("triton", "fp4", False), ("mgpu", "bf16", False),
-                                              ("mgpu", "bf16", True), ("mgpu", "fp8", True),
-                                              ("mgpu", "fp4", True)])
+@pytest.mark.parametrize("backend,fmt,tiles", [("triton", "bf16", None), ("triton", "fp8", None),
+                                               ("triton", "fp4", None), ("mgpu", "bf16", "rows"),
+                                               ("mgpu", "bf16", "rows_2wg"), ("mgpu", "bf16", "swap"),
+                                               ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap")])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
-def test_gpu_compiled_matches_reference(backend, fmt, swap, kind, m):
+def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     e, d, i, k = 32, 1024, 512, 6
     x, ids, w, w1, w2, w3 = problem(fresh_rng(), m, k, e, d, i, kind)
     # FP8 as the V4 checkpoints ship it: 128x128 scale blocks
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x, ids, w, q1, q2, q3, sc)
-    if swap:
+    if tiles == "swap":
         bk = 64 if fmt == "fp4" else 128
         cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64, block_k=bk,
                            block_n_down=128, block_k_down=bk, swap_ab=True)
+    elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
+        cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)
     else:
         cfg = K.MgpuConfig() if backend == "mgpu" else K.default_config(backend, m * k, e)
     got = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend=backend, config=cfg)

@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 25}" in
+case "${1:?part 1 to 26}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -302,6 +302,24 @@ case "${1:?part 1 to 25}" in
     cp experiments/results/sweep_h200x2-ep-s9* "$OUT"/
     timeout 200 $B --preset v4-flash-4l --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 256 \
         --context 32768 --kernel-times 3 --tag h200x2_ep2_kernels ;;
-*)  echo "part must be 1 to 25" >&2; exit 2 ;;
+26) # tenth session: GPU 0 part 24 (the indexer's heads_last tile); GPU 1 issue 6's warp-specialised Mosaic GPU row
+    # tiles (pallas_kernels.moe._row_gemm: a TMA warpgroup + 2 or 3 compute warpgroups of 64 rows) -- their GPU
+    # tests, then bf16 prefill at 8K tokens against Triton's 128-row tiles and jax's ragged_dot_mgpu
+    export PYTHONUNBUFFERED=1
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 150 python -m pytest -q -m gpu tests/test_kernels_attention.py -k indexer 2>&1 | tail -3
+     timeout 300 python -m experiments.bench_kernels --only indexer_decode --sweep --out "$OUT"
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 200 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "compiled and mgpu and bf16" 2>&1 | tail -4
+     timeout 240 python -m experiments.bench_moe --regime prefill --formats bf16 --impls mgpu --routing balanced \
+         --iters 10 --out "$OUT"
+     timeout 120 python -m experiments.bench_moe --regime prefill --formats bf16 --impls triton,jax_mgpu --quick \
+         --routing balanced --iters 10 --out "$OUT"
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -E "passed|failed|rror|^\| B" "$OUT"/gpu0.log | cut -c1-140 | head -60
+    grep -E "passed|failed|^\| |rror|Timeout" "$OUT"/gpu1.log | cut -c1-220 | tail -40 ;;
+*)  echo "part must be 1 to 26" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

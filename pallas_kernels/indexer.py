@@ -38,9 +38,9 @@ from .common import FP4_FOLD, fp4_tile, interpret_flag, next_pow2, pad_axis
 # program (the loop's pipelined query loads exceed SMEM at 4+ rows x 64 heads); FP8 / FP4 keys too (the
 # loop ran them slower: 362 / 349 us at B64 against 298 / 315).
 # heads_last: the score tile's orientation (see _scores_kernel); True is not yet measured on the GPU.
-DECODE_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3, heads_last=False)
-ONE_ROW_CONFIG = dict(rows_per_block=1, block_n=64, tiles=16, num_warps=4, num_stages=3, heads_last=False)
-PREFILL_CONFIG = dict(rows_per_block=8, block_n=256, tiles=1, num_warps=8, num_stages=3, heads_last=False)
+DECODE_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3, heads_last=True)
+ONE_ROW_CONFIG = dict(rows_per_block=1, block_n=64, tiles=32, num_warps=4, num_stages=3, heads_last=True)
+PREFILL_CONFIG = dict(rows_per_block=8, block_n=256, tiles=1, num_warps=8, num_stages=3, heads_last=True)
 GROUP = 8
 
 

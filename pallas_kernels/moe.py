@@ -468,101 +468,127 @@ def _w_operand(plgpu, w_s, kn):
     return w_s if kn else plgpu.transpose_ref(w_s, (1, 0))
 
 
-def _swiglu_epilogue(accs, rw, *, limit):
-    """Gate/up epilogue: clamped SwiGLU of the (gate, up) accumulators [rows, bn], times the rows' routing
-    weights rw [rows] where given (layout inference gives rw the WGMMA row layout of the broadcast)."""
-    z = _swiglu(*accs, limit)
-    return z if rw is None else z * lax.broadcast_in_dim(rw, z.shape, [0])
+SMEM_BYTES = 232448   # dynamic shared memory per CTA on the H100 / H200 (the limit the lowering reports)
 
 
-def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue, out_dtype, interpret):
-    """Row-tile grouped GEMM: out [P, N] = epilogue([x_t W_e^T for W in ws], rw_t) for each tile t of block_m
-    rows of x [P, K] (e = tile_expert[t]; -1: nothing to do), ws: weights [E, N, K] ([E, K, N] if kn).
+def _fit_steps(max_steps: int, stage_bytes: int, fixed_bytes: int) -> int:
+    """Pipeline slots: max_steps, or fewer where that many [stage_bytes] slots and the kernel's fixed_bytes of
+    SMEM (epilogue tiles) would not fit (2 at least; a config that does not fit fails at lowering)."""
+    return max(2, min(max_steps, (SMEM_BYTES - fixed_bytes - 1024) // stage_bytes))
 
-    Warp-specialised (emit_pipeline_warp_specialized): one memory warpgroup streams [block_m, bk] of x and
-    [bn, bk] of each W_e by TMA into max_concurrent_steps slots; cfg.compute_wgs compute warpgroups each own
-    block_m / compute_wgs rows of the tile (a multiple of 64: wgmma's M) and keep one float32 [rows, bn]
-    accumulator per weight, one wgmma group in flight (delay_release=1). A warpgroup whose rows are all
-    padding (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others. Epilogue per
-    warpgroup: epilogue(accs, rw) with rw its rows' routing weights (None where plan_arrays has none),
-    -> SMEM -> TMA store.
-    plan_arrays: (tile_expert [T], tile_rows [T]) or (..., row_weight [P]) for an epilogue that takes rw.
+
+class _Cta(NamedTuple):
+    """What a compute warpgroup knows of its CTA: tile t, output block j, expert e = tile_expert[t],
+    warpgroup wg, the tile's routed rows (tile_rows[t]) and the kernel's operand refs (GMEM)."""
+    t: jax.Array
+    j: jax.Array
+    e: jax.Array
+    wg: jax.Array
+    rows: jax.Array
+    operands: tuple
+
+
+def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_accs, epilogue, rw_axis, rw_slice,
+               out_block, grid, wgs, nk, steps, out_shape, out_dtype, interpret):
+    """The warp-specialised grouped GEMM that both Mosaic GPU orientations (row tiles, swap_ab) run.
+
+    grid (tiles t, output blocks j); the last grid axis is CUDA's fastest, so the CTAs of one tile run
+    together and share its activations in L2. CTA (t, j), expert e = tile_expert[t] (-1: nothing to do):
+    one memory warpgroup streams the GMEM refs cta_refs(operands, t, j, e), nk K steps of `specs`, by TMA
+    into `steps` SMEM slots (emit_pipeline_warp_specialized); `wgs` compute warpgroups each run
+    mma(cta, k_step, tiles, accs) per step on num_accs float32 accumulators of acc_shape, then
+    epilogue(accs) [times the routing weights row_weight[rw_slice(t, wg)] broadcast along rw_axis, where
+    plan_arrays holds them] -> SMEM -> TMA store to out[out_block(t, j, wg)].
+    plan_arrays: (tile_expert [T], tile_rows [T]) or (..., row_weight [P]).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    p, k = x.shape
-    n = ws[0].shape[2] if kn else ws[0].shape[1]
-    bm, wgs = cfg.block_m, cfg.compute_wgs
-    bn, bk = min(bn, n), min(bk, k)
-    _check_mgpu_tiles(p, n, k, bm, wgs, bn, bk, what)
-    wm, nk, nw = bm // wgs, k // bk, len(ws)
-    steps, delay = _pipeline_depth(cfg.max_concurrent_steps, nk)
-    with_rw = len(plan_arrays) == 3
-    w_block, w_index = ((bk, bn), lambda kk: (kk, 0)) if kn else ((bn, bk), lambda kk: (0, kk))
-    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay)] + \
-            [plgpu.BlockSpec(w_block, w_index, delay_release=delay)] * nw
+    n_plan = len(plan_arrays)
+    ignore = lambda *_, **__: None  # noqa: E731 -- the allocations do not depend on the bodies
 
     def pipeline(step, context):
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(nk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=wgs,
             max_concurrent_steps=steps, compute_context=context)
 
-    def w_cta(w, e, j):   # expert e's [bn, K] (kn: [K, bn]) slice for the CTA's block j of N
-        return w.at[e, :, pl.ds(j * bn, bn)] if kn else w.at[e, pl.ds(j * bn, bn)]
-
     def body(*refs):
-        te_gmem, tr_gmem = refs[:2]
-        rw_gmem = refs[2] if with_rw else None
-        x_gmem, w_gmems, out_gmem = refs[len(plan_arrays)], refs[len(plan_arrays) + 1:-1], refs[-1]
-        ignore = lambda *_, **__: None  # noqa: E731 -- the allocations do not depend on the bodies
+        (te_gmem, tr_gmem, *rw_gmem), ops, out_gmem = refs[:n_plan], refs[n_plan:-1], refs[-1]
 
         def scope(allocs, out_smem, rw_smem, bar):
             t, j, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
-            e = te_gmem[t]
-            live = wg * wm < tr_gmem[t]
-            rows = pl.ds(t * bm + wg * wm, wm)
+            cta = _Cta(t, j, te_gmem[t], wg, tr_gmem[t], ops)
 
             def context(run):
-                if with_rw:
-                    plgpu.copy_gmem_to_smem(rw_gmem.at[rows], rw_smem.at[wg], bar.at[wg])
+                if rw_gmem:
+                    plgpu.copy_gmem_to_smem(rw_gmem[0].at[rw_slice(t, wg)], rw_smem.at[wg], bar.at[wg])
+
                 def accumulate(*acc_refs):
                     run(acc_refs)
                     return tuple(r[...] for r in acc_refs)
 
-                accs = pl.run_scoped(accumulate, *[plgpu.ACC((wm, bn), jnp.float32)] * nw)
-                rw = None
-                if with_rw:
+                out = epilogue(pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, jnp.float32)] * num_accs))
+                if rw_gmem:   # layout inference gives the weights the WGMMA row / column layout of the broadcast
                     plgpu.barrier_wait(bar.at[wg])
-                    rw = rw_smem.at[wg][...]
-                out_smem.at[wg][...] = epilogue(accs, rw).astype(out_dtype)
+                    out = out * lax.broadcast_in_dim(rw_smem.at[wg][...], acc_shape, [rw_axis])
+                out_smem.at[wg][...] = out.astype(out_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(j * bn, bn)])
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_block(t, j, wg)])
                 plgpu.wait_smem_to_gmem(0)
 
-            def step(_, x_s, *rest):
-                w_s, accs = rest[:-1], rest[-1]
+            def step(idx, *rest):
+                mma(cta, idx[0], rest[:-1], rest[-1])
+                return rest[-1]
 
-                @pl.when(live)
-                def _():
-                    for acc, w in zip(accs, w_s):
-                        plgpu.wgmma(acc, x_s.at[pl.ds(wg * wm, wm)], _w_operand(plgpu, w, kn))
-                plgpu.wgmma_wait(delay)
-                return accs
-
-            @pl.when(e >= 0)
+            @pl.when(cta.e >= 0)
             def _():
-                pipeline(step, context)(x_gmem.at[pl.ds(t * bm, bm)], *(w_cta(w, e, j) for w in w_gmems),
-                                        allocations=allocs)
+                pipeline(step, context)(*cta_refs(ops, t, j, cta.e), allocations=allocs)
 
-        pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(
-                          x_gmem.at[pl.ds(0, bm)], *(w_cta(w, 0, 0) for w in w_gmems)),
-                      plgpu.SMEM((wgs, wm, bn), out_dtype), plgpu.SMEM((wgs, wm), jnp.float32),
+        pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(*cta_refs(ops, 0, 0, 0)),
+                      plgpu.SMEM((wgs, *acc_shape), out_dtype), plgpu.SMEM((wgs, acc_shape[rw_axis]), jnp.float32),
                       plgpu.Barrier(num_barriers=wgs), collective_axes="wg")
 
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((p, n), out_dtype),
-        grid=(p // bm, n // bn), grid_names=("t", "n"), num_threads=wgs + 1, thread_name="wg",
-        compiler_params=_mgpu_params(), interpret=interpret,
-    )(*plan_arrays, x, *ws)
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=grid,
+                        grid_names=("t", "n"), num_threads=wgs + 1, thread_name="wg",
+                        compiler_params=_mgpu_params(), interpret=interpret)(*plan_arrays, *operands)
+
+
+def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue, out_dtype, interpret):
+    """Row tiles: out [P, N] = epilogue([x_t W_e^T for W in ws]) (* routing weights) for each tile t of block_m
+    rows of x [P, K]; ws: weights [E, N, K] ([E, K, N] if kn), wgmma's B through a transposed SMEM view.
+    The cfg.compute_wgs compute warpgroups each own block_m / compute_wgs rows of the tile (wgmma's M, a
+    multiple of 64) and keep one wgmma group in flight (delay_release=1); one whose rows are all padding
+    (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    p, k = x.shape
+    n = ws[0].shape[2] if kn else ws[0].shape[1]
+    bm, wgs = cfg.block_m, cfg.compute_wgs
+    bn, bk = min(bn, n), min(bk, k)
+    _check_mgpu_tiles(p, n, k, bm, wgs, bn, bk, what)
+    wm, nk, nw, item = bm // wgs, k // bk, len(ws), jnp.dtype(x.dtype).itemsize
+    fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item,
+                     wgs * wm * (bn * jnp.dtype(out_dtype).itemsize + 4))
+    steps, delay = _pipeline_depth(fit, nk)
+    w_block, w_index = ((bk, bn), lambda kk: (kk, 0)) if kn else ((bn, bk), lambda kk: (0, kk))
+    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay)] + \
+            [plgpu.BlockSpec(w_block, w_index, delay_release=delay)] * nw
+
+    def cta_refs(ops, t, j, e):
+        x_g, *w_g = ops
+        cols = pl.ds(j * bn, bn)
+        return (x_g.at[pl.ds(t * bm, bm)], *(w.at[e, :, cols] if kn else w.at[e, cols] for w in w_g))
+
+    def mma(cta, _, tiles, accs):
+        @pl.when(cta.wg * wm < cta.rows)
+        def _():
+            for acc, w_s in zip(accs, tiles[1:]):
+                plgpu.wgmma(acc, tiles[0].at[pl.ds(cta.wg * wm, wm)], _w_operand(plgpu, w_s, kn))
+        plgpu.wgmma_wait(delay)
+
+    return _ws_kernel(plan_arrays=plan_arrays, operands=(x, *ws), specs=specs, cta_refs=cta_refs, mma=mma,
+                      acc_shape=(wm, bn), num_accs=nw, epilogue=epilogue, rw_axis=0,
+                      rw_slice=lambda t, wg: pl.ds(t * bm + wg * wm, wm),
+                      out_block=lambda t, j, wg: (pl.ds(t * bm + wg * wm, wm), pl.ds(j * bn, bn)),
+                      grid=(p // bm, n // bn), wgs=wgs, nk=nk, steps=steps, out_shape=(p, n), out_dtype=out_dtype,
+                      interpret=interpret)
 
 
 # ---------------------------------------------- Mosaic GPU, swapped operands (weights = wgmma M, tokens = N)
@@ -671,10 +697,8 @@ def _fp4_operand(plgpu, tiles, scale_rows):
 
 class _SwapTiles(NamedTuple):
     bm: int            # tokens per tile (wgmma N)
-    bn: int            # weight rows per tile (wgmma M)
+    bn: int            # weight rows per tile, split over the compute warpgroups (wgmma M: bn / compute_wgs)
     bk: int            # logical input columns per K step
-    steps: int         # pipeline slots
-    delay: int         # delay_release of the pipelined buffers
     fp8_block: int     # FP8 scale block (0 otherwise)
 
 
@@ -682,11 +706,12 @@ def _swap_tiles(what, fmt, cfg: MgpuConfig, names, out_dim, in_dim, p, w, s) -> 
     """Clamp the tiles named `names` (the MgpuConfig fields of this kernel's block_n, block_k) to the problem
     and validate them."""
     bm, bn, bk = cfg.block_m, min(getattr(cfg, names[0]), out_dim), min(getattr(cfg, names[1]), in_dim)
+    wgs = cfg.compute_wgs
     fp8_block = ref.fp8_block_size(w.shape, s.shape) if fmt == "fp8" else 0
-    if bm % 16 or bm > 256 or bn % 64 or p % bm or out_dim % bn or in_dim % bk:
+    if bm % 16 or bm > 256 or wgs < 1 or bn % (64 * wgs) or p % bm or out_dim % bn or in_dim % bk:
         raise ValueError(f"moe {what} (mgpu swap): tokens/tile {bm} must be a multiple of 16 <= 256, weight "
-                         f"rows/tile {bn} a multiple of 64; [{out_dim}, {in_dim}] x [{in_dim}, {p}] must tile "
-                         f"by ({bn}, {bk}, {bm})")
+                         f"rows/tile {bn} a multiple of 64 x compute_wgs ({wgs}); [{out_dim}, {in_dim}] x "
+                         f"[{in_dim}, {p}] must tile by ({bn}, {bk}, {bm})")
     if fmt == "fp8" and (fp8_block % bn or fp8_block % bk):
         raise ValueError(f"moe {what} (mgpu swap): FP8 block {fp8_block} must be a multiple of ({bn}, {bk})")
     # a register operand's wgmma takes K = the whole step, which must fill the activation tile's swizzle
@@ -695,44 +720,7 @@ def _swap_tiles(what, fmt, cfg: MgpuConfig, names, out_dim, in_dim, p, w, s) -> 
     if fmt != "dense" and bk % k_align:
         raise ValueError(f"moe {what} (mgpu swap): {fmt.upper()} with block_m={bm} needs {names[1]} a multiple "
                          f"of {k_align}, got {bk}")
-    return _SwapTiles(bm, bn, bk, *_pipeline_depth(cfg.max_concurrent_steps, in_dim // bk), fp8_block)
-
-
-def _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay):
-    """BlockSpecs of one K step: the activations' and one weight's. FP4 weights come as G tiles [bn, 16], one
-    per scale group, each its own TMA copy (one [bn, G, 16] tile has no bank-conflict-free group load for
-    G > 2), and their transposed scales [G, bn]."""
-    spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
-    x = spec((bk, bm), lambda kk: (kk, t))
-    if fmt != "fp4":
-        return x, [spec((bn, bk), lambda kk: (j, kk))]
-    g = bk // (2 * FP4_GROUP)
-    groups = [spec((bn, FP4_GROUP), lambda kk, i=i: (j, kk * g + i)) for i in range(g)]
-    return x, groups + [spec((g, bn), lambda kk: (kk, j))]
-
-
-def _swap_weight_refs(fmt, w_gmem, e, num_specs):
-    """The GMEM refs streamed for one weight, matching _swap_specs: (w[e],), FP4 (w[e],) * G + (sT[e],)."""
-    if fmt != "fp4":
-        return (w_gmem[0].at[e],)
-    return (w_gmem[0].at[e],) * (num_specs - 1) + (w_gmem[1].at[e],)
-
-
-def _swap_accumulate(plgpu, x_s, terms, fmt):
-    """One K step: acc [bn, bm] += W_tile . X_tile for each (acc, w, fp8_scale) in `terms` (gate and up share
-    the activation tile x_s); w: (weight tile,), FP4 (G packed tiles [bn, 16], scale bytes [G, bn]).
-    Register operands (FP8, FP4) must outlive their wgmma: the step ends waiting for all. SMEM operands may
-    stay one step in flight (their buffers are released one step late)."""
-    for acc, w, fp8_scale in terms:
-        if fmt == "dense":
-            a = w[0]
-        elif fmt == "fp8":
-            a = (w[0][...].astype(jnp.float32) * fp8_scale).astype(jnp.bfloat16)
-        else:
-            *tiles, s_s = w
-            a = _fp4_operand(plgpu, [t[...] for t in tiles], [s_s[g] for g in range(len(tiles))])
-        plgpu.wgmma(acc, a, x_s)
-    plgpu.wgmma_wait(1 if fmt == "dense" else 0)
+    return _SwapTiles(bm, bn, bk, fp8_block)
 
 
 def _swap_x(fmt, x):
@@ -750,111 +738,68 @@ def _swap_w(fmt, w, s):
     return (w,) if fmt == "dense" else (w, s) if fmt == "fp8" else (w, jnp.swapaxes(s, 1, 2))
 
 
-def _gate_up_mgpu_swap(xs, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg: MgpuConfig,
-                       interpret, z_dtype=None):
-    """zT [I, P] = swiglu(W1_e xT, W3_e xT) * row_weight for each tile of block_m token columns of xT = xs.T
-    (xs [P, D] the tile-aligned rows; z in z_dtype, default xs's)."""
+def _swap_gemm(what, xt, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret):
+    """swap_ab: outT [N, P] = epilogue([W_e xT_t for W in ws]) (* routing weights) for each tile t of block_m
+    token columns of xT [K, P] (wgmma's N); ws: weights [E, N, K] in storage format, ss their scales (None).
+
+    Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: G tiles [bn, 16],
+    one per scale group, each its own TMA copy (one [bn, G, 16] tile has no bank-conflict-free group load
+    for G > 2), and their transposed scales [G, bn]; FP8 scales are read as GMEM scalars. The cfg.compute_wgs
+    compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense) stay one
+    step in flight; register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
+    warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    p, d = xs.shape
-    i_dim = w1.shape[1]
-    bm, bn, bk, steps, delay, fp8_block = _swap_tiles("gate/up", fmt, cfg, ("block_n", "block_k"), i_dim, d, p,
-                                                      w1, s1)
-    # -> [D, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
-    # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
-    xt = transpose(xs, interpret=interpret is not None) if bm >= 64 else xs.T
-    w1v, w3v = _swap_w(fmt, w1, s1), _swap_w(fmt, w3, s3)
-    nw = len(w1v)
+    k, p = xt.shape
+    n = ws[0].shape[1]
+    bm, bn, bk, fp8_block = _swap_tiles(what, fmt, cfg, names, n, k, p, ws[0], ss[0])
+    wgs, nk, nw = cfg.compute_wgs, k // bk, len(ws)
+    wb, g = bn // wgs, bk // (2 * FP4_GROUP)
+    ops = [_swap_w(fmt, w, s) for w, s in zip(ws, ss)]
+    per_w = len(ops[0])
+    w_bytes = bn * bk * (2 if fmt == "dense" else 1) if fmt != "fp4" else bn * (bk // 2 + g)
+    fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
+                     wgs * bm * (wb * jnp.dtype(out_dtype).itemsize + 4))
+    steps, delay = _pipeline_depth(fit, nk)
+    spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
+    if fmt == "fp4":
+        w_specs = [spec((bn, FP4_GROUP), lambda kk, i=i: (0, kk * g + i)) for i in range(g)] + \
+                  [spec((g, bn), lambda kk: (kk, 0))]
+    else:
+        w_specs = [spec((bn, bk), lambda kk: (0, kk))]
+    specs = [spec((bk, bm), lambda kk: (kk, 0))] + w_specs * nw
 
-    def body(te_gmem, rw_gmem, x_gmem, *refs):
-        w1_g, w3_g, (z_gmem, z_smem, rw_smem, bar) = refs[:nw], refs[nw:2 * nw], refs[2 * nw:]
-        t = lax.axis_index("t")
-        j = lax.axis_index("n")
-        e = te_gmem[t]
+    def cta_refs(refs, t, j, e):
+        rows = pl.ds(j * bn, bn)
+        streamed = []
+        for i in range(nw):
+            w_g = refs[1 + i * per_w]
+            streamed += [w_g.at[e, rows]] * (g if fmt == "fp4" else 1)
+            if fmt == "fp4":
+                streamed.append(refs[2 + i * per_w].at[e, :, rows])
+        return (refs[0].at[:, pl.ds(t * bm, bm)], *streamed)
 
-        @pl.when(e >= 0)
-        def _():
-            plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(t * bm, bm)], rw_smem, bar.at[0])
+    def mma(cta, kk, tiles, accs):
+        x_s, per_acc = tiles[0], len(w_specs)
+        rows = pl.ds(cta.wg * wb, wb)
+        for i, acc in enumerate(accs):
+            w_t = tiles[1 + i * per_acc:1 + (i + 1) * per_acc]
+            if fmt == "dense":
+                a = w_t[0].at[rows]
+            elif fmt == "fp8":
+                sc = _scale_scalar(cta.operands[2 + i * per_w], cta.e, (cta.j * bn) // fp8_block,
+                                   (kk * bk) // fp8_block)
+                a = (w_t[0].at[rows][...].astype(jnp.float32) * sc).astype(jnp.bfloat16)
+            else:
+                a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)])
+            plgpu.wgmma(acc, a, x_s)
+        plgpu.wgmma_wait(1 if fmt == "dense" else 0)
 
-            def acc_scope(acc_g, acc_u):
-                x_spec, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
-                n = len(w_specs)
-
-                def step(idx, x_s, *tiles):
-                    sc1 = sc3 = None
-                    if fmt == "fp8":
-                        r, c = (j * bn) // fp8_block, (idx[0] * bk) // fp8_block
-                        sc1, sc3 = _scale_scalar(w1_g[1], e, r, c), _scale_scalar(w3_g[1], e, r, c)
-                    _swap_accumulate(plgpu, x_s, [(acc_g, tiles[:n], sc1), (acc_u, tiles[n:], sc3)], fmt)
-
-                plgpu.emit_pipeline(step, grid=(d // bk,), max_concurrent_steps=steps,
-                                    in_specs=[x_spec] + w_specs + w_specs)(
-                    x_gmem, *_swap_weight_refs(fmt, w1_g, e, n), *_swap_weight_refs(fmt, w3_g, e, n))
-                return acc_g[...], acc_u[...]
-
-            g, u = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32), plgpu.ACC((bn, bm), jnp.float32))
-            z = _swiglu(g, u, limit)
-            plgpu.barrier_wait(bar.at[0])
-            z = z * lax.broadcast_in_dim(rw_smem[...], (bn, bm), [1])
-            z_smem[...] = z.astype(z_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(z_smem, z_gmem.at[pl.ds(j * bn, bn), pl.ds(t * bm, bm)])
-            plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((i_dim, p), z_dtype or xt.dtype),
-        grid=(p // bm, i_dim // bn), grid_names=("t", "n"),
-        scratch_types=[plgpu.SMEM((bn, bm), z_dtype or xt.dtype), plgpu.SMEM((bm,), jnp.float32),
-                       plgpu.Barrier(num_barriers=1)],
-        compiler_params=_mgpu_params(),
-        interpret=interpret,
-    )(tile_expert, row_weight, _swap_x(fmt, xt), *w1v, *w3v)
-
-
-def _down_mgpu_swap(zt, tile_expert, w2, s2, *, fmt, cfg: MgpuConfig, out_dtype, interpret):
-    """yT [D, P] = W2_e zT per tile of block_m token columns."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    i_dim, p = zt.shape
-    d = w2.shape[1]
-    bm, bn, bk, steps, delay, fp8_block = _swap_tiles("down", fmt, cfg, ("block_n_down", "block_k_down"), d,
-                                                      i_dim, p, w2, s2)
-    w2v = _swap_w(fmt, w2, s2)
-
-    def body(te_gmem, z_gmem, *refs):
-        w2_g, (y_gmem, y_smem) = refs[:len(w2v)], refs[len(w2v):]
-        t = lax.axis_index("t")
-        j = lax.axis_index("n")
-        e = te_gmem[t]
-
-        @pl.when(e >= 0)
-        def _():
-            def acc_scope(acc):
-                z_spec, w_specs = _swap_specs(plgpu, fmt, bm, bn, bk, t, j, delay)
-
-                def step(idx, z_s, *tiles):
-                    sc = None
-                    if fmt == "fp8":
-                        sc = _scale_scalar(w2_g[1], e, (j * bn) // fp8_block, (idx[0] * bk) // fp8_block)
-                    _swap_accumulate(plgpu, z_s, [(acc, tiles, sc)], fmt)
-
-                plgpu.emit_pipeline(step, grid=(i_dim // bk,), max_concurrent_steps=steps, in_specs=[z_spec] + w_specs)(
-                    z_gmem, *_swap_weight_refs(fmt, w2_g, e, len(w_specs)))
-                return acc[...]
-
-            y = pl.run_scoped(acc_scope, plgpu.ACC((bn, bm), jnp.float32))
-            y_smem[...] = y.astype(y_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[pl.ds(j * bn, bn), pl.ds(t * bm, bm)])
-            plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((d, p), out_dtype),
-        grid=(p // bm, d // bn), grid_names=("t", "n"),
-        scratch_types=[plgpu.SMEM((bn, bm), out_dtype)],
-        compiler_params=_mgpu_params(),
-        interpret=interpret,
-    )(tile_expert, _swap_x(fmt, zt), *w2v)
+    return _ws_kernel(plan_arrays=plan_arrays, operands=(_swap_x(fmt, xt), *(a for o in ops for a in o)),
+                      specs=specs, cta_refs=cta_refs, mma=mma, acc_shape=(wb, bm), num_accs=nw, epilogue=epilogue,
+                      rw_axis=1, rw_slice=lambda t, wg: pl.ds(t * bm, bm),
+                      out_block=lambda t, j, wg: (pl.ds(j * bn + wg * wb, wb), pl.ds(t * bm, bm)),
+                      grid=(p // bm, n // bn), wgs=wgs, nk=nk, steps=steps, out_shape=(n, p), out_dtype=out_dtype,
+                      interpret=interpret)
 
 
 def transpose(a: jax.Array, *, interpret: bool = False) -> jax.Array:
@@ -980,10 +925,16 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
         xs = jnp.take(rounded(x), plan.row_token, axis=0)                      # [P, D] tile-aligned rows
-        zt = _gate_up_mgpu_swap(xs, plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt, limit=limit,
-                                cfg=config, interpret=interp, z_dtype=z_dtype)
+        # -> [D, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
+        # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
+        xt = transpose(xs, interpret=interp is not None) if config.block_m >= 64 else xs.T
+        tiles = (plan.tile_expert, plan.tile_rows)
+        zt = _swap_gemm("gate/up", xt, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
+                        names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
+                        out_dtype=z_dtype, interpret=interp)
         zt = rounded(zt.T).T if act_block else zt
-        yt = _down_mgpu_swap(zt, plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt, interpret=interp)
+        yt = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
+                        cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
         y = transpose(yt, interpret=interp is not None)  # [P, D]: the combine below gathers whole rows
     elif backend == "mgpu":
         if fmt != "dense" or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -998,10 +949,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         xs = jnp.take(rounded(x), plan.row_token, axis=0)                 # [P, D] tile-aligned rows
         z = _row_gemm("gate/up", xs, tiles + ((plan.row_weight,) if config.route_weight_in_kernel else ()),
                       (w1, w3), bn=config.block_n, bk=config.block_k, cfg=config, kn=kn,
-                      epilogue=functools.partial(_swiglu_epilogue, limit=limit), out_dtype=z_dtype,
-                      interpret=interp)
+                      epilogue=lambda accs: _swiglu(*accs, limit), out_dtype=z_dtype, interpret=interp)
         y = _row_gemm("down", rounded(z), tiles, (w2,), bn=config.block_n_down, bk=config.block_k_down,
-                      cfg=config, kn=kn, epilogue=lambda accs, _: accs[0], out_dtype=cdt, interpret=interp)
+                      cfg=config, kn=kn, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
         if not config.route_weight_in_kernel:
             post = weights.astype(jnp.float32)
     else:

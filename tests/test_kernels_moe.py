@@ -266,7 +266,8 @@ def test_triton_act_quant_matches_reference(fmt, act_block, kind, m):
     assert rel_err(got, want) < rel_err(plain, want)
 
 
-@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "rows_2wg", "swap_ab", "swap_ab_act_quant"])
+@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "rows_2wg", "swap_ab", "swap_ab_2wg",
+                                     "swap_ab_act_quant"])
 def test_mgpu_matches_reference(variant):
     """Mosaic GPU kernels in the MGPU interpreter. Its wgmma has neither a transposed SMEM operand nor a
     register operand: the row-tile kernels take the weights as [E, in, out] here (the model's [E, out, in]
@@ -278,8 +279,9 @@ def test_mgpu_matches_reference(variant):
     act = 64 if variant.endswith("act_quant") else 0   # float32 SwiGLU output, rounded to FP8 between kernels
     want = reference(bf(x).astype(jnp.float32), ids, w, bf(w1), bf(w2), bf(w3), act_block=act)
     if variant.startswith("swap_ab"):
-        cfg = K.MgpuConfig(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
-                           max_concurrent_steps=2, swap_ab=True)
+        wgs = 2 if variant == "swap_ab_2wg" else 1    # 2: each compute warpgroup owns 64 of 128 weight rows
+        cfg = K.MgpuConfig(block_m=16, block_n=64 * wgs, block_k=64, block_n_down=64 * wgs, block_k_down=64,
+                           max_concurrent_steps=2, swap_ab=True, compute_wgs=wgs)
         got = kernel(bf(x), ids, w, bf(w1), bf(w2), bf(w3), backend="mgpu", config=cfg, interpret=True,
                      act_block=act)
     else:

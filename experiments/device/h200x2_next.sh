@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 26}" in
+case "${1:?part 1 to 27}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -320,6 +320,30 @@ case "${1:?part 1 to 26}" in
     wait
     grep -E "passed|failed|rror|^\| B" "$OUT"/gpu0.log | cut -c1-140 | head -60
     grep -E "passed|failed|^\| |rror|Timeout" "$OUT"/gpu1.log | cut -c1-220 | tail -40 ;;
-*)  echo "part must be 1 to 26" >&2; exit 2 ;;
+27) # tenth session, after 26: GPU 0 the indexer with heads_last as every default (FP8 / FP4 keys and prefill were
+    # not in 26's sweep), then the MoE Mosaic GPU GPU tests (both orientations now warp-specialised); GPU 1 the
+    # swap_ab kernels with 1 / 2 / 4 compute warpgroups (FP4 / FP8 / bf16 decode, FP4 / FP8 prefill) and the
+    # row tiles with the down projection's 256-column tiles (SMEM-fitted pipeline depth)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --out $OUT"
+    sw() { echo "{\"swap_ab\": true, \"block_m\": $1, \"block_n\": $2, \"block_k\": $3, \"block_n_down\": $4, \"block_k_down\": $5, \"max_concurrent_steps\": $6, \"compute_wgs\": $7}"; }
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 150 python -m pytest -q -m gpu tests/test_kernels_attention.py -k indexer 2>&1 | tail -3
+     timeout 150 python -m experiments.bench_kernels --only indexer_decode --out "$OUT"
+     timeout 150 python -m experiments.bench_kernels --only indexer_prefill --sweep --out "$OUT"
+     timeout 200 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "compiled and mgpu" 2>&1 | tail -4
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 100 $M --regime decode --formats fp4 --mgpu-configs "[$(sw 16 256 64 256 64 4 1), $(sw 16 256 64 256 64 4 2), $(sw 16 256 64 256 64 4 4), $(sw 16 128 64 128 64 6 2)]"
+     timeout 80 $M --regime decode --formats fp8 --mgpu-configs "[$(sw 16 128 128 128 128 5 1), $(sw 16 128 128 128 128 5 2)]"
+     timeout 80 $M --regime decode --formats bf16 --mgpu-configs "[$(sw 16 128 64 256 64 6 1), $(sw 16 128 64 256 64 6 2), $(sw 16 256 64 256 64 6 4)]"
+     timeout 100 $M --regime prefill --formats fp4 --mgpu-configs "[$(sw 128 64 64 64 64 4 1), $(sw 128 128 64 128 64 4 2), $(sw 64 128 64 128 64 4 2)]"
+     timeout 80 $M --regime prefill --formats fp8 --mgpu-configs "[$(sw 128 64 128 128 128 4 1), $(sw 128 128 128 128 128 4 2)]"
+     timeout 80 $M --regime prefill --formats bf16 --mgpu-configs '[{"block_m": 128, "compute_wgs": 2, "block_n": 128, "block_k": 64, "block_n_down": 256, "block_k_down": 64, "max_concurrent_steps": 4}, {"block_m": 128, "compute_wgs": 2, "block_n": 128, "block_k": 64, "block_n_down": 128, "block_k_down": 64, "max_concurrent_steps": 4}]'
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -E "passed|failed|rror|^\| B" "$OUT"/gpu0.log | cut -c1-140 | head -60
+    grep -E "^\| (decode|prefill)|rror|Timeout" "$OUT"/gpu1.log | cut -c1-330 | tail -40 ;;
+*)  echo "part must be 1 to 27" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -275,9 +275,10 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
     elif impl == "mgpu":
         swap = functools.partial(MgpuConfig, swap_ab=True)
         if fmt == "fp4":                # swap_ab only; a step is a whole number of 32-column scale groups
-            out = [swap(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64),
-                   swap(block_m=64, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
-                        max_concurrent_steps=6)] if regime == "prefill" else [
+            out = [swap(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64, compute_wgs=2),
+                   swap(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64),
+                   swap(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
+                        compute_wgs=2)] if regime == "prefill" else [
                 swap(block_m=16, block_n=256, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=4),
                 swap(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
                 swap(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
@@ -287,16 +288,16 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                        dataclasses.replace(out[0], block_m=32), dataclasses.replace(out[2], block_m=32)]
         elif regime == "prefill" and fmt == "bf16":   # warp-specialised row tiles first (2 or 3 compute WGs)
             ws = functools.partial(MgpuConfig, block_n=128, block_k=64, block_k_down=64)
-            out = [ws(block_m=128, compute_wgs=2, block_n_down=256, max_concurrent_steps=3),
+            out = [ws(block_m=128, compute_wgs=2, block_n_down=256, max_concurrent_steps=4),
                    ws(block_m=128, compute_wgs=2, block_n_down=128, max_concurrent_steps=4),
                    ws(block_m=192, compute_wgs=3, block_n_down=128, max_concurrent_steps=3),
-                   ws(block_m=128, compute_wgs=2, block_n_down=128, max_concurrent_steps=3),
                    MgpuConfig(), MgpuConfig(max_concurrent_steps=3), MgpuConfig(block_n_down=128),
                    swap(block_m=128, block_n=64, block_k=64, block_n_down=128, block_k_down=64),
                    swap(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64),
                    swap(block_m=192, block_n=64, block_k=64, block_n_down=64, block_k_down=64)]
         elif regime == "prefill":       # fp8: weights dequantised in registers (swap_ab only)
-            out = [swap(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128),
+            out = [swap(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128, compute_wgs=2),
+                   swap(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128),
                    swap(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64)]
         elif fmt == "bf16":
             out = [swap(block_m=16, block_n=128, block_k=64, block_n_down=256, block_k_down=64,

@@ -239,12 +239,15 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
                               block_n_down=256 if fmt == "dense" else 128,
                               block_k_down=128 if fmt == "fp8" else 64,
                               max_concurrent_steps=6 if fmt == "dense" else 5, swap_ab=True)
-        if fmt == "fp8":                # quantised prefill: dequantised in registers (swap_ab only)
-            return MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
-                              swap_ab=True)
-        if fmt == "fp4":
-            return MgpuConfig(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
-                              swap_ab=True)
+        # prefill, two compute warpgroups (bench_moe at 8K tokens, tenth session: 5.57 / 6.84 / 8.45 ms bf16 /
+        # FP8 / FP4 against 6.53 / 8.43 / 11.40 with one); quantised weights are dequantised in registers (swap_ab)
+        if fmt in ("fp8", "fp4"):
+            bk = 128 if fmt == "fp8" else 64
+            return MgpuConfig(block_m=128, block_n=128, block_k=bk, block_n_down=128, block_k_down=bk,
+                              swap_ab=True, compute_wgs=2)
+        if rows_per_expert > 64:         # the row tiles' down projection gets 3 slots of 256 columns (SMEM)
+            return MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_k=64, block_n_down=256,
+                              block_k_down=64, max_concurrent_steps=4)
         return MgpuConfig()
     if rows_per_expert <= 16:          # decode / verify: one tile holds all of an expert's rows
         return TritonConfig(block_m=16)
@@ -504,6 +507,9 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
     from jax.experimental.pallas import mosaic_gpu as plgpu
     n_plan = len(plan_arrays)
     ignore = lambda *_, **__: None  # noqa: E731 -- the allocations do not depend on the bodies
+    # each warpgroup's routing weights start on a 128-byte boundary (a TMA destination's alignment)
+    rw_len = acc_shape[rw_axis]
+    rw_row = -(-rw_len // 32) * 32
 
     def pipeline(step, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -516,10 +522,11 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
         def scope(allocs, out_smem, rw_smem, bar):
             t, j, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
             cta = _Cta(t, j, te_gmem[t], wg, tr_gmem[t], ops)
+            rw_s = rw_smem.at[wg, pl.ds(0, rw_len)]
 
             def context(run):
                 if rw_gmem:
-                    plgpu.copy_gmem_to_smem(rw_gmem[0].at[rw_slice(t, wg)], rw_smem.at[wg], bar.at[wg])
+                    plgpu.copy_gmem_to_smem(rw_gmem[0].at[rw_slice(t, wg)], rw_s, bar.at[wg])
 
                 def accumulate(*acc_refs):
                     run(acc_refs)
@@ -528,7 +535,7 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                 out = epilogue(pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, jnp.float32)] * num_accs))
                 if rw_gmem:   # layout inference gives the weights the WGMMA row / column layout of the broadcast
                     plgpu.barrier_wait(bar.at[wg])
-                    out = out * lax.broadcast_in_dim(rw_smem.at[wg][...], acc_shape, [rw_axis])
+                    out = out * lax.broadcast_in_dim(rw_s[...], acc_shape, [rw_axis])
                 out_smem.at[wg][...] = out.astype(out_dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_block(t, j, wg)])
@@ -543,7 +550,7 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                 pipeline(step, context)(*cta_refs(ops, t, j, cta.e), allocations=allocs)
 
         pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(*cta_refs(ops, 0, 0, 0)),
-                      plgpu.SMEM((wgs, *acc_shape), out_dtype), plgpu.SMEM((wgs, acc_shape[rw_axis]), jnp.float32),
+                      plgpu.SMEM((wgs, *acc_shape), out_dtype), plgpu.SMEM((wgs, rw_row), jnp.float32),
                       plgpu.Barrier(num_barriers=wgs), collective_axes="wg")
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=grid,
@@ -738,9 +745,11 @@ def _swap_w(fmt, w, s):
     return (w,) if fmt == "dense" else (w, s) if fmt == "fp8" else (w, jnp.swapaxes(s, 1, 2))
 
 
-def _swap_gemm(what, xt, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret):
+def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret,
+               x_rows=False):
     """swap_ab: outT [N, P] = epilogue([W_e xT_t for W in ws]) (* routing weights) for each tile t of block_m
-    token columns of xT [K, P] (wgmma's N); ws: weights [E, N, K] in storage format, ss their scales (None).
+    token columns of xT [K, P] (wgmma's N) -- x is xT, or with x_rows its rows [P, K], transposed here;
+    ws: weights [E, N, K] in storage format, ss their scales (None).
 
     Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: G tiles [bn, 16],
     one per scale group, each its own TMA copy (one [bn, G, 16] tile has no bank-conflict-free group load
@@ -749,16 +758,19 @@ def _swap_gemm(what, xt, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, ep
     step in flight; register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
     warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    k, p = xt.shape
+    k, p = x.shape[::-1] if x_rows else x.shape
     n = ws[0].shape[1]
     bm, bn, bk, fp8_block = _swap_tiles(what, fmt, cfg, names, n, k, p, ws[0], ss[0])
+    # -> [K, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
+    # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
+    xt = (transpose(x, interpret=interpret is not None) if bm >= 64 else x.T) if x_rows else x
     wgs, nk, nw = cfg.compute_wgs, k // bk, len(ws)
     wb, g = bn // wgs, bk // (2 * FP4_GROUP)
     ops = [_swap_w(fmt, w, s) for w, s in zip(ws, ss)]
     per_w = len(ops[0])
     w_bytes = bn * bk * (2 if fmt == "dense" else 1) if fmt != "fp4" else bn * (bk // 2 + g)
     fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
-                     wgs * bm * (wb * jnp.dtype(out_dtype).itemsize + 4))
+                     wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
     steps, delay = _pipeline_depth(fit, nk)
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
     if fmt == "fp4":
@@ -824,13 +836,14 @@ def transpose(a: jax.Array, *, interpret: bool = False) -> jax.Array:
 # ----------------------------------------------------------------------------------------- entry point
 
 
-def choose_backend(fmt: str, compute_dtype) -> str:
+def choose_backend(fmt: str, compute_dtype, rows_per_expert: float = 0.0) -> str:
     """The kernel that measured fastest on the H200 for the load (experiments/bench_moe.py, docs/benchmarks.md):
-    Mosaic GPU swap_ab for FP4 (registers decode the E2M1 table; decode / verify 1.4-2.1x Triton, prefill 6.14 /
-    11.67 ms against Triton's 8.35 / 12.31 at 4K / 8K tokens), Triton for everything else (its 128-row prefill
-    tiles beat the Mosaic GPU row tiles at 96 and 192 rows per expert). Off Hopper (and in the CPU
+    Mosaic GPU for FP4 at every load (swap_ab: registers decode the E2M1 table) and for bf16 / FP8 prefill
+    (> 64 rows per expert; warp-specialised, two compute warpgroups: 8K tokens bf16 5.57 ms against Triton's
+    6.29, FP8 6.84 against 9.61), Triton for bf16 / FP8 decode and verify. Off Hopper (and in the CPU
     interpreters, which have no register wgmma operand) Triton serves all."""
-    if fmt == "fp4" and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and on_hopper():
+    if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and on_hopper() and (
+            fmt == "fp4" or (rows_per_expert > 64 and fmt in ("dense", "fp8"))):
         return "mgpu"
     return "triton"
 
@@ -884,7 +897,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         raise ValueError(f"moe_experts: act_block {act_block} must divide the expert dims D={d} and I={i_dim}")
     cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)
     if backend == "auto":
-        backend = choose_backend(fmt, cdt)
+        backend = choose_backend(fmt, cdt, m * k / e)
     if config is None:
         config = default_config(backend, m * k, e, fmt)
     interp = interpret_flag(backend, interpret)
@@ -925,13 +938,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
         xs = jnp.take(rounded(x), plan.row_token, axis=0)                      # [P, D] tile-aligned rows
-        # -> [D, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
-        # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
-        xt = transpose(xs, interpret=interp is not None) if config.block_m >= 64 else xs.T
         tiles = (plan.tile_expert, plan.tile_rows)
-        zt = _swap_gemm("gate/up", xt, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
+        zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
-                        out_dtype=z_dtype, interpret=interp)
+                        out_dtype=z_dtype, interpret=interp, x_rows=True)
         zt = rounded(zt.T).T if act_block else zt
         yt = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
                         cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)

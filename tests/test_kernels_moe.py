@@ -441,7 +441,8 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
 @pytest.mark.parametrize("backend,fmt,tiles", [("triton", "bf16", None), ("triton", "fp8", None),
                                                ("triton", "fp4", None), ("mgpu", "bf16", "rows"),
                                                ("mgpu", "bf16", "rows_2wg"), ("mgpu", "bf16", "swap"),
-                                               ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap")])
+                                               ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap"),
+                                               ("mgpu", "fp8", "swap_2wg"), ("mgpu", "fp4", "swap_2wg")])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
 def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     e, d, i, k = 32, 1024, 512, 6
@@ -449,10 +450,10 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     # FP8 as the V4 checkpoints ship it: 128x128 scale blocks
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x, ids, w, q1, q2, q3, sc)
-    if tiles == "swap":
-        bk = 64 if fmt == "fp4" else 128
-        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64, block_k=bk,
-                           block_n_down=128, block_k_down=bk, swap_ab=True)
+    if tiles in ("swap", "swap_2wg"):   # 2wg: two compute warpgroups of 64 weight rows each
+        bk, wgs = 64 if fmt == "fp4" else 128, 2 if tiles == "swap_2wg" else 1
+        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64 * wgs, block_k=bk,
+                           block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs)
     elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
         cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)
     else:

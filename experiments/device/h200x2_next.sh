@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 27}" in
+case "${1:?part 1 to 28}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -344,6 +344,25 @@ case "${1:?part 1 to 27}" in
     wait
     grep -E "passed|failed|rror|^\| B" "$OUT"/gpu0.log | cut -c1-140 | head -60
     grep -E "^\| (decode|prefill)|rror|Timeout" "$OUT"/gpu1.log | cut -c1-330 | tail -40 ;;
-*)  echo "part must be 1 to 27" >&2; exit 2 ;;
+28) # after 27 (the routing weights' SMEM rows now 128-byte aligned: 27's 16-token tiles with 2+ compute warpgroups
+    # hit CUDA_ERROR_MISALIGNED_ADDRESS): GPU 0 every MoE GPU test, then the whole layer at the new defaults;
+    # GPU 1 the swap_ab decode kernels with 1 / 2 / 4 compute warpgroups, and prefill at 4K tokens
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT"
+    sw() { echo "{\"swap_ab\": true, \"block_m\": $1, \"block_n\": $2, \"block_k\": $3, \"block_n_down\": $4, \"block_k_down\": $5, \"max_concurrent_steps\": $6, \"compute_wgs\": $7}"; }
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 300 python -m pytest -q -m gpu tests/test_kernels_moe.py 2>&1 | tail -4
+     timeout 250 $M --regime prefill,decode --formats bf16,fp4 --impls layer
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 100 $M --impls mgpu --regime decode --formats fp4 --mgpu-configs "[$(sw 16 256 64 256 64 4 1), $(sw 16 256 64 256 64 4 2), $(sw 16 256 64 256 64 4 4), $(sw 16 128 64 128 64 6 2)]"
+     timeout 80 $M --impls mgpu --regime decode --formats fp8 --mgpu-configs "[$(sw 16 128 128 128 128 5 1), $(sw 16 128 128 128 128 5 2)]"
+     timeout 80 $M --impls mgpu --regime decode --formats bf16 --mgpu-configs "[$(sw 16 128 64 256 64 6 1), $(sw 16 128 64 256 64 6 2), $(sw 16 256 64 256 64 6 4)]"
+     timeout 200 $M --impls triton,mgpu --regime prefill --prefill-tokens 4096 --formats bf16,fp8,fp4 --quick
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -E "passed|failed|^\| (decode|prefill)|rror" "$OUT"/gpu0.log | cut -c1-200 | head -30
+    grep -E "^\| (decode|prefill)|rror|Timeout" "$OUT"/gpu1.log | grep -v "^E1" | cut -c1-330 | tail -40 ;;
+*)  echo "part must be 1 to 28" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

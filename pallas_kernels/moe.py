@@ -208,7 +208,8 @@ class TritonConfig:
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
     """Tiles of the Mosaic GPU kernels. Row tiles: compute_wgs compute warpgroups per CTA (plus one TMA
-    warpgroup), each owning block_m / compute_wgs rows (wgmma M, a multiple of 64)."""
+    warpgroup), each owning block_m / compute_wgs rows (wgmma M, a multiple of 64); swap_ab: each owning
+    block_n / compute_wgs weight rows."""
     block_m: int = 64          # rows per tile (route_plan's block_m)
     block_n: int = 128         # gate/up: gate and up each [block_m, block_n] f32 accumulators
     block_k: int = 64
@@ -220,7 +221,11 @@ class MgpuConfig:
     # weights dequantised in registers). Then block_m = tokens per tile (multiple of 16), block_n / block_n_down =
     # weight rows per tile (multiples of 64); FP4 steps are whole 32-column scale groups (block_k % 32 == 0).
     swap_ab: bool = False
-    compute_wgs: int = 1       # row tiles only: compute warpgroups sharing the CTA's weight tiles
+    # compute warpgroups per CTA: row tiles split the tile's rows, swap_ab the weight rows among them
+    compute_wgs: int = 1
+    # a dedicated TMA warpgroup feeds the compute ones (emit_pipeline_warp_specialized); False (compute_wgs=1
+    # only): the compute warpgroup issues its own copies -- faster for the swap_ab decode tiles (tenth session)
+    warp_specialized: bool = True
 
 
 def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense"):
@@ -230,15 +235,18 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
     rows_per_expert = num_rows / max(num_experts, 1)
     if backend == "mgpu":
         if rows_per_expert <= 16 or (fmt == "fp4" and rows_per_expert <= 32):  # decode: weights as wgmma M
+            # one warpgroup issuing its own copies (FP4 64 tokens: 2.03 ms against 2.25 / 2.11 warp-specialised
+            # with 1 / 2 compute warpgroups; FP8 1.84 against 2.06 / 1.93)
             if fmt == "fp4":            # bench_moe: 256 weight rows per tile at 16 tokens, 128 at 32
                 t16 = rows_per_expert <= 16
                 return MgpuConfig(block_m=16 if t16 else 32, block_n=256 if t16 else 128, block_k=64,
                                   block_n_down=256 if t16 else 128, block_k_down=64,
-                                  max_concurrent_steps=4 if t16 else 5, swap_ab=True)
+                                  max_concurrent_steps=4 if t16 else 5, swap_ab=True, warp_specialized=False)
             return MgpuConfig(block_m=16, block_n=128, block_k=128 if fmt == "fp8" else 64,
                               block_n_down=256 if fmt == "dense" else 128,
                               block_k_down=128 if fmt == "fp8" else 64,
-                              max_concurrent_steps=6 if fmt == "dense" else 5, swap_ab=True)
+                              max_concurrent_steps=6 if fmt == "dense" else 5, swap_ab=True,
+                              warp_specialized=False)
         # prefill, two compute warpgroups (bench_moe at 8K tokens, tenth session: 5.57 / 6.84 / 8.45 ms bf16 /
         # FP8 / FP4 against 6.53 / 8.43 / 11.40 with one); quantised weights are dequantised in registers (swap_ab)
         if fmt in ("fp8", "fp4"):
@@ -492,16 +500,17 @@ class _Cta(NamedTuple):
 
 
 def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_accs, epilogue, rw_axis, rw_slice,
-               out_block, grid, wgs, nk, steps, out_shape, out_dtype, interpret):
-    """The warp-specialised grouped GEMM that both Mosaic GPU orientations (row tiles, swap_ab) run.
+               out_block, grid, wgs, specialized, nk, steps, out_shape, out_dtype, interpret):
+    """The grouped GEMM that both Mosaic GPU orientations (row tiles, swap_ab) run.
 
     grid (tiles t, output blocks j); the last grid axis is CUDA's fastest, so the CTAs of one tile run
     together and share its activations in L2. CTA (t, j), expert e = tile_expert[t] (-1: nothing to do):
-    one memory warpgroup streams the GMEM refs cta_refs(operands, t, j, e), nk K steps of `specs`, by TMA
-    into `steps` SMEM slots (emit_pipeline_warp_specialized); `wgs` compute warpgroups each run
-    mma(cta, k_step, tiles, accs) per step on num_accs float32 accumulators of acc_shape, then
-    epilogue(accs) [times the routing weights row_weight[rw_slice(t, wg)] broadcast along rw_axis, where
-    plan_arrays holds them] -> SMEM -> TMA store to out[out_block(t, j, wg)].
+    the GMEM refs cta_refs(operands, t, j, e) are streamed, nk K steps of `specs`, by TMA into `steps` SMEM
+    slots -- `specialized`: by a memory warpgroup (emit_pipeline_warp_specialized) for `wgs` compute
+    warpgroups; otherwise the one warpgroup (wgs = 1) issues its own copies (emit_pipeline). Each compute
+    warpgroup runs mma(cta, k_step, tiles, accs) per step on num_accs float32 accumulators of acc_shape,
+    then epilogue(accs) [times the routing weights row_weight[rw_slice(t, wg)] broadcast along rw_axis,
+    where plan_arrays holds them] -> SMEM -> TMA store to out[out_block(t, j, wg)].
     plan_arrays: (tile_expert [T], tile_rows [T]) or (..., row_weight [P]).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -520,7 +529,8 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
         (te_gmem, tr_gmem, *rw_gmem), ops, out_gmem = refs[:n_plan], refs[n_plan:-1], refs[-1]
 
         def scope(allocs, out_smem, rw_smem, bar):
-            t, j, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
+            t, j = lax.axis_index("t"), lax.axis_index("n")
+            wg = lax.axis_index("wg") if specialized else 0
             cta = _Cta(t, j, te_gmem[t], wg, tr_gmem[t], ops)
             rw_s = rw_smem.at[wg, pl.ds(0, rw_len)]
 
@@ -547,15 +557,28 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
 
             @pl.when(cta.e >= 0)
             def _():
-                pipeline(step, context)(*cta_refs(ops, t, j, cta.e), allocations=allocs)
+                streamed = cta_refs(ops, t, j, cta.e)
+                if specialized:
+                    pipeline(step, context)(*streamed, allocations=allocs)
+                else:
+                    context(lambda accs: plgpu.emit_pipeline(
+                        lambda idx, *tiles: mma(cta, idx[0], tiles, accs), grid=(nk,), in_specs=specs,
+                        max_concurrent_steps=steps)(*streamed))
 
-        pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(*cta_refs(ops, 0, 0, 0)),
-                      plgpu.SMEM((wgs, *acc_shape), out_dtype), plgpu.SMEM((wgs, rw_row), jnp.float32),
-                      plgpu.Barrier(num_barriers=wgs), collective_axes="wg")
+        scratch = (plgpu.SMEM((wgs, *acc_shape), out_dtype), plgpu.SMEM((wgs, rw_row), jnp.float32),
+                   plgpu.Barrier(num_barriers=wgs))
+        if specialized:
+            pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(*cta_refs(ops, 0, 0, 0)), *scratch,
+                          collective_axes="wg")
+        else:
+            pl.run_scoped(functools.partial(scope, None), *scratch)
 
+    if not specialized and wgs != 1:
+        raise ValueError(f"moe (mgpu): without warp specialisation one warpgroup computes, got compute_wgs={wgs}")
+    threads = dict(num_threads=wgs + 1, thread_name="wg") if specialized else {}
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=grid,
-                        grid_names=("t", "n"), num_threads=wgs + 1, thread_name="wg",
-                        compiler_params=_mgpu_params(), interpret=interpret)(*plan_arrays, *operands)
+                        grid_names=("t", "n"), compiler_params=_mgpu_params(), interpret=interpret,
+                        **threads)(*plan_arrays, *operands)
 
 
 def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue, out_dtype, interpret):
@@ -594,7 +617,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
                       acc_shape=(wm, bn), num_accs=nw, epilogue=epilogue, rw_axis=0,
                       rw_slice=lambda t, wg: pl.ds(t * bm + wg * wm, wm),
                       out_block=lambda t, j, wg: (pl.ds(t * bm + wg * wm, wm), pl.ds(j * bn, bn)),
-                      grid=(p // bm, n // bn), wgs=wgs, nk=nk, steps=steps, out_shape=(p, n), out_dtype=out_dtype,
+                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps, out_shape=(p, n), out_dtype=out_dtype,
                       interpret=interpret)
 
 
@@ -810,7 +833,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                       specs=specs, cta_refs=cta_refs, mma=mma, acc_shape=(wb, bm), num_accs=nw, epilogue=epilogue,
                       rw_axis=1, rw_slice=lambda t, wg: pl.ds(t * bm, bm),
                       out_block=lambda t, j, wg: (pl.ds(j * bn + wg * wb, wb), pl.ds(t * bm, bm)),
-                      grid=(p // bm, n // bn), wgs=wgs, nk=nk, steps=steps, out_shape=(n, p), out_dtype=out_dtype,
+                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps, out_shape=(n, p), out_dtype=out_dtype,
                       interpret=interpret)
 
 

@@ -280,8 +280,10 @@ def test_mgpu_matches_reference(variant):
     want = reference(bf(x).astype(jnp.float32), ids, w, bf(w1), bf(w2), bf(w3), act_block=act)
     if variant.startswith("swap_ab"):
         wgs = 2 if variant == "swap_ab_2wg" else 1    # 2: each compute warpgroup owns 64 of 128 weight rows
+        # 2wg: two compute warpgroups of 64 weight rows and a TMA warpgroup; 1: the decode default, one warpgroup
+        # issuing its own copies
         cfg = K.MgpuConfig(block_m=16, block_n=64 * wgs, block_k=64, block_n_down=64 * wgs, block_k_down=64,
-                           max_concurrent_steps=2, swap_ab=True, compute_wgs=wgs)
+                           max_concurrent_steps=2, swap_ab=True, compute_wgs=wgs, warp_specialized=wgs > 1)
         got = kernel(bf(x), ids, w, bf(w1), bf(w2), bf(w3), backend="mgpu", config=cfg, interpret=True,
                      act_block=act)
     else:
@@ -289,7 +291,7 @@ def test_mgpu_matches_reference(variant):
         # second warpgroup all padding (it skips its wgmmas)
         cfg = K.MgpuConfig(block_m=128 if variant == "rows_2wg" else 64, block_n=64, block_k=64, block_n_down=64,
                            block_k_down=64, max_concurrent_steps=2, route_weight_in_kernel=variant != "rows_weight_in_combine",
-                           compute_wgs=2 if variant == "rows_2wg" else 1)
+                           compute_wgs=2 if variant == "rows_2wg" else 1, warp_specialized=variant != "rows_weight_in_combine")
         t = lambda a: jnp.swapaxes(bf(a), 1, 2)  # noqa: E731
         got = kernel(bf(x), ids, w, t(w1), t(w2), t(w3), backend="mgpu", config=cfg, interpret=True,
                      weight_layout="in_out")

@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 28}" in
+case "${1:?part 1 to 29}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -363,6 +363,23 @@ case "${1:?part 1 to 28}" in
     wait
     grep -E "passed|failed|^\| (decode|prefill)|rror" "$OUT"/gpu0.log | cut -c1-200 | head -30
     grep -E "^\| (decode|prefill)|rror|Timeout" "$OUT"/gpu1.log | grep -v "^E1" | cut -c1-330 | tail -40 ;;
-*)  echo "part must be 1 to 28" >&2; exit 2 ;;
+29) # after 28 (decode back on one warpgroup issuing its own copies, MgpuConfig.warp_specialized=False): GPU 0 the
+    # Mosaic GPU MoE GPU tests, the FP4 decode sweep (that default vs 4 warp-specialised compute warpgroups) and
+    # the FP4 layer; GPU 1 the model's FP4 prefill and verify at the new defaults (the ep=2 sweep's 1-GPU rows)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu" 2>&1 | tail -4
+     timeout 120 $M --impls mgpu --regime decode --formats fp4 --decode-tokens 64,256,1024 --mgpu-configs '[{"swap_ab": true, "block_m": 16, "block_n": 256, "block_k": 64, "block_n_down": 256, "block_k_down": 64, "max_concurrent_steps": 4, "warp_specialized": false}, {"swap_ab": true, "block_m": 16, "block_n": 256, "block_k": 64, "block_n_down": 256, "block_k_down": 64, "max_concurrent_steps": 4, "compute_wgs": 4}]'
+     timeout 100 $M --impls layer --regime decode --formats fp4
+    ) > "$OUT"/gpu0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 280 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 \
+         --context 32768 --new-tokens 4096 --step verify --tag s10_fp4_defaults
+    ) > "$OUT"/gpu1.log 2>&1 &
+    wait
+    grep -E "passed|failed|^\| (decode|prefill)|rror" "$OUT"/gpu0.log | grep -v "^E1" | cut -c1-300 | head -30
+    tail -25 "$OUT"/gpu1.log | cut -c1-250 ;;
+*)  echo "part must be 1 to 29" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -575,6 +575,8 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
 
     if not specialized and wgs != 1:
         raise ValueError(f"moe (mgpu): without warp specialisation one warpgroup computes, got compute_wgs={wgs}")
+    if not 1 <= wgs <= 3:   # H200, tenth session: a 4-warpgroup FP4 decode tile had not finished after 50 s
+        raise ValueError(f"moe (mgpu): compute_wgs must be 1, 2 or 3 (4 did not finish on the H200), got {wgs}")
     threads = dict(num_threads=wgs + 1, thread_name="wg") if specialized else {}
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=grid,
                         grid_names=("t", "n"), compiler_params=_mgpu_params(), interpret=interpret,

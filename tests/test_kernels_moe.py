@@ -455,7 +455,8 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     if tiles in ("swap", "swap_2wg"):   # 2wg: two compute warpgroups of 64 weight rows each
         bk, wgs = 64 if fmt == "fp4" else 128, 2 if tiles == "swap_2wg" else 1
         cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64 * wgs, block_k=bk,
-                           block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs)
+                           block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs,
+                           warp_specialized=wgs > 1)   # 1: as the decode defaults, no TMA warpgroup
     elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
         cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)
     else:

@@ -500,13 +500,12 @@ def indexer_variants(*, b, t, n, k, ratio, mode, opts, key_bytes, quant, sweep=F
          ("pallas_scores_only", pallas_scores_only, "kernel alone (scores + group maxima), no selection", 0, key_bytes),
          ("pallas_scores+lax_top_k", pallas_single_topk, "kernel + one lax.top_k over N", 0, key_bytes)]
     if sweep:
-        # rows per program are clamped to T; _hl: heads_last (the [block_n, HI] score tile)
-        for rows, bn, tiles, nw, ns, hl in ((8, 128, 1, 4, 3, False), (8, 64, 32, 4, 3, False),
-                                            (8, 64, 16, 4, 3, True), (8, 64, 32, 4, 3, True), (8, 128, 8, 4, 3, True),
-                                            (8, 128, 1, 4, 3, True), (8, 64, 1, 4, 3, True), (8, 128, 1, 8, 3, True)):
-            v.append((f"pallas_r{rows}_bn{bn}_t{tiles}_w{nw}_s{ns}" + ("_hl" if hl else ""),
-                      pallas(dict(rows_per_block=rows, block_n=bn, tiles=tiles, num_warps=nw, num_stages=ns,
-                                  heads_last=hl)), "sweep", 0, key_bytes))
+        # rows per program are clamped to T
+        for rows, bn, tiles, nw, ns in ((8, 128, 1, 4, 3), (8, 64, 16, 4, 3), (8, 64, 32, 4, 3), (8, 128, 8, 4, 3),
+                                        (8, 64, 1, 4, 3), (8, 128, 1, 8, 3), (8, 256, 1, 8, 3)):
+            v.append((f"pallas_r{rows}_bn{bn}_t{tiles}_w{nw}_s{ns}",
+                      pallas(dict(rows_per_block=rows, block_n=bn, tiles=tiles, num_warps=nw, num_stages=ns)),
+                      "sweep", 0, key_bytes))
     v += [("xla_reference", xla_reference, "reference.indexer_topk: fp32 einsums + lax.top_k"
            + (" (row chunks of 256)" if t > 64 else ""), inter if t <= 64 else b * 256 * 64 * n * 4, key_bytes),
           ("xla_bf16", xla_bf16_scores, "XLA bf16 einsum (fp32 acc) + lax.top_k", inter, key_bytes),

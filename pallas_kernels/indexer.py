@@ -33,14 +33,13 @@ from . import reference as ref
 from .common import FP4_FOLD, fp4_tile, interpret_flag, next_pow2, pad_axis
 
 # rows_per_block query rows share each key tile; a program loops over `tiles` key tiles of block_n entries.
-# One query row over bf16 keys (decode): 16 tiles of 64 (H200: 270 / 903 us at B64 / B256 against 296 / 1030
-# for one program per 128-key tile, which re-read the query from L2 per tile). More rows: one tile per
-# program (the loop's pipelined query loads exceed SMEM at 4+ rows x 64 heads); FP8 / FP4 keys too (the
-# loop ran them slower: 362 / 349 us at B64 against 298 / 315).
-# heads_last: the score tile's orientation (see _scores_kernel); True is not yet measured on the GPU.
-DECODE_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3, heads_last=True)
-ONE_ROW_CONFIG = dict(rows_per_block=1, block_n=64, tiles=32, num_warps=4, num_stages=3, heads_last=True)
-PREFILL_CONFIG = dict(rows_per_block=8, block_n=256, tiles=1, num_warps=8, num_stages=3, heads_last=True)
+# One query row over bf16 keys (decode): 32 tiles of 64 (H200, tenth session: 211 / 693 us at B64 / B256,
+# 75% / 91% of HBM). More rows: one tile per program (the loop's pipelined query loads exceed SMEM at 4+ rows x
+# 64 heads; verify B64 x 4: 580 us); FP8 / FP4 keys too (236 / 294 us at B64). Prefill, 4K rows at 128K:
+# 128-key tiles, 4 warps (9.10 ms against 9.50 with 8 warps and 10.22 with 256-key tiles).
+DECODE_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3)
+ONE_ROW_CONFIG = dict(rows_per_block=1, block_n=64, tiles=32, num_warps=4, num_stages=3)
+PREFILL_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3)
 GROUP = 8
 
 
@@ -49,14 +48,14 @@ def _check(cond, msg):
         raise ValueError(f"indexer: {msg}")
 
 
-def _scores_kernel(*refs, ratio, n, block_n, tiles, group, rows, key_format, aligned, heads_last):
+def _scores_kernel(*refs, ratio, n, block_n, tiles, group, rows, key_format, aligned):
     """q [rows, HI, DI] (fp4: its even and odd columns, two refs [rows, HI, DI/2]); w [rows, HI] f32; pos [rows];
     keys [N, DI] (fp4: MXFP4 rows [N, DI/2 + DI/32], packed E2M1 then UE8M0 bytes); key_format "plain" |
     "row_scale" (+ scale [N] f32) | "fp4" -> scores [rows, tiles * block_n] f32, group maxima
     [rows, tiles * block_n // group] f32: `tiles` consecutive key tiles of block_n entries, in a loop that
-    stops at the last tile any row sees (the rest are -inf). Per row and tile the MMA gives [HI, block_n]
-    per-head scores, or with heads_last [block_n, HI] (keys as the MMA's M: the sum over heads then runs along
-    each thread's own accumulator row instead of across warps)."""
+    stops at the last tile any row sees (the rest are -inf). Per row and tile the MMA gives the per-head scores
+    as [block_n, HI]: keys are the MMA's M, so the sum over heads runs along each thread's own accumulator row,
+    not across warps (the [HI, block_n] orientation was 1.3-1.7x slower on the H200, tenth session)."""
     fp4 = key_format == "fp4"
     it = iter(refs)
     q_refs = (next(it), next(it)) if fp4 else (next(it),)
@@ -90,17 +89,15 @@ def _scores_kernel(*refs, ratio, n, block_n, tiles, group, rows, key_format, ali
             kt = (k_ref[tile, :].astype(dt),)
         sc = sc_ref[tile] if sc_ref is not None else None
         s_cols, g_cols = out_cols(i)
-        h_ax = 1 if heads_last else 0          # the head axis of a per-head score tile
         for r in range(rows):
-            s = sum(lax.dot_general(*((kp, q_ref[r]) if heads_last else (q_ref[r], kp)), (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-                    for q_ref, kp in zip(q_refs, kt))                     # [HI, block_n] or [block_n, HI]
+            s = sum(lax.dot_general(kp, q_ref[r], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    for q_ref, kp in zip(q_refs, kt))                     # [block_n, HI]
             if key_format == "row_scale":
-                s = s * jnp.expand_dims(sc.astype(jnp.float32), h_ax)
+                s = s * sc.astype(jnp.float32)[:, None]
             elif fp4:
                 s = s * FP4_FOLD
-            s = jnp.maximum(s, 0.0) * jnp.expand_dims(w_ref[r].astype(jnp.float32), 1 - h_ax)
-            row = jnp.where(cols < counts[r], s.sum(axis=h_ax), -jnp.inf)
+            s = jnp.maximum(s, 0.0) * w_ref[r].astype(jnp.float32)[None, :]
+            row = jnp.where(cols < counts[r], s.sum(axis=1), -jnp.inf)
             s_ref[r, s_cols] = row
             g_ref[r, g_cols] = row.reshape(block_n // group, group).max(axis=1)
         return carry
@@ -121,11 +118,11 @@ def _scores_kernel(*refs, ratio, n, block_n, tiles, group, rows, key_format, ali
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "ratio", "mode", "rows_per_block", "block_n", "tiles", "num_warps", "num_stages", "heads_last", "group",
+    "ratio", "mode", "rows_per_block", "block_n", "tiles", "num_warps", "num_stages", "group",
     "interpret"))
 def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, mode: str = "auto",
                    rows_per_block: int | None = None, block_n: int | None = None, tiles: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None, heads_last: bool | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None,
                    group: int = GROUP, interpret: bool | None = None):
     """Fused indexer scores. q [B, T, HI, DI], weights [B, T, HI], keys [B, N, DI] (bf16/f32; or
     float8_e4m3fn with key_scale [B, N] f32; or MXFP4 rows as the release stores them, uint8 [B, N, DI/2 + DI/32]:
@@ -136,7 +133,7 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
         tiles x block_n entries),
         group maxima [B, T, Np // group] float32).
     Tiling (None: the mode's default): rows_per_block query rows per program, `tiles` key tiles of block_n
-    entries per program (powers of two); heads_last: the per-head score tile as [block_n, HI].
+    entries per program (powers of two).
     """
     _check(q.ndim == 4, f"q must be [B, T, HI, DI], got {q.shape}")
     b, t, hi, di = q.shape
@@ -164,7 +161,7 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
                else DECODE_CONFIG)
     cfg["block_n"] = max(cfg["block_n"], group)   # a default tile holds whole groups (V4.1: candidate blocks)
     for k, v in (("rows_per_block", rows_per_block), ("block_n", block_n), ("tiles", tiles),
-                 ("num_warps", num_warps), ("num_stages", num_stages), ("heads_last", heads_last)):
+                 ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:
             cfg[k] = v
     bn = cfg["block_n"]
@@ -198,7 +195,7 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
         in_specs.append(pl.BlockSpec((None, n), lambda bi, ri, ti: (bi, 0)))
         args.append(key_scale.astype(jnp.float32))
     kern = functools.partial(_scores_kernel, ratio=int(ratio), n=n, block_n=bn, tiles=nt, group=group, rows=rows,
-                             key_format=key_format, aligned=n % bn == 0, heads_last=bool(cfg["heads_last"]))
+                             key_format=key_format, aligned=n % bn == 0)
     return pl.pallas_call(
         kern, grid=grid, in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, rows, span), lambda bi, ri, ti: (bi, ri, ti)),
@@ -240,11 +237,11 @@ def grouped_topk(scores: jax.Array, group_max: jax.Array, k: int, n: int, group:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "ratio", "k", "mode", "rows_per_block", "block_n", "tiles", "num_warps", "num_stages", "heads_last", "group",
+    "ratio", "k", "mode", "rows_per_block", "block_n", "tiles", "num_warps", "num_stages", "group",
     "interpret", "impl"))
 def indexer_topk(q, weights, keys, positions, *, ratio: int, k: int, key_scale=None, mode: str = "auto",
                  rows_per_block: int | None = None, block_n: int | None = None, tiles: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None, heads_last: bool | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
                  group: int = GROUP, interpret: bool | None = None, impl: str = "pallas"):
     """Indexer scoring + top-k: the k best visible entries per query row.
 
@@ -259,7 +256,7 @@ def indexer_topk(q, weights, keys, positions, *, ratio: int, k: int, key_scale=N
     _check(impl == "pallas", f"impl must be 'reference' or 'pallas', got {impl!r}")
     scores, gmax = indexer_scores(q, weights, keys, positions, ratio=ratio, key_scale=key_scale, mode=mode,
                                   rows_per_block=rows_per_block, block_n=block_n, tiles=tiles, num_warps=num_warps,
-                                  num_stages=num_stages, heads_last=heads_last, group=group, interpret=interpret)
+                                  num_stages=num_stages, group=group, interpret=interpret)
     return grouped_topk(scores, gmax, int(k), keys.shape[1], group)
 
 

@@ -212,11 +212,10 @@ INDEXER_CASES = {
                                 dict(block_n=32, group=4, tiles=4)),   # programs of 4 tiles, some all dead
     "prefill_f32": (2, 24, 8, 32, 50, 6, 4, [0, 180], jnp.float32, None, dict(block_n=16, rows_per_block=8)),
     "decode_fp8": (2, 2, 16, 64, 256, 8, 4, [500, 1500], jnp.bfloat16, "fp8", dict(block_n=64)),
-    # the score tile as [block_n, HI] (heads summed along the tile's rows), plain / FP8 / MXFP4 keys
-    "heads_last_verify": (2, 4, 16, 64, 200, 8, 4, [0, 700], jnp.float32, None, dict(block_n=32, heads_last=True)),
-    "heads_last_fp8": (2, 1, 16, 64, 256, 8, 4, [900, 1500], jnp.bfloat16, "fp8",
-                       dict(block_n=64, tiles=2, heads_last=True)),
-    "heads_last_fp4": (1, 3, 16, 64, 150, 8, 4, [590], jnp.bfloat16, "fp4", dict(block_n=32, heads_last=True)),
+    # float32 verify rows; FP8 keys in a two-tile loop at one row; MXFP4 keys for three rows of one sequence
+    "verify_f32": (2, 4, 16, 64, 200, 8, 4, [0, 700], jnp.float32, None, dict(block_n=32)),
+    "decode_fp8_loop": (2, 1, 16, 64, 256, 8, 4, [900, 1500], jnp.bfloat16, "fp8", dict(block_n=64, tiles=2)),
+    "verify_fp4": (1, 3, 16, 64, 150, 8, 4, [590], jnp.bfloat16, "fp4", dict(block_n=32)),
     # MXFP4 key rows as the release stores them (packed E2M1 + UE8M0 per 32), a ragged last tile
     "decode_fp4_ragged": (2, 3, 16, 64, 150, 8, 4, [300, 590], jnp.bfloat16, "fp4", dict(block_n=32, tiles=2)),
     # one row at the default tiling (a loop over key tiles), groups wider than its 64-key tile
@@ -424,17 +423,16 @@ def test_lower_for_cuda_real_shapes():
     _lower_attention(1, 4096, 64, 512, 136, 32768, 512, True)                # prefill, CSA
     _lower_attention(1, 4096, 64, 512, 136, 1024, 0, False)                  # prefill, HCA
     _lower_attention(2, 40, 4, 96, 16, 10, 4, True, dtype=jnp.float32)      # tiny-v4 (padded dims)
-    for t, n, quant, tiles, hl in ((1, 32768, None, None, None), (4, 32768, "fp8", 4, None),
-                                   (4096, 32768, None, None, None), (3, 1000, None, None, None),
-                                   (1, 32768, "fp4", 8, None), (4096, 32768, "fp4", None, None),
-                                   (1, 32768, None, None, True), (4, 32768, "fp4", None, True)):
+    for t, n, quant, tiles in ((1, 32768, None, None), (4, 32768, "fp8", 4), (4096, 32768, None, None),
+                               (3, 1000, None, None), (1, 32768, "fp4", 8), (4096, 32768, "fp4", None),
+                               (4, 32768, "fp4", None)):
         b = 64 if t < 16 else 1
         keys = (sds((b, n, 68), jnp.uint8) if quant == "fp4" else
                 sds((b, n, 128), jnp.float8_e4m3fn if quant == "fp8" else jnp.bfloat16))
         args = (sds((b, t, 64, 128), jnp.bfloat16), sds((b, t, 64), jnp.float32), keys, sds((b, t), jnp.int32))
         scale = sds((b, n), jnp.float32) if quant == "fp8" else None
         text = jax.jit(lambda *a, sc=None: indexer_topk(*a, key_scale=sc, ratio=4, k=512, tiles=tiles,
-                                                        heads_last=hl, interpret=False)
+                                                        interpret=False)
                        ).trace(*args, sc=scale).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text
 

@@ -274,15 +274,16 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
             out = [c(64, 256, 64, 4, 1), c(64, 128, 64, 6, 2)]
     elif impl == "mgpu":
         swap = functools.partial(MgpuConfig, swap_ab=True)
+        plain = functools.partial(swap, warp_specialized=False)   # decode: one warpgroup issues its own copies
         if fmt == "fp4":                # swap_ab only; a step is a whole number of 32-column scale groups
             out = [swap(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64, compute_wgs=2),
                    swap(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64),
                    swap(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
                         compute_wgs=2)] if regime == "prefill" else [
-                swap(block_m=16, block_n=256, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=4),
-                swap(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
-                swap(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
-                swap(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=128, max_concurrent_steps=6)]
+                plain(block_m=16, block_n=256, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=4),
+                plain(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
+                plain(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
+                plain(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=128, max_concurrent_steps=6)]
             if regime == "decode" and rows_per_expert > 16:   # as bench_moe_20261130-025512 measured them
                 out = [dataclasses.replace(out[1], block_m=32, max_concurrent_steps=5),
                        dataclasses.replace(out[0], block_m=32), dataclasses.replace(out[2], block_m=32)]
@@ -300,15 +301,15 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                    swap(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128),
                    swap(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64)]
         elif fmt == "bf16":
-            out = [swap(block_m=16, block_n=128, block_k=64, block_n_down=256, block_k_down=64,
+            out = [plain(block_m=16, block_n=128, block_k=64, block_n_down=256, block_k_down=64,
                         max_concurrent_steps=6),
-                   swap(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=128,
+                   plain(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=128,
                         max_concurrent_steps=5),
                    MgpuConfig(block_n=64, block_n_down=128, max_concurrent_steps=6)]
         else:
-            out = [swap(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
+            out = [plain(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
                         max_concurrent_steps=5),
-                   swap(block_m=16, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
+                   plain(block_m=16, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
                         max_concurrent_steps=8)]
     elif impl == "triton":
         if regime == "prefill":

@@ -64,7 +64,9 @@ def test_bench_moe_sweeps_start_with_the_default_tiling():
     from pallas_kernels.moe import default_config
     e = 256
     for backend, regime, fmt, rows in (("mgpu", "decode", "fp4", 384), ("mgpu", "decode", "fp4", 6144),
-                                       ("mgpu", "prefill", "fp4", 49152), ("triton", "prefill", "bf16", 49152)):
+                                       ("mgpu", "prefill", "fp4", 49152), ("triton", "prefill", "bf16", 49152),
+                                       ("mgpu", "prefill", "bf16", 49152), ("mgpu", "prefill", "fp8", 49152),
+                                       ("mgpu", "decode", "fp8", 384), ("mgpu", "decode", "bf16", 384)):
         assert configs(backend, regime, fmt, False, None, rows / e)[0] == \
             default_config(backend, rows, e, "dense" if fmt == "bf16" else fmt), (backend, regime, fmt, rows)
     with pytest.raises(SystemExit, match="block_m, block_n"):

@@ -253,11 +253,11 @@ def _layer_fn(fmt: str, seed: int):
 
 
 def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None = None,
-            rows_per_expert: float = 0.0):
+            rows_per_expert: float = 0.0, act: int = 0):
     """Small sweeps; the first entry is the default tiling where default_config has one for the regime (and
     the only entry with --quick). FP4 decode tiles hold 16 tokens, 32 past 16 rows per expert (one pass over
     the weights). `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU
-    sweep of every case."""
+    sweep of every case. act: the --act-block (FP8 prefill adds the FP8 x FP8 row tiles)."""
     from pallas_kernels.moe import MgpuConfig, TritonConfig
     if impl == "mgpu" and mgpu_json:
         try:
@@ -300,6 +300,10 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
             out = [swap(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128, compute_wgs=2),
                    swap(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128),
                    swap(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64)]
+            if act:   # FP8 x FP8 row tiles (act_quant'd activations): a K step is one scale block
+                rows = functools.partial(MgpuConfig, block_m=128, compute_wgs=2, block_k=128, block_k_down=128)
+                out += [rows(block_n=64, block_n_down=128, max_concurrent_steps=6),
+                        rows(block_n=128, block_n_down=128, max_concurrent_steps=4)]
         elif fmt == "bf16":
             out = [plain(block_m=16, block_n=128, block_k=64, block_n_down=256, block_k_down=64,
                         max_concurrent_steps=6),
@@ -496,7 +500,7 @@ def bench_moe(args) -> list[dict]:
                     continue
                 act = 0 if impl in ("layer", "jax_mgpu") else getattr(args, "act_block", 0)
                 for cfg in configs(impl, regime, fmt, args.quick or getattr(args, "one_config", False),
-                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E):
+                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E, act):
                     rec = dict(base, impl=impl, act_block=act, config=(cfg if isinstance(cfg, dict) or cfg is None
                                                                        else cfg.__dict__))
                     try:

@@ -24,14 +24,16 @@ Weights stay in their storage format in HBM and are dequantised in registers ins
 Backends (Pallas lowerings):
   "triton" - every format, block_m >= 16 (tl.dot): decode / verify (weight-bandwidth-bound: a tile holds
              all of an expert's rows, so each touched expert's weights are streamed once) and prefill.
-  "mgpu"   - Mosaic GPU (TMA + emit_pipeline + wgmma; Warpgroup lowering semantics, one code path for jax
-             0.10.2 and 0.11.x). Two orientations (MgpuConfig.swap_ab):
-               row tiles  - tokens are wgmma's M (block_m % 64 == 0), dense bf16/f16: compute-bound prefill;
+  "mgpu"   - Mosaic GPU (TMA + wgmma; Warpgroup lowering semantics, one code path for jax 0.10.2 and 0.11.x).
+             One skeleton (_ws_kernel): a TMA warpgroup feeds MgpuConfig.compute_wgs compute warpgroups
+             (emit_pipeline_warp_specialized), or with warp_specialized=False one warpgroup issues its own
+             copies (emit_pipeline; the decode defaults). Two orientations (MgpuConfig.swap_ab):
+               row tiles  - tokens are wgmma's M (64 rows per compute warpgroup), dense bf16/f16: prefill;
                swap_ab    - weights are wgmma's M and a tile's 16..256 tokens its N: decode tiles cost one
                             pass over the weights; FP8 and FP4 weights are dequantised in registers
                             (A operand).
-  "auto"   - what measured fastest on the H200 (`choose_backend`): mgpu swap_ab for FP4 (bf16 compute),
-             triton for the rest.
+  "auto"   - what measured fastest on the H200 (`choose_backend`): mgpu for FP4 (bf16 compute) and for bf16 /
+             FP8 prefill (two compute warpgroups), triton for bf16 / FP8 decode and verify.
 On a CPU both run in their interpreters (tests); `interpret=None` chooses that automatically. The MGPU
 interpreter has no transposed-SMEM or register wgmma operand: row-tile kernels are interpreted with weights
 given as [E, in, out] (`weight_layout="in_out"`), swap_ab kernels with bf16 weights; the rest is checked by
@@ -500,7 +502,7 @@ class _Cta(NamedTuple):
 
 
 def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_accs, epilogue, rw_axis, rw_slice,
-               out_block, grid, wgs, specialized, nk, steps, out_shape, out_dtype, interpret):
+               out_block, grid, wgs, specialized, nk, steps, out_shape, out_dtype, interpret, register_carry=False):
     """The grouped GEMM that both Mosaic GPU orientations (row tiles, swap_ab) run.
 
     grid (tiles t, output blocks j); the last grid axis is CUDA's fastest, so the CTAs of one tile run
@@ -508,7 +510,8 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
     the GMEM refs cta_refs(operands, t, j, e) are streamed, nk K steps of `specs`, by TMA into `steps` SMEM
     slots -- `specialized`: by a memory warpgroup (emit_pipeline_warp_specialized) for `wgs` compute
     warpgroups; otherwise the one warpgroup (wgs = 1) issues its own copies (emit_pipeline). Each compute
-    warpgroup runs mma(cta, k_step, tiles, accs) per step on num_accs float32 accumulators of acc_shape,
+    warpgroup runs accs = mma(cta, k_step, tiles, accs) per step on num_accs float32 accumulators of acc_shape
+    (wgmma accumulator refs; with register_carry, specialized only, float32 arrays carried from step to step),
     then epilogue(accs) [times the routing weights row_weight[rw_slice(t, wg)] broadcast along rw_axis,
     where plan_arrays holds them] -> SMEM -> TMA store to out[out_block(t, j, wg)].
     plan_arrays: (tile_expert [T], tile_rows [T]) or (..., row_weight [P]).
@@ -542,7 +545,11 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                     run(acc_refs)
                     return tuple(r[...] for r in acc_refs)
 
-                out = epilogue(pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, jnp.float32)] * num_accs))
+                if register_carry:
+                    accs = run(tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_accs)))
+                else:
+                    accs = pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, jnp.float32)] * num_accs)
+                out = epilogue(accs)
                 if rw_gmem:   # layout inference gives the weights the WGMMA row / column layout of the broadcast
                     plgpu.barrier_wait(bar.at[wg])
                     out = out * lax.broadcast_in_dim(rw_s[...], acc_shape, [rw_axis])
@@ -552,8 +559,7 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                 plgpu.wait_smem_to_gmem(0)
 
             def step(idx, *rest):
-                mma(cta, idx[0], rest[:-1], rest[-1])
-                return rest[-1]
+                return mma(cta, idx[0], rest[:-1], rest[-1])
 
             @pl.when(cta.e >= 0)
             def _():
@@ -573,9 +579,10 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
         else:
             pl.run_scoped(functools.partial(scope, None), *scratch)
 
-    if not specialized and wgs != 1:
-        raise ValueError(f"moe (mgpu): without warp specialisation one warpgroup computes, got compute_wgs={wgs}")
-    if not 1 <= wgs <= 3:   # H200, tenth session: a 4-warpgroup FP4 decode tile had not finished after 50 s
+    if not specialized and (wgs != 1 or register_carry):
+        raise ValueError(f"moe (mgpu): without warp specialisation one warpgroup computes on wgmma accumulators, "
+                         f"got compute_wgs={wgs}{' and FP8 x FP8' if register_carry else ''}")
+    if not 1 <= wgs <= 3:   # H200, tenth session: a 4-warpgroup FP4 decode tile had not finished after ~100 s
         raise ValueError(f"moe (mgpu): compute_wgs must be 1, 2 or 3 (4 did not finish on the H200), got {wgs}")
     threads = dict(num_threads=wgs + 1, thread_name="wg") if specialized else {}
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=grid,
@@ -583,12 +590,19 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                         **threads)(*plan_arrays, *operands)
 
 
-def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue, out_dtype, interpret):
+def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue, out_dtype, interpret,
+              x_scale=None, ss=None):
     """Row tiles: out [P, N] = epilogue([x_t W_e^T for W in ws]) (* routing weights) for each tile t of block_m
     rows of x [P, K]; ws: weights [E, N, K] ([E, K, N] if kn), wgmma's B through a transposed SMEM view.
     The cfg.compute_wgs compute warpgroups each own block_m / compute_wgs rows of the tile (wgmma's M, a
     multiple of 64) and keep one wgmma group in flight (delay_release=1); one whose rows are all padding
-    (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others."""
+    (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others.
+
+    FP8 x FP8 (x_scale given): x float8_e4m3fn with its act_quant scales x_scale [K / B, P] (transposed), ws
+    FP8 with UE8M0 block scales ss [E, N / B, K / B]; a K step is one scale block (bk = B). Each step's wgmma
+    accumulates into a fresh float32 partial, which is then scaled by its rows' and its weight block's scales
+    and added to the float32 totals carried in registers (per-block promotion, as DeepGEMM does), so both
+    operands stay FP8 on the tensor cores; warp-specialised only, and padding warpgroups still multiply."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     p, k = x.shape
     n = ws[0].shape[2] if kn else ws[0].shape[1]
@@ -596,31 +610,56 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     bn, bk = min(bn, n), min(bk, k)
     _check_mgpu_tiles(p, n, k, bm, wgs, bn, bk, what)
     wm, nk, nw, item = bm // wgs, k // bk, len(ws), jnp.dtype(x.dtype).itemsize
-    fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item,
+    fp8 = x_scale is not None
+    if fp8:
+        block = ref.fp8_block_size((ws[0].shape[0], n, k), ss[0].shape)
+        if bk != block or block % bn or x_scale.shape != (k // block, p):
+            raise ValueError(f"moe {what} (mgpu FP8 x FP8): a K step must be the scale block {block} (block_k "
+                             f"{bk}), the block a multiple of block_n ({bn}), and x_scale [{k // block}, {p}], "
+                             f"got {x_scale.shape}")
+    fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item + (4 * bm if fp8 else 0),
                      wgs * wm * (bn * jnp.dtype(out_dtype).itemsize + 4))
     steps, delay = _pipeline_depth(fit, nk)
+    delay = 0 if fp8 else delay      # FP8: each step waits for its wgmmas (the promotion reads them)
     w_block, w_index = ((bk, bn), lambda kk: (kk, 0)) if kn else ((bn, bk), lambda kk: (0, kk))
     specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay)] + \
+            ([plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), delay_release=delay)] if fp8 else []) + \
             [plgpu.BlockSpec(w_block, w_index, delay_release=delay)] * nw
+    n_x = 2 if fp8 else 1                     # streamed activation operands: x (and its scales)
 
     def cta_refs(ops, t, j, e):
-        x_g, *w_g = ops
-        cols = pl.ds(j * bn, bn)
-        return (x_g.at[pl.ds(t * bm, bm)], *(w.at[e, :, cols] if kn else w.at[e, cols] for w in w_g))
+        tile, cols = pl.ds(t * bm, bm), pl.ds(j * bn, bn)
+        xs = (ops[0].at[tile],) + ((ops[1].at[:, tile],) if fp8 else ())
+        return (*xs, *(w.at[e, :, cols] if kn else w.at[e, cols] for w in ops[n_x:n_x + nw]))
 
-    def mma(cta, _, tiles, accs):
+    def mma(cta, kk, tiles, accs):
+        rows = pl.ds(cta.wg * wm, wm)
+        x_s, w_s = tiles[0].at[rows], tiles[n_x:]
+        if fp8:   # this step's partial products in fresh accumulators, promoted into the carried totals
+            def partials(*parts):
+                for part, w in zip(parts, w_s):
+                    plgpu.wgmma(part, x_s, _w_operand(plgpu, w, kn))
+                return tuple(part[...] for part in parts)    # reading an accumulator waits for its wgmma
+
+            parts = pl.run_scoped(partials, *[plgpu.ACC((wm, bn), jnp.float32)] * nw)
+            row_scale = lax.broadcast_in_dim(tiles[1][0, rows], (wm, bn), [0])
+            return tuple(total + part * (row_scale * _scale_scalar(s_g, cta.e, (cta.j * bn) // block, kk))
+                         for total, part, s_g in zip(accs, parts, cta.operands[n_x + nw:]))
+
         @pl.when(cta.wg * wm < cta.rows)
         def _():
-            for acc, w_s in zip(accs, tiles[1:]):
-                plgpu.wgmma(acc, tiles[0].at[pl.ds(cta.wg * wm, wm)], _w_operand(plgpu, w_s, kn))
+            for acc, w in zip(accs, w_s):
+                plgpu.wgmma(acc, x_s, _w_operand(plgpu, w, kn))
         plgpu.wgmma_wait(delay)
+        return accs
 
-    return _ws_kernel(plan_arrays=plan_arrays, operands=(x, *ws), specs=specs, cta_refs=cta_refs, mma=mma,
-                      acc_shape=(wm, bn), num_accs=nw, epilogue=epilogue, rw_axis=0,
+    operands = (x,) + ((x_scale,) if fp8 else ()) + tuple(ws) + (tuple(ss) if fp8 else ())
+    return _ws_kernel(plan_arrays=plan_arrays, operands=operands, specs=specs, cta_refs=cta_refs, mma=mma,
+                      acc_shape=(wm, bn), num_accs=nw, epilogue=epilogue, rw_axis=0, register_carry=fp8,
                       rw_slice=lambda t, wg: pl.ds(t * bm + wg * wm, wm),
                       out_block=lambda t, j, wg: (pl.ds(t * bm + wg * wm, wm), pl.ds(j * bn, bn)),
-                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps, out_shape=(p, n), out_dtype=out_dtype,
-                      interpret=interpret)
+                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps,
+                      out_shape=(p, n), out_dtype=out_dtype, interpret=interpret)
 
 
 # ---------------------------------------------- Mosaic GPU, swapped operands (weights = wgmma M, tokens = N)
@@ -793,7 +832,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     wb, g = bn // wgs, bk // (2 * FP4_GROUP)
     ops = [_swap_w(fmt, w, s) for w, s in zip(ws, ss)]
     per_w = len(ops[0])
-    w_bytes = bn * bk * (2 if fmt == "dense" else 1) if fmt != "fp4" else bn * (bk // 2 + g)
+    w_bytes = {"dense": 2 * bn * bk, "fp8": bn * bk, "fp4": bn * (bk // 2 + g)}[fmt]   # per weight and step
     fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
                      wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
     steps, delay = _pipeline_depth(fit, nk)
@@ -830,13 +869,14 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                 a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)])
             plgpu.wgmma(acc, a, x_s)
         plgpu.wgmma_wait(1 if fmt == "dense" else 0)
+        return accs
 
     return _ws_kernel(plan_arrays=plan_arrays, operands=(_swap_x(fmt, xt), *(a for o in ops for a in o)),
                       specs=specs, cta_refs=cta_refs, mma=mma, acc_shape=(wb, bm), num_accs=nw, epilogue=epilogue,
                       rw_axis=1, rw_slice=lambda t, wg: pl.ds(t * bm, bm),
                       out_block=lambda t, j, wg: (pl.ds(j * bn + wg * wb, wb), pl.ds(t * bm, bm)),
-                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps, out_shape=(n, p), out_dtype=out_dtype,
-                      interpret=interpret)
+                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps,
+                      out_shape=(n, p), out_dtype=out_dtype, interpret=interpret)
 
 
 def transpose(a: jax.Array, *, interpret: bool = False) -> jax.Array:
@@ -885,12 +925,14 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     scales: None or (s1, s2, s3) UE8M0 scales of w1, w2, w3 (see module docstring),
     backend: "auto" | "triton" | "mgpu"; config: TritonConfig / MgpuConfig (None -> by regime);
     interpret: None (auto: interpret on CPU) | bool | an InterpretGPUParams for mgpu;
-    weight_layout: "out_in" (the model's [E, out, in]) or "in_out" (dense only: w1/w3 [E, D, I], w2 [E, I, D],
+    weight_layout: "out_in" (the model's [E, out, in]) or "in_out" (dense, or FP8 on the mgpu row tiles, scales
+    unchanged: w1/w3 [E, D, I], w2 [E, I, D],
     as ragged_dot takes them; the MGPU CPU interpreter has no transposed wgmma operand, so its tests use this).
     Activations enter the GEMMs as `compute_dtype` (bf16; dense weights use their own dtype).
     act_block > 0: both GEMMs' inputs are FP8 act_quant'd per `act_block` values first (the official model's
     numerics, `reference.moe_experts(act_block=)`). With FP8 weights of the same block on the Triton backend,
-    at decode / verify loads (<= 48 rows per expert), the kernels then multiply FP8 x FP8 (tensor-core FP8
+    at decode / verify loads (<= 48 rows per expert), or on the mgpu row tiles (MgpuConfig(swap_ab=False),
+    block_k = the block), the kernels then multiply FP8 x FP8 (tensor-core FP8
     MMA, both scales on the f32 partial products); otherwise the rounded activations enter the usual kernels
     in `compute_dtype` (exact: 4 significant bits).
     Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
@@ -902,8 +944,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     if weight_layout not in ("out_in", "in_out"):
         raise ValueError(f"moe_experts: weight_layout must be 'out_in' or 'in_out', got {weight_layout!r}")
     kn = weight_layout == "in_out"
-    if kn and fmt != "dense":
-        raise ValueError("moe_experts: weight_layout='in_out' is for dense weights only")
+    if kn and fmt == "fp4":
+        raise ValueError("moe_experts: weight_layout='in_out' is for dense and FP8 weights")
     e, i_dim, d = logical_shape(w1, fmt)
     if kn:
         i_dim, d = d, i_dim
@@ -925,6 +967,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         backend = choose_backend(fmt, cdt, m * k / e)
     if config is None:
         config = default_config(backend, m * k, e, fmt)
+    if kn and fmt == "fp8" and not (backend == "mgpu" and not config.swap_ab):
+        raise ValueError("moe_experts: FP8 weights in the 'in_out' layout run on the mgpu row tiles only")
     interp = interpret_flag(backend, interpret)
     # FP8 x FP8 MMA where it measured faster (bench_moe, H200): decode / verify tiles (3.84-3.90 TB/s against
     # 3.32-3.43 for the Mosaic GPU swap kernels at 64 / 256 tokens); prefill ran 186-193 TFLOP/s in Triton,
@@ -972,21 +1016,36 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
                         cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
         y = transpose(yt, interpret=interp is not None)  # [P, D]: the combine below gathers whole rows
     elif backend == "mgpu":
-        if fmt != "dense" or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-            raise ValueError("moe_experts: the mgpu row-tile kernels take dense bf16/f16 weights; FP8 and FP4 "
-                             "run on MgpuConfig(swap_ab=True)")
+        if fmt == "fp4" or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError("moe_experts: the mgpu row-tile kernels take dense bf16/f16 weights, or FP8 ones "
+                             "with act_block (FP8 x FP8); FP4 runs on MgpuConfig(swap_ab=True)")
         if not isinstance(config, MgpuConfig):
             raise ValueError(f"moe_experts: backend 'mgpu' needs an MgpuConfig, got {type(config).__name__}")
         if act_block and not config.route_weight_in_kernel:
             raise ValueError("moe_experts: act_block rounds the routing-weighted SwiGLU output; it needs "
                              "MgpuConfig(route_weight_in_kernel=True)")
+        fp8_rows = fmt == "fp8"        # FP8 x FP8: both GEMMs' inputs act_quant'd with the weights' block
+        if fp8_rows and act_block != ref.fp8_block_size((e, i_dim, d), s1.shape):
+            raise ValueError(f"moe_experts: the mgpu FP8 row tiles multiply FP8 x FP8: act_block must be the "
+                             f"weights' scale block, got {act_block}")
+
+        def gemm_input(a):             # -> (tile-aligned rows [P, K], FP8: their scales transposed [K / B, P])
+            if not fp8_rows:
+                return jnp.take(rounded(a), plan.row_token, axis=0) if a is x else rounded(a), None
+            q, sc = ref.act_quant(a, act_block)
+            return (jnp.take(q, plan.row_token, axis=0), jnp.take(sc, plan.row_token, axis=0).T) if a is x \
+                else (q, sc.T)
+
         tiles = (plan.tile_expert, plan.tile_rows)
-        xs = jnp.take(rounded(x), plan.row_token, axis=0)                 # [P, D] tile-aligned rows
+        xs, x_scale = gemm_input(x)
         z = _row_gemm("gate/up", xs, tiles + ((plan.row_weight,) if config.route_weight_in_kernel else ()),
                       (w1, w3), bn=config.block_n, bk=config.block_k, cfg=config, kn=kn,
-                      epilogue=lambda accs: _swiglu(*accs, limit), out_dtype=z_dtype, interpret=interp)
-        y = _row_gemm("down", rounded(z), tiles, (w2,), bn=config.block_n_down, bk=config.block_k_down,
-                      cfg=config, kn=kn, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
+                      epilogue=lambda accs: _swiglu(*accs, limit), out_dtype=z_dtype, interpret=interp,
+                      x_scale=x_scale, ss=(s1, s3))
+        zs, z_scale = gemm_input(z)
+        y = _row_gemm("down", zs, tiles, (w2,), bn=config.block_n_down, bk=config.block_k_down, cfg=config,
+                      kn=kn, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp, x_scale=z_scale,
+                      ss=(s2,))
         if not config.route_weight_in_kernel:
             post = weights.astype(jnp.float32)
     else:

@@ -7,6 +7,7 @@ ShapeDtypeStructs (no GPU, no big arrays). GPU (`-m gpu`, skipped elsewhere): th
     timeout 300 pytest -q tests/test_kernels_moe.py --durations=10
 """
 
+import dataclasses
 import time
 
 import jax
@@ -288,14 +289,39 @@ def test_mgpu_matches_reference(variant):
                      act_block=act)
     else:
         # rows_2wg: two compute warpgroups of 64 rows per 128-row tile; skewed routing leaves some tiles'
-        # second warpgroup all padding (it skips its wgmmas)
-        cfg = K.MgpuConfig(block_m=128 if variant == "rows_2wg" else 64, block_n=64, block_k=64, block_n_down=64,
-                           block_k_down=64, max_concurrent_steps=2, route_weight_in_kernel=variant != "rows_weight_in_combine",
-                           compute_wgs=2 if variant == "rows_2wg" else 1, warp_specialized=variant != "rows_weight_in_combine")
+        # second warpgroup all padding (it skips its wgmmas). rows_weight_in_combine also runs without a TMA
+        # warpgroup.
+        in_combine, wgs = variant == "rows_weight_in_combine", 2 if variant == "rows_2wg" else 1
+        cfg = K.MgpuConfig(block_m=64 * wgs, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
+                           max_concurrent_steps=2, route_weight_in_kernel=not in_combine, compute_wgs=wgs,
+                           warp_specialized=not in_combine)
         t = lambda a: jnp.swapaxes(bf(a), 1, 2)  # noqa: E731
         got = kernel(bf(x), ids, w, t(w1), t(w2), t(w3), backend="mgpu", config=cfg, interpret=True,
                      weight_layout="in_out")
     assert rel_err(got, want) < 1e-2
+
+
+def test_mgpu_fp8_rows_match_reference():
+    """FP8 x FP8 Mosaic GPU row tiles in the MGPU interpreter (weights as [E, in, out], see above): act_quant'd
+    activations, 128-block FP8 weights, per-block promotion into register totals, two compute warpgroups
+    (skewed routing: some all padding)."""
+    e, d, i, m, k = 4, 256, 256, 64, 2
+    x, ids, w, w1, w2, w3 = problem(fresh_rng(), m, k, e, d, i, "skewed")
+    q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3)
+    x = x.astype(jnp.bfloat16)
+    want = reference(x.astype(jnp.float32), ids, w, q1, q2, q3, sc, act_block=128)
+    cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=64, block_k=128, block_n_down=64, block_k_down=128,
+                       max_concurrent_steps=2)
+    t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+    got = kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", config=cfg, interpret=True,
+                 weight_layout="in_out", act_block=128)
+    assert rel_err(got, want) < 1e-2
+    with pytest.raises(ValueError, match="act_block must be the weights' scale block"):
+        kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", config=cfg, interpret=True,
+               weight_layout="in_out", act_block=64)
+    with pytest.raises(ValueError, match="without warp specialisation"):
+        kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", interpret=True, weight_layout="in_out",
+               act_block=128, config=dataclasses.replace(cfg, block_m=64, compute_wgs=1, warp_specialized=False))
 
 
 @pytest.mark.parametrize("quant_sim", [False, True])
@@ -327,11 +353,13 @@ def test_errors_are_clear():
         K.moe_experts(x[:, :64], ids, w, w13, w2, w13, 1.0)
     with pytest.raises(ValueError, match="needs its scale"):
         K.moe_experts(x, ids, w, w13.astype(jnp.float8_e4m3fn), w2, w13, 1.0)
-    with pytest.raises(ValueError, match="mgpu row-tile kernels"):
-        q = jnp.zeros((8, 128, 128), jnp.float8_e4m3fn)
-        s = jnp.zeros((8, 1, 1), jnp.uint8)
+    q = jnp.zeros((8, 128, 128), jnp.float8_e4m3fn)
+    s = jnp.zeros((8, 1, 1), jnp.uint8)
+    with pytest.raises(ValueError, match="act_block must be the weights' scale block"):   # FP8 rows: FP8 x FP8 only
         K.moe_experts(x, ids, w, q, q, q, 1.0, scales=(s, s, s), backend="mgpu", config=K.MgpuConfig())
     p4, s4 = jnp.zeros((8, 128, 64), jnp.int8), jnp.zeros((8, 128, 4), jnp.uint8)
+    with pytest.raises(ValueError, match="mgpu row-tile kernels"):
+        K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s4, s4, s4), backend="mgpu", config=K.MgpuConfig())
     swap = lambda bm, bk: K.MgpuConfig(block_m=bm, block_n=64, block_k=bk, block_n_down=64,  # noqa: E731
                                        block_k_down=bk, swap_ab=True)
     for cfg in (swap(64, 32), swap(16, 16)):   # K must fill the activation tile's swizzle / a scale group
@@ -413,15 +441,20 @@ def test_lower_for_cuda_v4_flash(backend, fmt, tokens, layout, cfg):
     assert time.time() - t0 < 30
 
 
+FP8_ROWS = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
+                        max_concurrent_steps=6)   # FP8 x FP8 row tiles: a K step is one 128-wide scale block
+
+
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
-@pytest.mark.parametrize("backend,fmt,tokens", [("triton", "fp8", 8192), ("triton", "fp8", 64),
-                                                ("mgpu", "fp4", 256), ("mgpu", "fp4", 8192)])
-def test_lower_act_quant_for_cuda_v4_flash(backend, fmt, tokens):
-    """act_block=128 at V4-Flash shapes: FP8 x FP8 dots in Triton (FP8 weights), float32 SwiGLU output from the
-    Mosaic GPU swap kernels (FP4 weights)."""
+@pytest.mark.parametrize("backend,fmt,tokens,cfg", [("triton", "fp8", 8192, None), ("triton", "fp8", 64, None),
+                                                    ("mgpu", "fp4", 256, None), ("mgpu", "fp4", 8192, None),
+                                                    ("mgpu", "fp8", 8192, FP8_ROWS)])
+def test_lower_act_quant_for_cuda_v4_flash(backend, fmt, tokens, cfg):
+    """act_block=128 at V4-Flash shapes: FP8 x FP8 dots in Triton and in the Mosaic GPU row tiles (FP8
+    weights), float32 SwiGLU output from the Mosaic GPU swap kernels (FP4 weights)."""
     args, sc = v4_flash_args(fmt, tokens)
     f = lambda *a: K.moe_experts(*a[:6], 10.0, scales=a[6], backend=backend, interpret=False,  # noqa: E731
-                                 act_block=128)
+                                 act_block=128, config=cfg)
     text = jax.jit(f).trace(*args, sc).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu" if backend == "mgpu" else "__gpu$xla.gpu.triton") >= 2
 
@@ -467,17 +500,19 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
 
 @gpu
 @skip_no_gpu
-@pytest.mark.parametrize("backend,fmt", [("triton", "fp8"), ("mgpu", "fp4"), ("triton", "fp4")])
+@pytest.mark.parametrize("backend,fmt,cfg", [("triton", "fp8", None), ("mgpu", "fp4", None), ("triton", "fp4", None),
+                                             ("mgpu", "fp8", FP8_ROWS)])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("balanced", 2048)])
-def test_gpu_act_quant_matches_reference(backend, fmt, kind, m):
+def test_gpu_act_quant_matches_reference(backend, fmt, cfg, kind, m):
     """act_block=128 compiled: Triton FP8 x FP8 MMA (128x128-block FP8 weights); the Mosaic GPU FP4 swap
-    kernels' float32 SwiGLU output; Triton FP4 with rounded bf16 activations."""
+    kernels' float32 SwiGLU output; Triton FP4 with rounded bf16 activations; the Mosaic GPU FP8 x FP8 row
+    tiles."""
     e, d, i, k = 32, 1024, 512, 6
     x, ids, w, w1, w2, w3 = problem(fresh_rng(), m, k, e, d, i, kind)
     x = x.astype(jnp.bfloat16)
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x.astype(jnp.float32), ids, w, q1, q2, q3, sc, act_block=128)
-    got = kernel(x, ids, w, q1, q2, q3, sc, backend=backend, act_block=128)
+    got = kernel(x, ids, w, q1, q2, q3, sc, backend=backend, act_block=128, config=cfg)
     assert rel_err(got, want) < 1e-2
 
 

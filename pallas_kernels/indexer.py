@@ -6,8 +6,8 @@ score[b, t, j] = sum_h w[b, t, h] * ReLU(q[b, t, h] . k[b, j])  for visible j < 
 Kernel: one program per (sequence, block of `rows_per_block` query rows, `tiles` x `block_n` entries), a
 loop over its key tiles. Each key tile [block_n, DI] is read once and reused for every row of the block
 (decode: all S rows of a sequence in one program, so each index key is read from HBM exactly once). Per row: one MMA
-[HI, DI] x [DI, block_n] in fp32 accumulation, ReLU, head weights, sum over heads; the [HI, N]
-per-head scores that the XLA path materialises never leave registers. Tiles beyond every row's
+[block_n, DI] x [DI, HI] in fp32 accumulation, ReLU, head weights, sum over heads; the per-head scores
+that the XLA path materialises ([HI, N]) never leave registers. Tiles beyond every row's
 visible count are not computed. Keys may be bf16/f32 or float8_e4m3fn with one f32 scale per row
 (`key_scale`, dequantised in-kernel after the dot: ReLU(s * c) = c * ReLU(s) needs c > 0).
 

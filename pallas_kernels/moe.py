@@ -229,6 +229,14 @@ class MgpuConfig:
     # only): the compute warpgroup issues its own copies -- faster for the swap_ab decode tiles (tenth session)
     warp_specialized: bool = True
 
+    def __post_init__(self):
+        if not 1 <= self.compute_wgs <= 3:   # H200, tenth session: a 4-warpgroup FP4 decode tile had not finished
+            raise ValueError(f"MgpuConfig: compute_wgs must be 1, 2 or 3 (4 did not finish on the H200), "
+                             f"got {self.compute_wgs}")
+        if not self.warp_specialized and self.compute_wgs != 1:
+            raise ValueError(f"MgpuConfig: without warp specialisation one warpgroup computes, got "
+                             f"compute_wgs={self.compute_wgs}")
+
 
 def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense"):
     """Tiles by regime: decode/verify (few rows per expert) vs prefill (many); the best of the
@@ -469,7 +477,7 @@ def _pipeline_depth(max_steps: int, nk: int) -> tuple[int, int]:
 
 
 def _check_mgpu_tiles(p, n, k, bm, wgs, bn, bk, what):
-    if wgs < 1 or bm % wgs or (bm // wgs) % 64 or bn % 8 or bn > 256:
+    if bm % wgs or (bm // wgs) % 64 or bn % 8 or bn > 256:
         raise ValueError(f"moe {what} (mgpu): block_m must be compute_wgs x a multiple of 64 rows and block_n "
                          f"<= 256, got block_m={bm}, compute_wgs={wgs}, block_n={bn}")
     if p % bm or n % bn or k % bk:
@@ -579,11 +587,9 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
         else:
             pl.run_scoped(functools.partial(scope, None), *scratch)
 
-    if not specialized and (wgs != 1 or register_carry):
-        raise ValueError(f"moe (mgpu): without warp specialisation one warpgroup computes on wgmma accumulators, "
-                         f"got compute_wgs={wgs}{' and FP8 x FP8' if register_carry else ''}")
-    if not 1 <= wgs <= 3:   # H200, tenth session: a 4-warpgroup FP4 decode tile had not finished after ~100 s
-        raise ValueError(f"moe (mgpu): compute_wgs must be 1, 2 or 3 (4 did not finish on the H200), got {wgs}")
+    if register_carry and not specialized:
+        raise ValueError("moe (mgpu): without warp specialisation one warpgroup computes on wgmma accumulators; "
+                         "FP8 x FP8 carries its totals in registers and needs a TMA warpgroup")
     threads = dict(num_threads=wgs + 1, thread_name="wg") if specialized else {}
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=grid,
                         grid_names=("t", "n"), compiler_params=_mgpu_params(), interpret=interpret,
@@ -598,7 +604,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     multiple of 64) and keep one wgmma group in flight (delay_release=1); one whose rows are all padding
     (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others.
 
-    FP8 x FP8 (x_scale given): x float8_e4m3fn with its act_quant scales x_scale [K / B, P] (transposed), ws
+    FP8 x FP8 (x_scale given): x float8_e4m3fn with its act_quant scales x_scale [P, K / B], ws
     FP8 with UE8M0 block scales ss [E, N / B, K / B]; a K step is one scale block (bk = B). Each step's wgmma
     accumulates into a fresh float32 partial, which is then scaled by its rows' and its weight block's scales
     and added to the float32 totals carried in registers (per-block promotion, as DeepGEMM does), so both
@@ -613,9 +619,9 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     fp8 = x_scale is not None
     if fp8:
         block = ref.fp8_block_size((ws[0].shape[0], n, k), ss[0].shape)
-        if bk != block or block % bn or x_scale.shape != (k // block, p):
+        if bk != block or block % bn or x_scale.shape != (p, k // block):
             raise ValueError(f"moe {what} (mgpu FP8 x FP8): a K step must be the scale block {block} (block_k "
-                             f"{bk}), the block a multiple of block_n ({bn}), and x_scale [{k // block}, {p}], "
+                             f"{bk}), the block a multiple of block_n ({bn}), and x_scale [{p}, {k // block}], "
                              f"got {x_scale.shape}")
     fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item + (4 * bm if fp8 else 0),
                      wgs * wm * (bn * jnp.dtype(out_dtype).itemsize + 4))
@@ -653,7 +659,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
         plgpu.wgmma_wait(delay)
         return accs
 
-    operands = (x,) + ((x_scale,) if fp8 else ()) + tuple(ws) + (tuple(ss) if fp8 else ())
+    operands = (x,) + ((x_scale.T,) if fp8 else ()) + tuple(ws) + (tuple(ss) if fp8 else ())   # scales [K/B, P]
     return _ws_kernel(plan_arrays=plan_arrays, operands=operands, specs=specs, cta_refs=cta_refs, mma=mma,
                       acc_shape=(wm, bn), num_accs=nw, epilogue=epilogue, rw_axis=0, register_carry=fp8,
                       rw_slice=lambda t, wg: pl.ds(t * bm + wg * wm, wm),
@@ -779,7 +785,7 @@ def _swap_tiles(what, fmt, cfg: MgpuConfig, names, out_dim, in_dim, p, w, s) -> 
     bm, bn, bk = cfg.block_m, min(getattr(cfg, names[0]), out_dim), min(getattr(cfg, names[1]), in_dim)
     wgs = cfg.compute_wgs
     fp8_block = ref.fp8_block_size(w.shape, s.shape) if fmt == "fp8" else 0
-    if bm % 16 or bm > 256 or wgs < 1 or bn % (64 * wgs) or p % bm or out_dim % bn or in_dim % bk:
+    if bm % 16 or bm > 256 or bn % (64 * wgs) or p % bm or out_dim % bn or in_dim % bk:
         raise ValueError(f"moe {what} (mgpu swap): tokens/tile {bm} must be a multiple of 16 <= 256, weight "
                          f"rows/tile {bn} a multiple of 64 x compute_wgs ({wgs}); [{out_dim}, {in_dim}] x "
                          f"[{in_dim}, {p}] must tile by ({bn}, {bk}, {bm})")
@@ -970,31 +976,35 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     if kn and fmt == "fp8" and not (backend == "mgpu" and not config.swap_ab):
         raise ValueError("moe_experts: FP8 weights in the 'in_out' layout run on the mgpu row tiles only")
     interp = interpret_flag(backend, interpret)
-    # FP8 x FP8 MMA where it measured faster (bench_moe, H200): decode / verify tiles (3.84-3.90 TB/s against
-    # 3.32-3.43 for the Mosaic GPU swap kernels at 64 / 256 tokens); prefill ran 186-193 TFLOP/s in Triton,
-    # below the bf16 MMA of the rounded activations (256), so prefill keeps that
-    fp8_mma = (act_block > 0 and backend == "triton" and fmt == "fp8" and m * k <= 48 * e
-               and act_block == ref.fp8_block_size(w1.shape, s1.shape))
+    # FP8 x FP8 MMA: in Triton where it measured faster (bench_moe, H200): decode / verify tiles (3.84-3.90 TB/s
+    # against 3.32-3.43 for the Mosaic GPU swap kernels at 64 / 256 tokens); prefill ran 186-193 TFLOP/s in
+    # Triton, below the bf16 MMA of the rounded activations (256), so prefill keeps that. The mgpu row tiles
+    # take FP8 weights only this way.
+    row_tiles = backend == "mgpu" and isinstance(config, MgpuConfig) and not config.swap_ab
+    fp8_mma = (act_block > 0 and fmt == "fp8" and (row_tiles or (backend == "triton" and m * k <= 48 * e))
+               and act_block == ref.fp8_block_size((e, i_dim, d), s1.shape))
     # a GEMM input in compute_dtype, act_quant-rounded first with act_block (exact in compute_dtype); the SwiGLU
     # output then leaves the gate/up kernel in float32 and is rounded from there, as the reference rounds it
     def rounded(a):
         return (ref.fp8_fake_quant(a, act_block) if act_block else a).astype(cdt)
     z_dtype = jnp.float32 if act_block else cdt
 
+    def gemm_input(a):   # -> (a as the kernels read it, FP8 x FP8: its act_quant scales [rows, K / B])
+        return ref.act_quant(a, act_block) if fp8_mma else (rounded(a), None)
+
     plan = route_plan(expert_ids, weights, e, config.block_m)
     post = None
+    xq, xq_scale = gemm_input(x)        # act_quant is per row: quantise the M tokens, then gather their rows
+    xs = jnp.take(xq, plan.row_token, axis=0)                            # [P, D] tile-aligned rows
+    x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
         if not isinstance(config, TritonConfig):
             raise ValueError(f"moe_experts: backend 'triton' needs a TritonConfig, got {type(config).__name__}")
         # FP4 bytes hold (even, odd) column pairs: feed the activations as even and odd halves
         split = (lambda a: (a[:, 0::2], a[:, 1::2])) if fmt == "fp4" else (lambda a: (a,))  # noqa: E731
-        if fp8_mma:                                                       # [P, D] FP8 rows, [P, D / B] scales
-            xs, x_scale = (jnp.take(a, plan.row_token, axis=0) for a in ref.act_quant(x, act_block))
-        else:
-            xs, x_scale = jnp.take(rounded(x), plan.row_token, axis=0), None  # [P, D] tile-aligned rows
         z = _gate_up_triton(split(xs), plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt,
                             limit=limit, cfg=config, interpret=interp, out_dtype=z_dtype, kn=kn, x_scale=x_scale)
-        z, z_scale = ref.act_quant(z, act_block) if fp8_mma else (rounded(z), None)
+        z, z_scale = gemm_input(z)
         y = _down_triton(split(z), plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt,
                          interpret=interp, kn=kn, z_scale=z_scale)
     elif backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab:
@@ -1006,7 +1016,6 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if fmt != "dense" and interp is not None:
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
-        xs = jnp.take(rounded(x), plan.row_token, axis=0)                      # [P, D] tile-aligned rows
         tiles = (plan.tile_expert, plan.tile_rows)
         zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
@@ -1024,20 +1033,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if act_block and not config.route_weight_in_kernel:
             raise ValueError("moe_experts: act_block rounds the routing-weighted SwiGLU output; it needs "
                              "MgpuConfig(route_weight_in_kernel=True)")
-        fp8_rows = fmt == "fp8"        # FP8 x FP8: both GEMMs' inputs act_quant'd with the weights' block
-        if fp8_rows and act_block != ref.fp8_block_size((e, i_dim, d), s1.shape):
+        if fmt == "fp8" and not fp8_mma:
             raise ValueError(f"moe_experts: the mgpu FP8 row tiles multiply FP8 x FP8: act_block must be the "
                              f"weights' scale block, got {act_block}")
-
-        def gemm_input(a):             # -> (tile-aligned rows [P, K], FP8: their scales transposed [K / B, P])
-            if not fp8_rows:
-                return jnp.take(rounded(a), plan.row_token, axis=0) if a is x else rounded(a), None
-            q, sc = ref.act_quant(a, act_block)
-            return (jnp.take(q, plan.row_token, axis=0), jnp.take(sc, plan.row_token, axis=0).T) if a is x \
-                else (q, sc.T)
-
         tiles = (plan.tile_expert, plan.tile_rows)
-        xs, x_scale = gemm_input(x)
         z = _row_gemm("gate/up", xs, tiles + ((plan.row_weight,) if config.route_weight_in_kernel else ()),
                       (w1, w3), bn=config.block_n, bk=config.block_k, cfg=config, kn=kn,
                       epilogue=lambda accs: _swiglu(*accs, limit), out_dtype=z_dtype, interpret=interp,

@@ -372,6 +372,10 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="Mosaic GPU interpreter"):
         K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s4, s4, s4), backend="mgpu", config=swap(16, 64),
                       interpret=True)
+    with pytest.raises(ValueError, match="compute_wgs must be 1, 2 or 3"):
+        K.MgpuConfig(compute_wgs=4)
+    with pytest.raises(ValueError, match="without warp specialisation one warpgroup computes"):
+        K.MgpuConfig(compute_wgs=2, warp_specialized=False)
     with pytest.raises(ValueError, match="one per 32 input columns"):
         s8 = jnp.zeros((8, 128, 8), jnp.uint8)                         # one scale per 16 columns
         K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s8, s8, s8))

@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 31}" in
+case "${1:?part 1 to 32}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -389,6 +389,6 @@ case "${1:?part 1 to 31}" in
     timeout 200 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "act_quant" 2>&1 | tail -4
     timeout 300 python -m experiments.bench_moe --regime prefill --formats fp8 --act-block 128 --impls mgpu,triton \
         --prefill-tokens 4096,8192 --routing balanced --iters 10 --out "$OUT" 2>&1 | grep -E "^\| prefill|rror" ;;
-*)  echo "part must be 1 to 31" >&2; exit 2 ;;
+*)  echo "part must be 1 to 32" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

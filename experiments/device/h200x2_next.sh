@@ -389,6 +389,23 @@ case "${1:?part 1 to 32}" in
     timeout 200 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "act_quant" 2>&1 | tail -4
     timeout 300 python -m experiments.bench_moe --regime prefill --formats fp8 --act-block 128 --impls mgpu,triton \
         --prefill-tokens 4096,8192 --routing balanced --iters 10 --out "$OUT" 2>&1 | grep -E "^\| prefill|rror" ;;
+32) # eleventh session (one GPU): what limits the FP4 decode and the FP8 x FP8 prefill kernels -- Nsight Compute
+    # (found on the lent machine this session) on each kernel, the Mosaic GPU SASS-dump switches the CUDA plugin
+    # knows, and the XLA glue around the prefill kernels (experiments/probes/moe_prefill_glue.py)
+    export PYTHONUNBUFFERED=1
+    for so in $(python -c "import jax_plugins, os; print(os.path.dirname(jax_plugins.__file__))" 2>/dev/null)/*/*.so \
+        $(python -c "import jaxlib, os; print(os.path.dirname(jaxlib.__file__))")/mosaic/gpu/*.so; do
+        strings "$so" 2>/dev/null | grep -o "MOSAIC_GPU_DUMP[A-Z_]*"; done | sort -u
+    timeout 120 python -m experiments.probes.moe_prefill_glue 2>&1 | tail -9
+    S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats --section SourceCounters"
+    timeout 200 ncu -k regex:mosaic --launch-count 2 $S python -m experiments.probes.moe_profile_target --format fp4 \
+        --tokens 256 --calls 1 > "$OUT"/ncu_fp4_decode.txt 2>&1
+    timeout 200 ncu -k regex:mosaic --launch-count 2 $S python -m experiments.probes.moe_profile_target --format fp8 \
+        --tokens 8192 --act-block 128 --calls 1 --config '{"block_m": 128, "block_n": 64, "block_k": 128, "block_n_down": 128, "block_k_down": 128, "max_concurrent_steps": 6, "compute_wgs": 2}' \
+        > "$OUT"/ncu_fp8_prefill.txt 2>&1
+    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 timeout 100 python -m experiments.probes.moe_profile_target \
+        --format fp4 --tokens 256 --calls 1 > "$OUT"/sass_fp4_decode.txt 2>&1; wc -l "$OUT"/sass_fp4_decode.txt
+    for f in "$OUT"/ncu_*.txt; do echo "== $f"; grep -E "ERR|rror|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|Shared Memory Configuration Size|Dynamic Shared|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$f" | head -60; done ;;
 *)  echo "part must be 1 to 32" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -238,10 +238,10 @@ class MgpuConfig:
                              f"compute_wgs={self.compute_wgs}")
 
 
-def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense"):
+def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense", fp8_acts: bool = False):
     """Tiles by regime: decode/verify (few rows per expert) vs prefill (many); the best of the
     experiments/bench_moe.py sweeps on the H200 where they ran (docs/benchmarks.md); every config here lowers
-    at V4-Flash shapes (tests)."""
+    at V4-Flash shapes (tests). fp8_acts: FP8 weights with FP8 activations of their block (act_quant)."""
     rows_per_expert = num_rows / max(num_experts, 1)
     if backend == "mgpu":
         if rows_per_expert <= 16 or (fmt == "fp4" and rows_per_expert <= 32):  # decode: weights as wgmma M
@@ -259,6 +259,11 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
                               warp_specialized=False)
         # prefill, two compute warpgroups (bench_moe at 8K tokens, tenth session: 5.57 / 6.84 / 8.45 ms bf16 /
         # FP8 / FP4 against 6.53 / 8.43 / 11.40 with one); quantised weights are dequantised in registers (swap_ab)
+        # unless FP8 activations meet FP8 weights: FP8 x FP8 row tiles, whose two float32 accumulators per
+        # weight (partial and promoted total) fit 64 columns (5.23 ms at 8K tokens; 128 columns spill: 7.39)
+        if fp8_acts:
+            return MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
+                              max_concurrent_steps=6, compute_wgs=2)
         if fmt in ("fp8", "fp4"):
             bk = 128 if fmt == "fp8" else 64
             return MgpuConfig(block_m=128, block_n=128, block_k=bk, block_n_down=128, block_k_down=bk,
@@ -597,14 +602,14 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
 
 
 def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue, out_dtype, interpret,
-              x_scale=None, ss=None):
+              x_scale_t=None, ss=None):
     """Row tiles: out [P, N] = epilogue([x_t W_e^T for W in ws]) (* routing weights) for each tile t of block_m
     rows of x [P, K]; ws: weights [E, N, K] ([E, K, N] if kn), wgmma's B through a transposed SMEM view.
     The cfg.compute_wgs compute warpgroups each own block_m / compute_wgs rows of the tile (wgmma's M, a
     multiple of 64) and keep one wgmma group in flight (delay_release=1); one whose rows are all padding
     (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others.
 
-    FP8 x FP8 (x_scale given): x float8_e4m3fn with its act_quant scales x_scale [P, K / B], ws
+    FP8 x FP8 (x_scale_t given): x float8_e4m3fn with its act_quant scales transposed, x_scale_t [K / B, P], ws
     FP8 with UE8M0 block scales ss [E, N / B, K / B]; a K step is one scale block (bk = B). Each step's wgmma
     accumulates into a fresh float32 partial, which is then scaled by its rows' and its weight block's scales
     and added to the float32 totals carried in registers (per-block promotion, as DeepGEMM does), so both
@@ -616,13 +621,13 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     bn, bk = min(bn, n), min(bk, k)
     _check_mgpu_tiles(p, n, k, bm, wgs, bn, bk, what)
     wm, nk, nw, item = bm // wgs, k // bk, len(ws), jnp.dtype(x.dtype).itemsize
-    fp8 = x_scale is not None
+    fp8 = x_scale_t is not None
     if fp8:
         block = ref.fp8_block_size((ws[0].shape[0], n, k), ss[0].shape)
-        if bk != block or block % bn or x_scale.shape != (p, k // block):
+        if bk != block or block % bn or x_scale_t.shape != (k // block, p):
             raise ValueError(f"moe {what} (mgpu FP8 x FP8): a K step must be the scale block {block} (block_k "
-                             f"{bk}), the block a multiple of block_n ({bn}), and x_scale [{p}, {k // block}], "
-                             f"got {x_scale.shape}")
+                             f"{bk}), the block a multiple of block_n ({bn}), and x_scale_t [{k // block}, {p}], "
+                             f"got {x_scale_t.shape}")
     fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item + (4 * bm if fp8 else 0),
                      wgs * wm * (bn * jnp.dtype(out_dtype).itemsize + 4))
     steps, delay = _pipeline_depth(fit, nk)
@@ -659,7 +664,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
         plgpu.wgmma_wait(delay)
         return accs
 
-    operands = (x,) + ((x_scale.T,) if fp8 else ()) + tuple(ws) + (tuple(ss) if fp8 else ())   # scales [K/B, P]
+    operands = (x,) + ((x_scale_t,) if fp8 else ()) + tuple(ws) + (tuple(ss) if fp8 else ())
     return _ws_kernel(plan_arrays=plan_arrays, operands=operands, specs=specs, cta_refs=cta_refs, mma=mma,
                       acc_shape=(wm, bn), num_accs=nw, epilogue=epilogue, rw_axis=0, register_carry=fp8,
                       rw_slice=lambda t, wg: pl.ds(t * bm + wg * wm, wm),
@@ -904,6 +909,54 @@ def transpose(a: jax.Array, *, interpret: bool = False) -> jax.Array:
     )(a)
 
 
+def act_quant_rows(a: jax.Array, block: int, live_rows: jax.Array, *, rows: int = 64, interpret: bool = False
+                   ) -> tuple[jax.Array, jax.Array]:
+    """`reference.act_quant` of a [P, N] (float32 / bf16) by a Triton kernel, for the routed rows before live_rows
+    (int32 scalar; the tile-padded rows past it are left unwritten: no kernel reads them) ->
+    (q float8_e4m3fn [P, N], scales transposed [N / block, P] float32, as the FP8 row tiles stream them).
+    XLA spent 0.62 ms on the whole [81920, 2048] float32 SwiGLU output at 8K tokens, about half of it on
+    padding rows (experiments/probes/moe_prefill_glue.py, H200). Bit-identical to the reference: the exponent
+    ceil(log2(amax / 448)) is read off amax's bits (448 = 1.75 * 2^8: it is amax's exponent - 8, plus 1 when
+    the mantissa exceeds 1.75; f32 division never rounds across 1 there), then x * 2^-e is exact and the E4M3
+    cast rounds to nearest even with saturation, as the reference's clip-then-cast."""
+    from jax.experimental.pallas import triton as plt
+    p, n = a.shape
+    if n % block or p % rows:
+        raise ValueError(f"act_quant_rows: [{p}, {n}] must tile by ({rows}, {block})")
+
+    def kern(live_ref, a_ref, q_ref, s_ref):
+        @pl.when(pl.program_id(0) * rows < live_ref[0])
+        def _():
+            x = a_ref[...].astype(jnp.float32)
+            amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1), 1e-4)
+            bits = lax.bitcast_convert_type(amax, jnp.int32)
+            exp = (bits >> 23) - (127 + 8) + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+            exp = jnp.clip(exp, -126, 127)         # amax >= 1e-4 keeps it far inside; the reference clips at 127
+            inv = lax.bitcast_convert_type((127 - exp) << 23, jnp.float32)
+            q_ref[...] = jnp.clip(x * inv[:, None], -ref.FP8_E4M3_MAX, ref.FP8_E4M3_MAX).astype(q_ref.dtype)
+            s_ref[...] = lax.bitcast_convert_type((exp + 127) << 23, jnp.float32)[None, :]
+
+    live = jnp.reshape(live_rows, (1,)).astype(jnp.int32)
+    return pl.pallas_call(
+        kern, grid=(p // rows, n // block),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((rows, block), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((rows, block), lambda i, j: (i, j)), pl.BlockSpec((1, rows), lambda i, j: (j, i))],
+        out_shape=[jax.ShapeDtypeStruct((p, n), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n // block, p), jnp.float32)],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret, name="moe_act_quant",
+    )(live, a)
+
+
+def take_rows(a: jax.Array, index: jax.Array) -> jax.Array:
+    """jnp.take(a, index, axis=0) for a [R, C], gathering 4-byte words: XLA's row gather of 1- and 2-byte elements
+    ran 3.6x / 1.9x slower (8K-token prefill dispatch, FP8 0.40 -> 0.11 ms, bf16 0.41 -> 0.22;
+    experiments/probes/moe_prefill_glue.py, H200)."""
+    per = 4 // a.dtype.itemsize if a.dtype.itemsize < 4 else 1
+    if per == 1 or a.shape[1] % per:
+        return jnp.take(a, index, axis=0)
+    words = lax.bitcast_convert_type(a.reshape(a.shape[0], -1, per), jnp.uint32)
+    return lax.bitcast_convert_type(jnp.take(words, index, axis=0), a.dtype).reshape(index.shape[0], a.shape[1])
+
+
 # ----------------------------------------------------------------------------------------- entry point
 
 
@@ -969,20 +1022,21 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     if act_block < 0 or (act_block and (d % act_block or i_dim % act_block)):
         raise ValueError(f"moe_experts: act_block {act_block} must divide the expert dims D={d} and I={i_dim}")
     cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)
+    # FP8 activations of the weights' own block: the FP8 x FP8 MMA kernels can take them as they are
+    fp8_acts = act_block > 0 and fmt == "fp8" and act_block == ref.fp8_block_size((e, i_dim, d), s1.shape)
     if backend == "auto":
         backend = choose_backend(fmt, cdt, m * k / e)
     if config is None:
-        config = default_config(backend, m * k, e, fmt)
+        config = default_config(backend, m * k, e, fmt, fp8_acts=fp8_acts)
     if kn and fmt == "fp8" and not (backend == "mgpu" and not config.swap_ab):
         raise ValueError("moe_experts: FP8 weights in the 'in_out' layout run on the mgpu row tiles only")
     interp = interpret_flag(backend, interpret)
     # FP8 x FP8 MMA: in Triton where it measured faster (bench_moe, H200): decode / verify tiles (3.84-3.90 TB/s
-    # against 3.32-3.43 for the Mosaic GPU swap kernels at 64 / 256 tokens); prefill ran 186-193 TFLOP/s in
-    # Triton, below the bf16 MMA of the rounded activations (256), so prefill keeps that. The mgpu row tiles
-    # take FP8 weights only this way.
+    # against 3.32-3.43 for the Mosaic GPU swap kernels at 64 / 256 tokens); Triton's prefill tiles ran 186-193
+    # TFLOP/s, below the bf16 MMA of the rounded activations, but the mgpu row tiles (which take FP8 weights
+    # only this way) 473 at 8K tokens, against 362 for the swap kernels (eleventh session)
     row_tiles = backend == "mgpu" and isinstance(config, MgpuConfig) and not config.swap_ab
-    fp8_mma = (act_block > 0 and fmt == "fp8" and (row_tiles or (backend == "triton" and m * k <= 48 * e))
-               and act_block == ref.fp8_block_size((e, i_dim, d), s1.shape))
+    fp8_mma = fp8_acts and (row_tiles or (backend == "triton" and m * k <= 48 * e))
     # a GEMM input in compute_dtype, act_quant-rounded first with act_block (exact in compute_dtype); the SwiGLU
     # output then leaves the gate/up kernel in float32 and is rounded from there, as the reference rounds it
     def rounded(a):
@@ -995,7 +1049,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     plan = route_plan(expert_ids, weights, e, config.block_m)
     post = None
     xq, xq_scale = gemm_input(x)        # act_quant is per row: quantise the M tokens, then gather their rows
-    xs = jnp.take(xq, plan.row_token, axis=0)                            # [P, D] tile-aligned rows
+    xs = take_rows(xq, plan.row_token)                                   # [P, D] tile-aligned rows
     x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
         if not isinstance(config, TritonConfig):
@@ -1040,10 +1094,14 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         z = _row_gemm("gate/up", xs, tiles + ((plan.row_weight,) if config.route_weight_in_kernel else ()),
                       (w1, w3), bn=config.block_n, bk=config.block_k, cfg=config, kn=kn,
                       epilogue=lambda accs: _swiglu(*accs, limit), out_dtype=z_dtype, interpret=interp,
-                      x_scale=x_scale, ss=(s1, s3))
-        zs, z_scale = gemm_input(z)
+                      x_scale_t=None if x_scale is None else x_scale.T, ss=(s1, s3))
+        if fp8_mma:     # the live tiles' rows only (the kernels skip the rest)
+            zs, z_scale_t = act_quant_rows(z, act_block, plan.num_tiles * config.block_m,
+                                           rows=math.gcd(config.block_m, 64), interpret=interp is not None)
+        else:
+            zs, z_scale_t = rounded(z), None
         y = _row_gemm("down", zs, tiles, (w2,), bn=config.block_n_down, bk=config.block_k_down, cfg=config,
-                      kn=kn, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp, x_scale=z_scale,
+                      kn=kn, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp, x_scale_t=z_scale_t,
                       ss=(s2,))
         if not config.route_weight_in_kernel:
             post = weights.astype(jnp.float32)

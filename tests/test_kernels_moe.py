@@ -245,6 +245,39 @@ def test_act_quant_rule():
         R.act_quant(x, 96)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_act_quant_rows_kernel(dtype):
+    """The Triton act_quant of the FP8 row tiles' SwiGLU output is bit-identical to reference.act_quant on the
+    live rows (scales transposed), including amax exactly at and one ulp above 448 * 2^k (where the exponent
+    steps), all-zero blocks, and huge and tiny rows; rows past live_rows are not written."""
+    rng = fresh_rng()
+    p, n, live = 256, 384, 192
+    x = rng.standard_normal((p, n)) * np.exp2(rng.integers(-30, 30, (p, 1)))
+    x[0, :128] = 0.0
+    x[1:4] = rng.standard_normal((3, n))        # below the values set next: they are the first blocks' amax
+    x[1, 5], x[2, 7] = 448.0 * 2.0 ** -3, np.nextafter(np.float32(448.0 * 2.0 ** 5), np.float32(np.inf))
+    x[3, 9] = -np.nextafter(np.float32(448.0), np.float32(0))
+    x = jnp.asarray(x.astype(np.float32), dtype)
+    q, st = K.act_quant_rows(x, 128, jnp.int32(live), interpret=not GPU)
+    want_q, want_s = R.act_quant(x[:live], 128)
+    assert q.dtype == jnp.float8_e4m3fn and st.shape == (n // 128, p)
+    np.testing.assert_array_equal(np.asarray(st)[:, :live], np.asarray(want_s).T)
+    np.testing.assert_array_equal(np.asarray(q[:live]).view(np.uint8), np.asarray(want_q).view(np.uint8))
+    with pytest.raises(ValueError, match="must tile"):
+        K.act_quant_rows(x[:, :100], 128, jnp.int32(live), interpret=not GPU)
+
+
+@pytest.mark.parametrize("dtype,cols", [(jnp.float8_e4m3fn, 256), (jnp.bfloat16, 64), (jnp.bfloat16, 3),
+                                        (jnp.float32, 16)])
+def test_take_rows_gathers_words(dtype, cols):
+    """take_rows (narrow rows gathered as uint32 words) equals jnp.take, and falls back for odd widths."""
+    rng = fresh_rng()
+    a = jnp.asarray(rng.standard_normal((50, cols)), jnp.float32).astype(dtype)
+    idx = jnp.asarray(rng.integers(0, 50, 77), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(K.take_rows(a, idx).astype(jnp.float32)),
+                                  np.asarray(jnp.take(a, idx, axis=0).astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("fmt,act_block,kind,m", [
     ("fp8", 64, "uniform", 40),       # FP8 weights, same block: FP8 x FP8 MMA (verify tiles)
     ("fp8", 64, "skewed", 21),        # ... decode tiles
@@ -452,7 +485,7 @@ FP8_ROWS = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=64, block_k=128, blo
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
 @pytest.mark.parametrize("backend,fmt,tokens,cfg", [("triton", "fp8", 8192, None), ("triton", "fp8", 64, None),
                                                     ("mgpu", "fp4", 256, None), ("mgpu", "fp4", 8192, None),
-                                                    ("mgpu", "fp8", 8192, FP8_ROWS)])
+                                                    ("mgpu", "fp8", 8192, FP8_ROWS), ("mgpu", "fp8", 8192, None)])
 def test_lower_act_quant_for_cuda_v4_flash(backend, fmt, tokens, cfg):
     """act_block=128 at V4-Flash shapes: FP8 x FP8 dots in Triton and in the Mosaic GPU row tiles (FP8
     weights), float32 SwiGLU output from the Mosaic GPU swap kernels (FP4 weights)."""
@@ -505,12 +538,12 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
 @gpu
 @skip_no_gpu
 @pytest.mark.parametrize("backend,fmt,cfg", [("triton", "fp8", None), ("mgpu", "fp4", None), ("triton", "fp4", None),
-                                             ("mgpu", "fp8", FP8_ROWS)])
+                                             ("mgpu", "fp8", FP8_ROWS), ("auto", "fp8", None)])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("balanced", 2048)])
 def test_gpu_act_quant_matches_reference(backend, fmt, cfg, kind, m):
     """act_block=128 compiled: Triton FP8 x FP8 MMA (128x128-block FP8 weights); the Mosaic GPU FP4 swap
     kernels' float32 SwiGLU output; Triton FP4 with rounded bf16 activations; the Mosaic GPU FP8 x FP8 row
-    tiles."""
+    tiles (auto: at 2048 tokens they are the default, Triton's FP8 MMA at 64)."""
     e, d, i, k = 32, 1024, 512, 6
     x, ids, w, w1, w2, w3 = problem(fresh_rng(), m, k, e, d, i, kind)
     x = x.astype(jnp.bfloat16)

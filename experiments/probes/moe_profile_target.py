@@ -4,6 +4,8 @@ Nsight Compute (`ncu`, on the lent H200 since the eleventh session) or Mosaic GP
   ncu --target-processes all -k regex:mosaic --launch-count 2 --section SpeedOfLight \\
       --section WarpStateStats python -m experiments.probes.moe_profile_target --format fp4 --tokens 256
 
+With MOSAIC_GPU_DUMP_SASS=1 (and --cuda-root where nvdisasm lives: jax points Mosaic GPU at the CUDA of its
+pip wheels, which has none) the kernels' SASS is printed instead.
 Inputs are bench_moe's (random weights in storage format, balanced routing); the default tiling is the one
 `moe_experts` picks for the load unless --config gives MgpuConfig fields as JSON.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +31,11 @@ def main() -> None:
     p.add_argument("--act-block", type=int, default=0)
     p.add_argument("--config", default="", help="MgpuConfig fields as JSON (default: moe_experts' choice)")
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--cuda-root", default="", help="CUDA toolkit for Mosaic GPU's tools (nvdisasm)")
     a = p.parse_args()
+    if a.cuda_root:
+        import jax.experimental.mosaic.gpu  # noqa: F401  (sets MOSAIC_GPU_CUDA_ROOT on import)
+        os.environ["MOSAIC_GPU_CUDA_ROOT"] = a.cuda_root
     rng = np.random.default_rng(0)
     ids, w, _, _ = make_routing("balanced", a.tokens, rng)
     w1, w2, w3, scales = make_weights(a.format, 1)

@@ -296,14 +296,14 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                    swap(block_m=128, block_n=64, block_k=64, block_n_down=128, block_k_down=64),
                    swap(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64),
                    swap(block_m=192, block_n=64, block_k=64, block_n_down=64, block_k_down=64)]
-        elif regime == "prefill":       # fp8: weights dequantised in registers (swap_ab only)
+        elif regime == "prefill":       # fp8: weights dequantised in registers (swap_ab)
             out = [swap(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128, compute_wgs=2),
                    swap(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128),
                    swap(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64)]
-            if act:   # FP8 x FP8 row tiles (act_quant'd activations): a K step is one scale block
+            if act:   # FP8 x FP8 row tiles (act_quant'd activations, the default): a K step is one scale block
                 rows = functools.partial(MgpuConfig, block_m=128, compute_wgs=2, block_k=128, block_k_down=128)
-                out += [rows(block_n=64, block_n_down=128, max_concurrent_steps=6),
-                        rows(block_n=128, block_n_down=128, max_concurrent_steps=4)]
+                out = [rows(block_n=64, block_n_down=128, max_concurrent_steps=6),
+                       rows(block_n=128, block_n_down=128, max_concurrent_steps=4)] + out
         elif fmt == "bf16":
             out = [plain(block_m=16, block_n=128, block_k=64, block_n_down=256, block_k_down=64,
                         max_concurrent_steps=6),

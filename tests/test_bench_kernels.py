@@ -69,5 +69,8 @@ def test_bench_moe_sweeps_start_with_the_default_tiling():
                                        ("mgpu", "decode", "fp8", 384), ("mgpu", "decode", "bf16", 384)):
         assert configs(backend, regime, fmt, False, None, rows / e)[0] == \
             default_config(backend, rows, e, "dense" if fmt == "bf16" else fmt), (backend, regime, fmt, rows)
+    # FP8 prefill with act_quant'd activations (--act-block 128): the FP8 x FP8 row tiles
+    assert configs("mgpu", "prefill", "fp8", False, None, 192, act=128)[0] == \
+        default_config("mgpu", 49152, e, "fp8", fp8_acts=True)
     with pytest.raises(SystemExit, match="block_m, block_n"):
         configs("mgpu", "decode", "fp4", False, '[{"blockm": 16}]')

@@ -13,6 +13,7 @@ Inputs are bench_moe's (random weights in storage format, balanced routing); the
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 
@@ -34,7 +35,7 @@ def main() -> None:
     p.add_argument("--cuda-root", default="", help="CUDA toolkit for Mosaic GPU's tools (nvdisasm)")
     a = p.parse_args()
     if a.cuda_root:
-        import jax.experimental.mosaic.gpu  # noqa: F401  (sets MOSAIC_GPU_CUDA_ROOT on import)
+        importlib.import_module("jax.experimental.mosaic.gpu")   # sets MOSAIC_GPU_CUDA_ROOT on import
         os.environ["MOSAIC_GPU_CUDA_ROOT"] = a.cuda_root
     rng = np.random.default_rng(0)
     ids, w, _, _ = make_routing("balanced", a.tokens, rng)

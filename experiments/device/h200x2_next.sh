@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 34}" in
+case "${1:?part 1 to 35}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -437,6 +437,15 @@ case "${1:?part 1 to 34}" in
     timeout 150 ncu -k regex:mosaic --launch-count 1 $S python -m experiments.probes.moe_profile_target --format fp8 \
         --tokens 8192 --act-block 128 --calls 1 > "$OUT"/ncu_fp8_prefill.txt 2>&1
     for f in "$OUT"/ncu_*.txt; do echo "== $f"; grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$f" | head -40; done ;;
-*)  echo "part must be 1 to 34" >&2; exit 2 ;;
+35) # after 34 (Nsight Compute: the FP4 decode kernel is bound by the integer ALU pipe; its scales now enter as
+    # bf16, converted in the transpose XLA runs anyway): the FP4 Mosaic GPU GPU tests, FP4 decode / prefill at
+    # the defaults, the whole layer (bf16 / FP4, both regimes)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT"
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4" 2>&1 | tail -3
+    timeout 90 $M --impls mgpu --regime decode --formats fp4 --decode-tokens 64,256,1024 --quick 2>&1 | grep -E "^\| decode|rror"
+    timeout 90 $M --impls mgpu --regime prefill --formats fp4 --quick 2>&1 | grep -E "^\| prefill|rror"
+    timeout 200 $M --impls layer --regime prefill,decode --formats bf16,fp4 2>&1 | grep -E "^\| (decode|prefill)|rror" ;;
+*)  echo "part must be 1 to 35" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -741,7 +741,7 @@ def e2m1_bf16_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _fp4_operand(plgpu, tiles, scale_rows):
     """One K step's wgmma A operand from FP4: G packed tiles [n, 16] int8 (WGMMA layout) and their scale rows
     [n] (bf16 powers of two, _e8m0_bf16) -> [n, 32G] bf16, per group its even columns then its odd ones (the
-    activations are permuted to match, see _swap_x). Exact: the table decode above (inline PTX through
+    activations are permuted to match, see fp4_k_order). Exact: the table decode above (inline PTX through
     plgpu.inline_mgpu), times the row's scale; the groups' registers are concatenated along K (axis 1 of the
     WGMMA register array), which moves no data."""
     import jax.experimental.mosaic.gpu as mgpu
@@ -803,13 +803,14 @@ def _swap_tiles(what, fmt, cfg: MgpuConfig, names, out_dim, in_dim, p, w, s) -> 
     return _SwapTiles(bm, bn, bk, fp8_block)
 
 
-def _swap_x(fmt, x):
-    """Activations [in, P] as the kernels read them: FP4 with each 32-row block reordered even rows first, then
-    odd (the order of _fp4_operand's columns)."""
-    if fmt != "fp4":
-        return x
-    n, p = x.shape
-    return x.reshape(n // (2 * FP4_GROUP), FP4_GROUP, 2, p).swapaxes(1, 2).reshape(n, p)
+def fp4_k_order(a: jax.Array, axis: int) -> jax.Array:
+    """a with its `axis` (an FP4 swap GEMM's K) in the order of _fp4_operand's columns: within each 32, the even
+    entries, then the odd ones. The kernels take activations so; moe_experts reorders the M token rows' columns
+    before the row gather (at 8K tokens XLA spent 0.40 ms reordering the gathered [D, P] rows)."""
+    axis %= a.ndim
+    n, shape = a.shape[axis], a.shape
+    split = a.reshape(shape[:axis] + (n // (2 * FP4_GROUP), FP4_GROUP, 2) + shape[axis + 1:])
+    return jnp.swapaxes(split, axis + 1, axis + 2).reshape(shape)
 
 
 def _e8m0_bf16(b: jax.Array) -> jax.Array:
@@ -830,7 +831,8 @@ def _swap_w(fmt, w, s):
 def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret,
                x_rows=False):
     """swap_ab: outT [N, P] = epilogue([W_e xT_t for W in ws]) (* routing weights) for each tile t of block_m
-    token columns of xT [K, P] (wgmma's N) -- x is xT, or with x_rows its rows [P, K], transposed here;
+    token columns of xT [K, P] (wgmma's N) -- x is xT, or with x_rows its rows [P, K], transposed here; FP4:
+    K in fp4_k_order;
     ws: weights [E, N, K] in storage format, ss their scales (None).
 
     Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: G tiles [bn, 16],
@@ -889,7 +891,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
         plgpu.wgmma_wait(1 if fmt == "dense" else 0)
         return accs
 
-    return _ws_kernel(plan_arrays=plan_arrays, operands=(_swap_x(fmt, xt), *(a for o in ops for a in o)),
+    return _ws_kernel(plan_arrays=plan_arrays, operands=(xt, *(a for o in ops for a in o)),
                       specs=specs, cta_refs=cta_refs, mma=mma, acc_shape=(wb, bm), num_accs=nw, epilogue=epilogue,
                       rw_axis=1, rw_slice=lambda t, wg: pl.ds(t * bm, bm),
                       out_block=lambda t, j, wg: (pl.ds(j * bn + wg * wb, wb), pl.ds(t * bm, bm)),
@@ -1056,6 +1058,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     plan = route_plan(expert_ids, weights, e, config.block_m)
     post = None
     xq, xq_scale = gemm_input(x)        # act_quant is per row: quantise the M tokens, then gather their rows
+    swap = backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab
+    if swap and fmt == "fp4":
+        xq = fp4_k_order(xq, axis=1)
     xs = take_rows(xq, plan.row_token)                                   # [P, D] tile-aligned rows
     x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
@@ -1068,7 +1073,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         z, z_scale = gemm_input(z)
         y = _down_triton(split(z), plan.tile_expert, w2, s2, fmt=fmt, cfg=config, out_dtype=cdt,
                          interpret=interp, kn=kn, z_scale=z_scale)
-    elif backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab:
+    elif swap:
         if kn or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError("moe_experts: the mgpu swap_ab kernels take bf16/f16, FP8 or FP4 weights in the "
                              "[E, out, in] layout")
@@ -1082,7 +1087,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
                         out_dtype=z_dtype, interpret=interp, x_rows=True)
         zt = rounded(zt.T).T if act_block else zt
-        yt = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
+        yt = _swap_gemm("down", fp4_k_order(zt, axis=0) if fmt == "fp4" else zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
                         cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
         y = transpose(yt, interpret=interp is not None)  # [P, D]: the combine below gathers whole rows
     elif backend == "mgpu":

@@ -267,6 +267,14 @@ def test_act_quant_rows_kernel(dtype):
         K.act_quant_rows(x[:, :100], 128, jnp.int32(live), interpret=not GPU)
 
 
+def test_fp4_k_order():
+    """The FP4 swap kernels' K order: within each 32, the even entries then the odd ones, along either axis."""
+    a = jnp.arange(2 * 64).reshape(2, 64)
+    want = np.concatenate([np.r_[b:b + 32:2, b + 1:b + 32:2] for b in (0, 32)])
+    np.testing.assert_array_equal(np.asarray(K.fp4_k_order(a, axis=1))[1] - 64, want)
+    np.testing.assert_array_equal(np.asarray(K.fp4_k_order(a.T, axis=0)), np.asarray(K.fp4_k_order(a, axis=1)).T)
+
+
 @pytest.mark.parametrize("dtype,cols", [(jnp.float8_e4m3fn, 256), (jnp.bfloat16, 64), (jnp.bfloat16, 3),
                                         (jnp.float32, 16)])
 def test_take_rows_gathers_words(dtype, cols):

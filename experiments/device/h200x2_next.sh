@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 35}" in
+case "${1:?part 1 to 36}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -446,6 +446,15 @@ case "${1:?part 1 to 35}" in
     timeout 90 $M --impls mgpu --regime decode --formats fp4 --decode-tokens 64,256,1024 --quick 2>&1 | grep -E "^\| decode|rror"
     timeout 90 $M --impls mgpu --regime prefill --formats fp4 --quick 2>&1 | grep -E "^\| prefill|rror"
     timeout 200 $M --impls layer --regime prefill,decode --formats bf16,fp4 2>&1 | grep -E "^\| (decode|prefill)|rror" ;;
-*)  echo "part must be 1 to 35" >&2; exit 2 ;;
+36) # after 35 (FP4 swap path: the activations' K reorder moved before the row gather): the FP4 Mosaic GPU GPU tests,
+    # FP4 prefill and its layer; FP8 x FP8 row tiles with three compute warpgroups (192 rows)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT"
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4" 2>&1 | tail -3
+    timeout 90 $M --impls mgpu --regime prefill --formats fp4 --quick 2>&1 | grep -E "^\| prefill|rror"
+    timeout 120 $M --impls layer --regime prefill,decode --formats fp4 2>&1 | grep -E "^\| (decode|prefill)|rror"
+    r() { echo "{\"block_m\": $1, \"compute_wgs\": $2, \"block_n\": $3, \"block_k\": 128, \"block_n_down\": $4, \"block_k_down\": 128, \"max_concurrent_steps\": $5}"; }
+    timeout 150 $M --impls mgpu --regime prefill --formats fp8 --act-block 128 --mgpu-configs "[$(r 192 3 64 128 4), $(r 192 3 64 64 4), $(r 128 2 64 64 6)]" 2>&1 | grep -E "^\| prefill|rror" ;;
+*)  echo "part must be 1 to 36" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

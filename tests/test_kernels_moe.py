@@ -488,6 +488,7 @@ def test_lower_for_cuda_v4_flash(backend, fmt, tokens, layout, cfg):
 
 FP8_ROWS = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
                         max_concurrent_steps=6)   # FP8 x FP8 row tiles: a K step is one 128-wide scale block
+FP8_ROWS_3WG = dataclasses.replace(FP8_ROWS, block_m=192, compute_wgs=3, max_concurrent_steps=4)
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
@@ -546,7 +547,8 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
 @gpu
 @skip_no_gpu
 @pytest.mark.parametrize("backend,fmt,cfg", [("triton", "fp8", None), ("mgpu", "fp4", None), ("triton", "fp4", None),
-                                             ("mgpu", "fp8", FP8_ROWS), ("auto", "fp8", None)])
+                                             ("mgpu", "fp8", FP8_ROWS), ("mgpu", "fp8", FP8_ROWS_3WG),
+                                             ("auto", "fp8", None)])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("balanced", 2048)])
 def test_gpu_act_quant_matches_reference(backend, fmt, cfg, kind, m):
     """act_block=128 compiled: Triton FP8 x FP8 MMA (128x128-block FP8 weights); the Mosaic GPU FP4 swap

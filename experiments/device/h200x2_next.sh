@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 36}" in
+case "${1:?part 1 to 37}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -455,6 +455,21 @@ case "${1:?part 1 to 36}" in
     timeout 120 $M --impls layer --regime prefill,decode --formats fp4 2>&1 | grep -E "^\| (decode|prefill)|rror"
     r() { echo "{\"block_m\": $1, \"compute_wgs\": $2, \"block_n\": $3, \"block_k\": 128, \"block_n_down\": $4, \"block_k_down\": 128, \"max_concurrent_steps\": $5}"; }
     timeout 150 $M --impls mgpu --regime prefill --formats fp8 --act-block 128 --mgpu-configs "[$(r 192 3 64 128 4), $(r 192 3 64 64 4), $(r 128 2 64 64 6)]" 2>&1 | grep -E "^\| prefill|rror" ;;
-*)  echo "part must be 1 to 36" >&2; exit 2 ;;
+37) # after 36 (FP8 x FP8 row tiles of 192 rows, three compute warpgroups: 8K tokens 3.42 ms = 724 TFLOP/s, balanced
+    # routing = 192 rows per expert, one unpadded tile each): their GPU tests; 192-row tiles against 128 under
+    # random routing and at 4K tokens, for FP8 x FP8 and bf16 rows (64 columns: three warpgroups leave 152
+    # registers per thread) and the FP4 swap kernels (192 tokens per tile)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --iters 10 --out $OUT"
+    timeout 100 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "gpu_act_quant and fp8" 2>&1 | tail -3
+    r() { echo "{\"block_m\": $1, \"compute_wgs\": $2, \"block_n\": $3, \"block_k\": $4, \"block_n_down\": $5, \"block_k_down\": $4, \"max_concurrent_steps\": $6}"; }
+    timeout 140 $M --impls mgpu --regime prefill --formats fp8 --act-block 128 --routing balanced,random --prefill-tokens 4096,8192 \
+        --mgpu-configs "[$(r 192 3 64 128 128 4), $(r 128 2 64 128 128 6)]" 2>&1 | grep -E "^\| prefill|rror"
+    timeout 140 $M --impls mgpu --regime prefill --formats bf16 --routing balanced,random \
+        --mgpu-configs "[$(r 192 3 64 64 128 4), $(r 192 3 64 64 256 3), $(r 128 2 128 64 256 4)]" 2>&1 | grep -E "^\| prefill|rror"
+    sw() { echo "{\"swap_ab\": true, \"block_m\": $1, \"block_n\": 128, \"block_k\": 64, \"block_n_down\": 128, \"block_k_down\": 64, \"max_concurrent_steps\": $2, \"compute_wgs\": 2}"; }
+    timeout 120 $M --impls mgpu --regime prefill --formats fp4 --routing balanced,random \
+        --mgpu-configs "[$(sw 192 3), $(sw 128 4)]" 2>&1 | grep -E "^\| prefill|rror" ;;
+*)  echo "part must be 1 to 37" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

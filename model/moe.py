@@ -113,13 +113,15 @@ class MLP(nnx.Module):
         return self.w2(z.astype(x.dtype))
 
 
-def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=None, act_block: int = 0
-                   ) -> jax.Array:
+def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=None, act_block: int = 0,
+                   balanced: bool = False) -> jax.Array:
     """The routed-expert block on one device: "pallas" (grouped-GEMM kernel, quantised weights dequantised
     inside) or "reference" (jnp; quantised weights dequantised in-graph). act_block > 0: both GEMMs' inputs
-    rounded by act_quant (cfg.quant_sim). x [M, D] -> [M, D] float32."""
+    rounded by act_quant (cfg.quant_sim). balanced: ids are forced_balance's (the kernels' tiles may fit the
+    equal row counts). x [M, D] -> [M, D] float32."""
     if impl == "pallas":
-        return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block)
+        return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block,
+                                      balanced=balanced)
     if scales is not None:
         w1, w2, w3 = ref.dense_experts(w1, w2, w3, scales, x.dtype)
     return ref.moe_experts(x, ids, weights, w1, w2, w3, limit, act_block)

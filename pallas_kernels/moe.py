@@ -238,11 +238,18 @@ class MgpuConfig:
                              f"compute_wgs={self.compute_wgs}")
 
 
-def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense", fp8_acts: bool = False):
+def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "dense", fp8_acts: bool = False,
+                   balanced: bool = False):
     """Tiles by regime: decode/verify (few rows per expert) vs prefill (many); the best of the
     experiments/bench_moe.py sweeps on the H200 where they ran (docs/benchmarks.md); every config here lowers
-    at V4-Flash shapes (tests). fp8_acts: FP8 weights with FP8 activations of their block (act_quant)."""
+    at V4-Flash shapes (tests). fp8_acts: FP8 weights with FP8 activations of their block (act_quant).
+    balanced: every expert holds exactly num_rows / num_experts rows (forced_balance, the benchmark mode); a
+    count that 192-row tiles fit and 128-row ones do not (8K tokens: 192) then gets 192-row tiles, three
+    compute warpgroups (8K tokens: FP8 x FP8 3.37 ms against 4.54, bf16 4.88 against 5.44, FP4 6.77 against
+    7.67; under random routing the padded 192-row tiles lose: 128 stays the default; part 37)."""
     rows_per_expert = num_rows / max(num_experts, 1)
+    fit192 = balanced and num_rows % max(num_experts, 1) == 0 and rows_per_expert % 192 == 0 \
+        and rows_per_expert % 128 != 0
     if backend == "mgpu":
         if rows_per_expert <= 16 or (fmt == "fp4" and rows_per_expert <= 32):  # decode: weights as wgmma M
             # one warpgroup issuing its own copies (FP4 64 tokens: 2.03 ms against 2.25 / 2.11 warp-specialised
@@ -262,12 +269,17 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
         # unless FP8 activations meet FP8 weights: FP8 x FP8 row tiles, whose two float32 accumulators per
         # weight (partial and promoted total) fit 64 columns (5.23 ms at 8K tokens; 128 columns spill: 7.39)
         if fp8_acts:
-            return MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
-                              max_concurrent_steps=6, compute_wgs=2)
+            return MgpuConfig(block_m=192 if fit192 else 128, block_n=64, block_k=128, block_n_down=128,
+                              block_k_down=128, max_concurrent_steps=4 if fit192 else 6,
+                              compute_wgs=3 if fit192 else 2)
         if fmt in ("fp8", "fp4"):
             bk = 128 if fmt == "fp8" else 64
-            return MgpuConfig(block_m=128, block_n=128, block_k=bk, block_n_down=128, block_k_down=bk,
-                              swap_ab=True, compute_wgs=2)
+            big = fit192 and fmt == "fp4"  # [64, 192] float32 accumulators per weight and warpgroup
+            return MgpuConfig(block_m=192 if big else 128, block_n=128, block_k=bk, block_n_down=128,
+                              block_k_down=bk, swap_ab=True, compute_wgs=2, max_concurrent_steps=3 if big else 4)
+        if fit192:                       # three compute warpgroups leave 152 registers a thread: 64 columns
+            return MgpuConfig(block_m=192, compute_wgs=3, block_n=64, block_k=64, block_n_down=128,
+                              block_k_down=64, max_concurrent_steps=4)
         if rows_per_expert > 64:         # the row tiles' down projection gets 3 slots of 256 columns (SMEM)
             return MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_k=64, block_n_down=256,
                               block_k_down=64, max_concurrent_steps=4)
@@ -983,8 +995,8 @@ def choose_backend(fmt: str, compute_dtype, rows_per_expert: float = 0.0) -> str
 
 def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
                 w3: jax.Array, limit: float, *, scales=None, backend: str = "auto", config=None,
-                interpret=None, weight_layout: str = "out_in", compute_dtype=jnp.bfloat16, act_block: int = 0
-                ) -> jax.Array:
+                interpret=None, weight_layout: str = "out_in", compute_dtype=jnp.bfloat16, act_block: int = 0,
+                balanced: bool = False) -> jax.Array:
     """Routed-expert SwiGLU block (drop-in for `reference.moe_experts`, plus quantised weights).
 
     x [M, D], expert_ids [M, k] int (ids outside [0, E) are dropped: they cost nothing and add 0 -- an
@@ -1003,6 +1015,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     block_k = the block), the kernels then multiply FP8 x FP8 (tensor-core FP8
     MMA, both scales on the f32 partial products); otherwise the rounded activations enter the usual kernels
     in `compute_dtype` (exact: 4 significant bits).
+    balanced: the routing gives every expert the same row count (forced_balance); only the default tiling
+    uses it (default_config).
     Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
     """
     s1, s2, s3 = (None, None, None) if scales is None else tuple(_as_e8m0_bytes(s) for s in scales)
@@ -1036,7 +1050,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     if backend == "auto":
         backend = choose_backend(fmt, cdt, m * k / e)
     if config is None:
-        config = default_config(backend, m * k, e, fmt, fp8_acts=fp8_acts)
+        config = default_config(backend, m * k, e, fmt, fp8_acts=fp8_acts, balanced=balanced)
     if kn and fmt == "fp8" and not (backend == "mgpu" and not config.swap_ab):
         raise ValueError("moe_experts: FP8 weights in the 'in_out' layout run on the mgpu row tiles only")
     interp = interpret_flag(backend, interpret)

@@ -128,7 +128,9 @@ class ExpertParallel:
             w1, w2, w3 = (jnp.take(w, slots, axis=0) for w in (w1, w2, w3))
             scales = None if scales is None else tuple(jnp.take(s, slots, axis=0) for s in scales)
         if self.mesh is None:
-            return routed_experts(self.impl, x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block)
+            balanced = self.config.force_balance and (self.placement is None or self.placement.is_identity)
+            return routed_experts(self.impl, x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block,
+                                  balanced=balanced)
         strategy, transport, tok_axes = self.choose(m)
         tok = P(tok_axes if tok_axes else None)
         w13, w2s = P("ep", "tp", None), P("ep", None, "tp")  # FP4: packed weights and scales split alike

@@ -492,6 +492,22 @@ FP8_ROWS_3WG = dataclasses.replace(FP8_ROWS, block_m=192, compute_wgs=3, max_con
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
+@pytest.mark.parametrize("fmt,act", [("bf16", 0), ("fp4", 0), ("fp8", 128)])
+def test_lower_balanced_192_row_tiles(fmt, act):
+    """Forced-balance routing at 8K tokens (192 rows per expert): 192-row tiles, three compute warpgroups for
+    the row tiles (bf16, FP8 x FP8), 192-token tiles for the FP4 swap kernels; random routing keeps 128."""
+    args, sc = v4_flash_args(fmt, 8192)
+    f = lambda *a: K.moe_experts(*a[:6], 10.0, scales=a[6], interpret=False, act_block=act,  # noqa: E731
+                                 backend="mgpu", balanced=True)
+    text = jax.jit(f).trace(*args, sc).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+    name = "dense" if fmt == "bf16" else fmt
+    assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0, balanced=True).block_m == 192
+    assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0).block_m == 128
+    assert K.default_config("mgpu", 24576, E4, name, fp8_acts=act > 0, balanced=True).block_m == 128
+
+
+@pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
 @pytest.mark.parametrize("backend,fmt,tokens,cfg", [("triton", "fp8", 8192, None), ("triton", "fp8", 64, None),
                                                     ("mgpu", "fp4", 256, None), ("mgpu", "fp4", 8192, None),
                                                     ("mgpu", "fp8", 8192, FP8_ROWS), ("mgpu", "fp8", 8192, None)])
@@ -523,7 +539,8 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
                                                ("triton", "fp4", None), ("mgpu", "bf16", "rows"),
                                                ("mgpu", "bf16", "rows_2wg"), ("mgpu", "bf16", "swap"),
                                                ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap"),
-                                               ("mgpu", "fp8", "swap_2wg"), ("mgpu", "fp4", "swap_2wg")])
+                                               ("mgpu", "fp8", "swap_2wg"), ("mgpu", "fp4", "swap_2wg"),
+                                               ("mgpu", "bf16", "balanced192"), ("mgpu", "fp4", "balanced192")])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
 def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     e, d, i, k = 32, 1024, 512, 6
@@ -538,6 +555,9 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
                            warp_specialized=wgs > 1)   # 1: as the decode defaults, no TMA warpgroup
     elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
         cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)
+    elif tiles == "balanced192":   # default_config's 192-row tiles for 192 rows per expert (three compute WGs)
+        cfg = K.default_config(backend, 192 * e, e, "dense" if fmt == "bf16" else fmt, balanced=True)
+        assert cfg.block_m == 192, cfg
     else:
         cfg = K.MgpuConfig() if backend == "mgpu" else K.default_config(backend, m * k, e)
     got = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend=backend, config=cfg)

@@ -23,7 +23,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
-case "${1:?part 1 to 37}" in
+case "${1:?part 1 to 38}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -470,6 +470,12 @@ case "${1:?part 1 to 37}" in
     sw() { echo "{\"swap_ab\": true, \"block_m\": $1, \"block_n\": 128, \"block_k\": 64, \"block_n_down\": 128, \"block_k_down\": 64, \"max_concurrent_steps\": $2, \"compute_wgs\": 2}"; }
     timeout 120 $M --impls mgpu --regime prefill --formats fp4 --routing balanced,random \
         --mgpu-configs "[$(sw 192 3), $(sw 128 4)]" 2>&1 | grep -E "^\| prefill|rror" ;;
-*)  echo "part must be 1 to 37" >&2; exit 2 ;;
+38) # after 37: default_config(balanced=True) takes 192-row tiles at 192 rows per expert (forced balance): the GPU
+    # tests of those defaults, then the whole layer (benchmark mode) at prefill, bf16 and FP4
+    export PYTHONUNBUFFERED=1
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "balanced192" 2>&1 | tail -3
+    timeout 200 python -m experiments.bench_moe --routing balanced --iters 10 --out "$OUT" --impls layer \
+        --regime prefill --formats bf16,fp4 2>&1 | grep -E "^\| (decode|prefill)|rror" ;;
+*)  echo "part must be 1 to 38" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

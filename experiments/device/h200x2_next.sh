@@ -23,6 +23,18 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 B="python -m experiments.bench --quiet --mode deepinfer --moe-impl pallas --attention-impl pallas"
+# Nsight Compute on the first Mosaic GPU kernel of one MoE expert block (experiments/probes/moe_profile_target.py;
+# without preallocation: ncu's kernel replay saves and restores device memory): ncu_moe NAME TARGET-ARGS...
+ncu_moe() {
+    local name=$1; shift
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 ncu -k regex:mosaic --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats \
+        --section SourceCounters python -m experiments.probes.moe_profile_target --calls 1 "$@" \
+        > "$OUT/ncu_$name.txt" 2>&1
+    echo "== $name"
+    grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
+}
 case "${1:?part 1 to 38}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
@@ -415,28 +427,18 @@ case "${1:?part 1 to 38}" in
         --prefill-tokens 4096,8192 --routing balanced --iters 10 --out "$OUT" 2>&1 | grep -E "^\| prefill|rror"
     timeout 100 python -m experiments.bench_moe --regime prefill --formats bf16 --impls mgpu --quick \
         --routing balanced --iters 10 --out "$OUT" 2>&1 | grep -E "^\| prefill|rror"
-    S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats --section SourceCounters"
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    timeout 150 ncu -k regex:mosaic --launch-count 1 $S python -m experiments.probes.moe_profile_target --format fp4 \
-        --tokens 256 --calls 1 > "$OUT"/ncu_fp4_decode.txt 2>&1
-    timeout 150 ncu -k regex:mosaic --launch-count 1 $S python -m experiments.probes.moe_profile_target --format fp8 \
-        --tokens 8192 --act-block 128 --calls 1 > "$OUT"/ncu_fp8_prefill.txt 2>&1
+    ncu_moe fp4_decode --format fp4 --tokens 256
+    ncu_moe fp8_prefill --format fp8 --tokens 8192 --act-block 128
     MOSAIC_GPU_DUMP_SASS=1 timeout 100 python -m experiments.probes.moe_profile_target --format fp4 --tokens 256 \
-        --calls 1 --cuda-root /usr/local/cuda > "$OUT"/sass_fp4_decode.txt 2>&1; wc -l "$OUT"/sass_fp4_decode.txt
-    for f in "$OUT"/ncu_*.txt; do echo "== $f"; grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$f" | head -40; done ;;
+        --calls 1 --cuda-root /usr/local/cuda > "$OUT"/sass_fp4_decode.txt 2>&1; wc -l "$OUT"/sass_fp4_decode.txt ;;
 34) # after 33 (bench_moe's FP8 act-block sweep now starts with the FP8 x FP8 row default; the profiler target's
     # import fixed): FP8 prefill at the defaults and the swap kernels, then Nsight Compute on the FP4 decode
     # and FP8 x FP8 prefill kernels
     export PYTHONUNBUFFERED=1
     timeout 200 python -m experiments.bench_moe --regime prefill --formats fp8 --act-block 128 --impls mgpu \
         --prefill-tokens 4096,8192 --routing balanced --iters 10 --out "$OUT" 2>&1 | grep -E "^\| prefill|rror"
-    S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats --section SourceCounters"
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    timeout 150 ncu -k regex:mosaic --launch-count 1 $S python -m experiments.probes.moe_profile_target --format fp4 \
-        --tokens 256 --calls 1 > "$OUT"/ncu_fp4_decode.txt 2>&1
-    timeout 150 ncu -k regex:mosaic --launch-count 1 $S python -m experiments.probes.moe_profile_target --format fp8 \
-        --tokens 8192 --act-block 128 --calls 1 > "$OUT"/ncu_fp8_prefill.txt 2>&1
-    for f in "$OUT"/ncu_*.txt; do echo "== $f"; grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$f" | head -40; done ;;
+    ncu_moe fp4_decode --format fp4 --tokens 256
+    ncu_moe fp8_prefill --format fp8 --tokens 8192 --act-block 128 ;;
 35) # after 34 (Nsight Compute: the FP4 decode kernel is bound by the integer ALU pipe; its scales now enter as
     # bf16, converted in the transpose XLA runs anyway): the FP4 Mosaic GPU GPU tests, FP4 decode / prefill at
     # the defaults, the whole layer (bf16 / FP4, both regimes)

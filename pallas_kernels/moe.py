@@ -1101,7 +1101,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
                         out_dtype=z_dtype, interpret=interp, x_rows=True)
         zt = rounded(zt.T).T if act_block else zt
-        yt = _swap_gemm("down", fp4_k_order(zt, axis=0) if fmt == "fp4" else zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
+        zt = fp4_k_order(zt, axis=0) if fmt == "fp4" else zt
+        yt = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
                         cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
         y = transpose(yt, interpret=interp is not None)  # [P, D]: the combine below gathers whole rows
     elif backend == "mgpu":

@@ -228,8 +228,13 @@ class MgpuConfig:
     # a dedicated TMA warpgroup feeds the compute ones (emit_pipeline_warp_specialized); False (compute_wgs=1
     # only): the compute warpgroup issues its own copies -- faster for the swap_ab decode tiles (tenth session)
     warp_specialized: bool = True
+    # FP4 swap_ab kernels' E2M1 -> bf16 register decode (FP4_DECODES): "table" (exact for every scale) or
+    # "exponent" (fewer integer instructions; NaN outputs for scales above 2: see _E2M1_EXP_PTX)
+    fp4_decode: str = "table"
 
     def __post_init__(self):
+        if self.fp4_decode not in FP4_DECODES:
+            raise ValueError(f"MgpuConfig: fp4_decode must be one of {sorted(FP4_DECODES)}, got {self.fp4_decode!r}")
         if not 1 <= self.compute_wgs <= 3:   # H200, tenth session: a 4-warpgroup FP4 decode tile had not finished
             raise ValueError(f"MgpuConfig: compute_wgs must be 1, 2 or 3 (4 did not finish on the H200), "
                              f"got {self.compute_wgs}")
@@ -731,6 +736,28 @@ lop3.b32 $1, os, 0x80008000, o, 0xEA;
 }}"""
 
 
+# The same decode with ~5 instead of ~8 integer-ALU instructions per four weights (Nsight Compute: the FP4
+# decode kernels are bound by the ALU pipe, docs/benchmarks.md): each nibble's three magnitude bits go to bf16
+# bits 8..6 (the exponent's low two bits and the mantissa's top bit) and its sign to bit 15, which is the E2M1
+# value times 2^-126 for all 16 codes (0.5 becomes the subnormal 2^-127); the 2^126 is folded into the scale,
+# 2^(b-1) instead of 2^(b-127), which bf16 holds for UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes the
+# larger ones NaN, so they cannot pass silently). Exact where it applies, provided the bf16 multiply keeps the
+# subnormal input (bf16 mul has no flush-to-zero in PTX; tests/test_kernels_moe.py test_gpu_fp4_half_codes).
+_E2M1_EXP_PTX = """{
+.reg .b32 x, a, b, c, d;
+prmt.b32 x, $2, 0, 0x4140;
+shl.b32 a, x, 6;
+shl.b32 b, x, 12;
+and.b32 a, a, 0x01C001C0;
+lop3.b32 $0, b, 0x80008000, a, 0xEA;
+shl.b32 c, x, 2;
+shl.b32 d, x, 8;
+and.b32 c, c, 0x01C001C0;
+lop3.b32 $1, d, 0x80008000, c, 0xEA;
+}"""
+FP4_DECODES = {"table": (_E2M1_BF16_PTX, 0), "exponent": (_E2M1_EXP_PTX, 126)}   # (PTX, scale exponent fold)
+
+
 def _prmt(a, b, sel):
     """numpy model of PTX prmt.b32 (default mode, selectors < 8): byte i of the result is byte sel_i of b:a."""
     pool = np.asarray(b, np.uint64) << np.uint64(32) | np.asarray(a, np.uint64)
@@ -750,12 +777,22 @@ def e2m1_bf16_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (even & np.uint64(0xFFFFFFFF)).astype(np.uint32), (odd & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
-def _fp4_operand(plgpu, tiles, scale_rows):
+def e2m1_exp_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy model of _E2M1_EXP_PTX (for tests): u = b0 | b1 << 8 -> (even, odd) bf16x2 words of the E2M1
+    values times 2^-126, uint32."""
+    x = _prmt(np.asarray(u, np.uint64), 0, 0x4140)
+    word = lambda mag, sign: (mag & np.uint64(0x01C001C0)) | (sign & np.uint64(0x80008000))  # noqa: E731
+    even = word(x << np.uint64(6), x << np.uint64(12))
+    odd = word(x << np.uint64(2), x << np.uint64(8))
+    return (even & np.uint64(0xFFFFFFFF)).astype(np.uint32), (odd & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def _fp4_operand(plgpu, tiles, scale_rows, scheme: str = "table"):
     """One K step's wgmma A operand from FP4: G packed tiles [n, 16] int8 (WGMMA layout) and their scale rows
-    [n] (bf16 powers of two, _e8m0_bf16) -> [n, 32G] bf16, per group its even columns then its odd ones (the
-    activations are permuted to match, see fp4_k_order). Exact: the table decode above (inline PTX through
-    plgpu.inline_mgpu), times the row's scale; the groups' registers are concatenated along K (axis 1 of the
-    WGMMA register array), which moves no data."""
+    [n] (bf16 powers of two, e8m0_bf16 with the scheme's fold) -> [n, 32G] bf16, per group its even columns
+    then its odd ones (the activations are permuted to match, see fp4_k_order). Exact: the decode `scheme`
+    (FP4_DECODES, inline PTX through plgpu.inline_mgpu), times the row's scale; the groups' registers
+    are concatenated along K (axis 1 of the WGMMA register array), which moves no data."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
@@ -776,7 +813,8 @@ def _fp4_operand(plgpu, tiles, scale_rows):
             even, odd = np.empty_like(fa.registers), np.empty_like(fa.registers)
             for idx, reg in np.ndenumerate(fa.registers):
                 u = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
-                pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [u], _E2M1_BF16_PTX, "=r,=r,r")
+                pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [u], FP4_DECODES[scheme][0],
+                                       "=r,=r,r")
                 even[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [0]), words)
                 odd[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [1]), words)
             parts += [(mgpu.FragmentedArray(_registers=r, _layout=fa.layout, _is_signed=None) * s).registers
@@ -825,19 +863,23 @@ def fp4_k_order(a: jax.Array, axis: int) -> jax.Array:
     return jnp.swapaxes(split, axis + 1, axis + 2).reshape(shape)
 
 
-def _e8m0_bf16(b: jax.Array) -> jax.Array:
-    """UE8M0 bytes -> the bf16 scales 2^(b-127) (0 -> the subnormal 2^-127, 255 -> NaN, as reference._e8m0)."""
+def e8m0_bf16(b: jax.Array, fold: int = 0) -> jax.Array:
+    """UE8M0 bytes -> bf16 scales 2^(b - 127 + fold): b + fold = 0 -> the subnormal 2^-127, and NaN for b = 255
+    (as reference._e8m0) or where bf16 cannot hold the power (b + fold > 254)."""
     b = b.astype(jnp.int16)
-    bits = jnp.where(b == 0, jnp.int16(0x40), jnp.where(b == 255, jnp.int16(0x7FC0), b << 7))
+    e = b + fold
+    bits = jnp.where((b == 255) | (e > 254), jnp.int16(0x7FC0), jnp.where(e == 0, jnp.int16(0x40), e << 7))
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def _swap_w(fmt, w, s):
+def _swap_w(fmt, w, s, fp4_decode="table"):
     """A weight's kernel operands: (w,), FP8 (w, s), FP4 (w, s as bf16 transposed to [E, in/32, out]: one copy
     of every expert's scales per call, 1/8 of the packed bytes). The bf16 conversion here, in the transpose
     XLA runs anyway, saves the FP4 decode kernels two integer instructions per scale: Nsight Compute found
     them bound by the integer ALU pipe (B256 gate/up kernel: ALU 61% busy, DRAM 29%; eleventh session)."""
-    return (w,) if fmt == "dense" else (w, s) if fmt == "fp8" else (w, _e8m0_bf16(jnp.swapaxes(s, 1, 2)))
+    if fmt != "fp4":
+        return (w,) if fmt == "dense" else (w, s)
+    return w, e8m0_bf16(jnp.swapaxes(s, 1, 2), FP4_DECODES[fp4_decode][1])
 
 
 def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret,
@@ -862,7 +904,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     xt = (transpose(x, interpret=interpret is not None) if bm >= 64 else x.T) if x_rows else x
     wgs, nk, nw = cfg.compute_wgs, k // bk, len(ws)
     wb, g = bn // wgs, bk // (2 * FP4_GROUP)
-    ops = [_swap_w(fmt, w, s) for w, s in zip(ws, ss)]
+    ops = [_swap_w(fmt, w, s, cfg.fp4_decode) for w, s in zip(ws, ss)]
     per_w = len(ops[0])
     w_bytes = {"dense": 2 * bn * bk, "fp8": bn * bk, "fp4": bn * (bk // 2 + 2 * g)}[fmt]   # per weight and step
     fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
@@ -898,7 +940,8 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                                    (kk * bk) // fp8_block)
                 a = (w_t[0].at[rows][...].astype(jnp.float32) * sc).astype(jnp.bfloat16)
             else:
-                a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)])
+                a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)],
+                                 cfg.fp4_decode)
             plgpu.wgmma(acc, a, x_s)
         plgpu.wgmma_wait(1 if fmt == "dense" else 0)
         return accs

@@ -186,18 +186,36 @@ def test_e2m1_decoder_covers_all_codes():
     assert np.isnan(np.asarray(s)[5])
 
 
-def test_e2m1_bf16_table_decoder_is_exact():
-    """The Mosaic GPU swap kernels' in-register decoder (inline PTX: prmt byte tables), through its numpy model,
-    against the E2M1 table for every pair of packed bytes; the PTX itself runs in the GPU tests."""
+@pytest.mark.parametrize("decode", ["table", "exponent"])
+def test_e2m1_bf16_decoders_are_exact(decode):
+    """The Mosaic GPU swap kernels' in-register decoders (inline PTX: prmt byte tables; bits shifted into the
+    bf16 exponent, a factor 2^-126 folded into the scale), through their numpy models, against the E2M1 table
+    for every pair of packed bytes; the PTX itself runs in the GPU tests."""
     import ml_dtypes
     u = np.arange(1 << 16, dtype=np.uint32)
-    even, odd = K.e2m1_bf16_words(u)
-    as_f64 = lambda w: w.view(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64).reshape(-1, 2)  # noqa: E731
+    even, odd = K.e2m1_bf16_words(u) if decode == "table" else K.e2m1_exp_words(u)
+    fold = K.FP4_DECODES[decode][1]
+    as_f64 = lambda w: (w.view(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+                        * 2.0 ** fold).reshape(-1, 2)
     mags = np.array(R.E2M1_MAGNITUDES, np.float64)
     val = lambda c: np.where(c >= 8, -mags[c & 7], mags[c & 7])                  # noqa: E731
     b0, b1 = u & 0xFF, u >> 8
     assert np.array_equal(as_f64(even), np.stack([val(b0 & 15), val(b1 & 15)], 1))
     assert np.array_equal(as_f64(odd), np.stack([val(b0 >> 4), val(b1 >> 4)], 1))
+
+
+def test_e8m0_bf16_scales():
+    """The swap kernels' bf16 scales: 2^(b - 127 + fold) for every UE8M0 byte bf16 can hold, NaN for b = 255 and
+    for the exponent decode's scales above 2 (b > 128), never a wrong finite value."""
+    b = jnp.arange(256, dtype=jnp.uint8)
+    for fold in (0, 126):
+        got = np.asarray(K.e8m0_bf16(b, fold).astype(jnp.float32), np.float64)
+        want = np.exp2(np.arange(256) - 127.0 + fold)
+        ok = (np.arange(256) < 255) & (np.arange(256) + fold <= 254)
+        np.testing.assert_array_equal(got[ok], want[ok])
+        assert np.all(np.isnan(got[~ok]))
+    with pytest.raises(ValueError, match="fp4_decode"):
+        K.MgpuConfig(fp4_decode="lut")
 
 
 # ------------------------------------------------------------------------------- kernels vs reference
@@ -464,6 +482,7 @@ SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=1
     ("mgpu", "bf16", 64, "out_in", SWAP_DECODE),  # swapped operands, decode tiles of 16 tokens
     ("mgpu", "fp8", 256, "out_in", SWAP_DECODE_FP8),  # FP8 dequantised in registers
     ("mgpu", "fp4", 256, "out_in", SWAP_DECODE),      # FP4 decoded in registers, whole scale groups per step
+    ("mgpu", "fp4", 256, "out_in", dataclasses.replace(SWAP_DECODE, fp4_decode="exponent")),
     ("mgpu", "fp4", 64, "out_in", None),
     ("mgpu", "fp4", 1024, "out_in", None),            # verify B256 x 4 rows: 24 rows per expert, 32-token tiles
     ("mgpu", "fp4", 8192, "out_in", None),            # default_config: FP4 prefill on the swap kernels
@@ -540,7 +559,8 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
                                                ("mgpu", "bf16", "rows_2wg"), ("mgpu", "bf16", "swap"),
                                                ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap"),
                                                ("mgpu", "fp8", "swap_2wg"), ("mgpu", "fp4", "swap_2wg"),
-                                               ("mgpu", "bf16", "balanced192"), ("mgpu", "fp4", "balanced192")])
+                                               ("mgpu", "bf16", "balanced192"), ("mgpu", "fp4", "balanced192"),
+                                               ("mgpu", "fp4", "swap_exponent")])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
 def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     e, d, i, k = 32, 1024, 512, 6
@@ -548,11 +568,12 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     # FP8 as the V4 checkpoints ship it: 128x128 scale blocks
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x, ids, w, q1, q2, q3, sc)
-    if tiles in ("swap", "swap_2wg"):   # 2wg: two compute warpgroups of 64 weight rows each
+    if tiles in ("swap", "swap_2wg", "swap_exponent"):   # 2wg: two compute warpgroups of 64 weight rows each
         bk, wgs = 64 if fmt == "fp4" else 128, 2 if tiles == "swap_2wg" else 1
         cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64 * wgs, block_k=bk,
                            block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs,
-                           warp_specialized=wgs > 1)   # 1: as the decode defaults, no TMA warpgroup
+                           warp_specialized=wgs > 1,   # 1: as the decode defaults, no TMA warpgroup
+                           fp4_decode="exponent" if tiles == "swap_exponent" else "table")
     elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
         cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)
     elif tiles == "balanced192":   # default_config's 192-row tiles for 192 rows per expert (three compute WGs)
@@ -600,9 +621,11 @@ def test_gpu_fp8_rounding_survives_jit():
 
 @gpu
 @skip_no_gpu
-def test_gpu_fp4_half_codes():
+@pytest.mark.parametrize("decode", ["table", "exponent"])
+def test_gpu_fp4_half_codes(decode):
     """FP4 weights made only of the codes 0 and +-0.5 (the smallest table entries of the swap kernels'
-    decoder), with small scales: a decoder that lost them would return zeros."""
+    decoder; the exponent decode makes 0.5 a bf16 subnormal), with small scales: a decoder that lost them
+    would return zeros."""
     rng = fresh_rng()
     e, d, i, k, m = 8, 256, 128, 2, 24
     x, ids, w, *_ = problem(rng, m, k, e, d, i, "uniform")
@@ -611,7 +634,8 @@ def test_gpu_fp4_half_codes():
     scale = lambda *s: jnp.asarray(rng.integers(120, 128, s), jnp.uint8)  # noqa: E731
     w1, w3, w2 = packed(e, i, d // 2), packed(e, i, d // 2), packed(e, d, i // 2)
     sc = (scale(e, i, d // 32), scale(e, d, i // 32), scale(e, i, d // 32))
-    cfg = K.MgpuConfig(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True)
+    cfg = K.MgpuConfig(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True,
+                       fp4_decode=decode)
     got = kernel(x.astype(jnp.bfloat16), ids, w, w1, w2, w3, sc, backend="mgpu", config=cfg)
     assert rel_err(got, reference(x, ids, w, w1, w2, w3, sc)) < 1e-2
 

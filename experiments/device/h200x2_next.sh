@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 38}" in
+case "${1:?part 1 to 39}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -478,6 +478,16 @@ case "${1:?part 1 to 38}" in
     timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "balanced192" 2>&1 | tail -3
     timeout 200 python -m experiments.bench_moe --routing balanced --iters 10 --out "$OUT" --impls layer \
         --regime prefill --formats bf16,fp4 2>&1 | grep -E "^\| (decode|prefill)|rror" ;;
-*)  echo "part must be 1 to 38" >&2; exit 2 ;;
+39) # for the twelfth session (one GPU): the FP4 swap kernels' exponent-field decode (MgpuConfig(fp4_decode=
+    # "exponent"): ~5 instead of ~8 integer-ALU instructions per 4 weights; CPU-checked and lowered, never run) --
+    # its GPU tests (the +-0.5 codes are bf16 subnormals there), then FP4 decode / prefill against the table decode
+    # and Nsight Compute on its decode kernel
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4 --out $OUT"
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "exponent or half_codes" 2>&1 | tail -3
+    timeout 150 $M --regime decode --decode-tokens 64,256,1024 2>&1 | grep -E "^\| decode|rror"
+    timeout 120 $M --regime prefill 2>&1 | grep -E "^\| prefill|rror"
+    ncu_moe fp4_decode_exponent --format fp4 --tokens 256 --config '{"block_m": 16, "block_n": 256, "block_k": 64, "block_n_down": 256, "block_k_down": 64, "max_concurrent_steps": 4, "swap_ab": true, "warp_specialized": false, "fp4_decode": "exponent"}' ;;
+*)  echo "part must be 1 to 39" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

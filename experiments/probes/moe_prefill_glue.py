@@ -5,7 +5,7 @@ tokens a 0.40 ms row gather of the FP8 activations and 0.61 ms for act_quant of 
 
 Variants, CUPTI kernel time per call (all kernels of the jitted function):
   gather_fp8       jnp.take(xq, row_token, axis=0) on act_quant'd rows xq [M, D] float8 (the current code)
-  gather_fp8_u32   the same rows gathered as uint32 words (xq bitcast to [M, D / 4] uint32 and back)
+  gather_fp8_u32   the same rows gathered as uint32 words (pallas_kernels.moe.take_rows, now the dispatch's)
   gather_bf16      jnp.take(x, row_token, axis=0) on bf16 rows (the bf16 / FP4 prefill's dispatch)
   gather_bf16_u32  the same as uint32 words ([M, D / 2])
   zq_f32           act_quant of the gate/up kernel's float32 output z [P, I] and the transposed scales
@@ -24,27 +24,13 @@ import numpy as np
 
 from experiments.bench_kernels import cupti_ms
 from pallas_kernels import reference as ref
-from pallas_kernels.moe import forced_balance, route_plan
+from pallas_kernels.moe import forced_balance, route_plan, take_rows
 
 D, I, E, K, B = 4096, 2048, 256, 6, 128
 
 
-def _words(a, word=jnp.uint32):
-    """[R, C] of a narrow dtype -> [R, C * itemsize / 4] uint32 (bit-exact view)."""
-    per = 4 // jnp.dtype(a.dtype).itemsize
-    return jax.lax.bitcast_convert_type(a.reshape(a.shape[0], -1, per), word)
-
-
-def _unwords(w, dtype):
-    return jax.lax.bitcast_convert_type(w, dtype).reshape(w.shape[0], -1)
-
-
 def gather(x, row_token):
     return jnp.take(x, row_token, axis=0)
-
-
-def gather_words(x, row_token):
-    return _unwords(jnp.take(_words(x), row_token, axis=0), x.dtype)
 
 
 def zq_f32(z):
@@ -67,8 +53,8 @@ def main() -> None:
     x = jnp.asarray(rng.standard_normal((tokens, D), np.float32), jnp.bfloat16)
     xq, _ = jax.jit(lambda a: ref.act_quant(a, B))(x)
     z = jnp.asarray(rng.standard_normal((p, I), np.float32))
-    cases = [("gather_fp8", gather, (xq, plan.row_token)), ("gather_fp8_u32", gather_words, (xq, plan.row_token)),
-             ("gather_bf16", gather, (x, plan.row_token)), ("gather_bf16_u32", gather_words, (x, plan.row_token)),
+    cases = [("gather_fp8", gather, (xq, plan.row_token)), ("gather_fp8_u32", take_rows, (xq, plan.row_token)),
+             ("gather_bf16", gather, (x, plan.row_token)), ("gather_bf16_u32", take_rows, (x, plan.row_token)),
              ("zq_f32", zq_f32, (z,)), ("zq_f32_barrier", zq_f32_barrier, (z,)),
              ("zq_bf16", zq_f32, (z.astype(jnp.bfloat16),))]
     outs = {}

@@ -1,8 +1,10 @@
 """Probe target: one MoE expert block at V4-Flash shapes, called a few times, for a profiler run by hand --
 Nsight Compute (`ncu`, on the lent H200 since the eleventh session) or Mosaic GPU's SASS dump:
 
-  ncu --target-processes all -k regex:mosaic --launch-count 2 --section SpeedOfLight \\
-      --section WarpStateStats python -m experiments.probes.moe_profile_target --format fp4 --tokens 256
+  XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -k regex:mosaic --launch-count 1 --section SpeedOfLight \\
+      --section WarpStateStats python -m experiments.probes.moe_profile_target --format fp4 --tokens 256 --calls 1
+
+(without the preallocation switch ncu's kernel replay fails: it saves and restores device memory)
 
 With MOSAIC_GPU_DUMP_SASS=1 (and --cuda-root where nvdisasm lives: jax points Mosaic GPU at the CUDA of its
 pip wheels, which has none) the kernels' SASS is printed instead.

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -229,7 +230,7 @@ class MgpuConfig:
     # only): the compute warpgroup issues its own copies -- faster for the swap_ab decode tiles (tenth session)
     warp_specialized: bool = True
     # FP4 swap_ab kernels' E2M1 -> bf16 register decode (FP4_DECODES): "table" (exact for every scale) or
-    # "exponent" (fewer integer instructions; NaN outputs for scales above 2: see _E2M1_EXP_PTX)
+    # "exponent" / "multiply" (fewer integer instructions; NaN outputs for scales above 2: see _E2M1_EXP_PTX)
     fp4_decode: str = "table"
 
     def __post_init__(self):
@@ -736,13 +737,17 @@ lop3.b32 $1, os, 0x80008000, o, 0xEA;
 }}"""
 
 
-# The same decode with ~5 instead of ~8 integer-ALU instructions per four weights (Nsight Compute: the FP4
-# decode kernels are bound by the ALU pipe, docs/benchmarks.md): each nibble's three magnitude bits go to bf16
-# bits 8..6 (the exponent's low two bits and the mantissa's top bit) and its sign to bit 15, which is the E2M1
-# value times 2^-126 for all 16 codes (0.5 becomes the subnormal 2^-127); the 2^126 is folded into the scale,
-# 2^(b-1) instead of 2^(b-127), which bf16 holds for UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes the
-# larger ones NaN, so they cannot pass silently). Exact where it applies, provided the bf16 multiply keeps the
-# subnormal input (bf16 mul has no flush-to-zero in PTX; tests/test_kernels_moe.py test_gpu_fp4_half_codes).
+# The same decode, ~5 integer-ALU instructions per four weights where the table takes ~8 (Nsight Compute: the
+# FP4 decode kernels are bound by the ALU pipe, docs/benchmarks.md): each nibble's three magnitude bits go to
+# bf16 bits 8..6 (the exponent's low two bits and the mantissa's top bit) and its sign to bit 15, which is the
+# E2M1 value times 2^-126 for all 16 codes (0.5 becomes the subnormal 2^-127); the 2^126 is folded into the
+# scale, 2^(b-1) instead of 2^(b-127), which bf16 holds for UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes
+# the larger ones NaN, so they cannot pass silently). Exact where it applies, provided the bf16 multiply keeps
+# the subnormal input (bf16 mul has no flush-to-zero in PTX; tests/test_kernels_moe.py test_gpu_fp4_half_codes).
+#   "exponent": two shifts, a mask and a merge per output word (part 39: gate/up kernel 1.088 -> 0.951 ms);
+#   "multiply": the nibble masked, one integer multiply by 2^6 + 2^12 (or 2^2 + 2^8 for the odd nibble) lays
+#   two disjoint copies -- the magnitude lands at bits 8..6, the sign at bit 15 -- and one mask keeps those:
+#   seven instructions per four weights instead of nine, two of them multiplies (the FMA pipe, not the ALU's).
 _E2M1_EXP_PTX = """{
 .reg .b32 x, a, b, c, d;
 prmt.b32 x, $2, 0, 0x4140;
@@ -755,7 +760,17 @@ shl.b32 d, x, 8;
 and.b32 c, c, 0x01C001C0;
 lop3.b32 $1, d, 0x80008000, c, 0xEA;
 }"""
-FP4_DECODES = {"table": (_E2M1_BF16_PTX, 0), "exponent": (_E2M1_EXP_PTX, 126)}   # (PTX, scale exponent fold)
+E2M1_FOLDED_BITS = 0x81C081C0   # bf16x2 bits 15, 8..6 of each half: sign and E2M1 magnitude, times 2^-126
+_E2M1_MUL_PTX = f"""{{
+.reg .b32 x, e, o;
+prmt.b32 x, $2, 0, 0x4140;
+and.b32 e, x, 0x000F000F;
+and.b32 o, x, 0x00F000F0;
+mul.lo.u32 e, e, 0x1040;
+mul.lo.u32 o, o, 0x104;
+and.b32 $0, e, {E2M1_FOLDED_BITS:#x};
+and.b32 $1, o, {E2M1_FOLDED_BITS:#x};
+}}"""
 
 
 def _prmt(a, b, sel):
@@ -766,15 +781,17 @@ def _prmt(a, b, sel):
                << np.uint64(8 * i) for i in range(4))
 
 
+def _u32(*words):
+    return tuple((w & np.uint64(0xFFFFFFFF)).astype(np.uint32) for w in words)
+
+
 def e2m1_bf16_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """numpy model of _E2M1_BF16_PTX (for tests): u = b0 | b1 << 8 -> (even, odd) bf16x2 words, uint32."""
     u = np.asarray(u, np.uint64)
     s, mag = _prmt(u, 0, 0x4140), u & np.uint64(0x7777)
     hi, lo = _prmt(*E2M1_BF16_HIGH_BYTES, mag), _prmt(*E2M1_BF16_LOW_BYTES, mag)
     sign = lambda v: v & np.uint64(0x80008000)  # noqa: E731
-    even = _prmt(lo, hi, 0x6240) | sign(s << np.uint64(12))
-    odd = _prmt(lo, hi, 0x7351) | sign(s << np.uint64(8))
-    return (even & np.uint64(0xFFFFFFFF)).astype(np.uint32), (odd & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return _u32(_prmt(lo, hi, 0x6240) | sign(s << np.uint64(12)), _prmt(lo, hi, 0x7351) | sign(s << np.uint64(8)))
 
 
 def e2m1_exp_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -782,9 +799,25 @@ def e2m1_exp_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     values times 2^-126, uint32."""
     x = _prmt(np.asarray(u, np.uint64), 0, 0x4140)
     word = lambda mag, sign: (mag & np.uint64(0x01C001C0)) | (sign & np.uint64(0x80008000))  # noqa: E731
-    even = word(x << np.uint64(6), x << np.uint64(12))
-    odd = word(x << np.uint64(2), x << np.uint64(8))
-    return (even & np.uint64(0xFFFFFFFF)).astype(np.uint32), (odd & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return _u32(word(x << np.uint64(6), x << np.uint64(12)), word(x << np.uint64(2), x << np.uint64(8)))
+
+
+def e2m1_mul_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy model of _E2M1_MUL_PTX (for tests): as e2m1_exp_words, by masked multiplies (uint32 wrap-around)."""
+    x = _prmt(np.asarray(u, np.uint64), 0, 0x4140)
+    word = lambda nib, mult: ((nib * np.uint64(mult)) & np.uint64(0xFFFFFFFF)) & np.uint64(E2M1_FOLDED_BITS)  # noqa: E731
+    return _u32(word(x & np.uint64(0x000F000F), 0x1040), word(x & np.uint64(0x00F000F0), 0x104))
+
+
+class Fp4Decode(NamedTuple):
+    ptx: str        # inline PTX: $2 = two packed bytes (zero-extended) -> $0, $1 = (even, odd) bf16x2 words
+    fold: int       # the words are E2M1 * 2^-fold; the scales carry 2^fold (e8m0_bf16)
+    model: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]   # numpy model of the PTX, for tests
+
+
+FP4_DECODES = {"table": Fp4Decode(_E2M1_BF16_PTX, 0, e2m1_bf16_words),
+               "exponent": Fp4Decode(_E2M1_EXP_PTX, 126, e2m1_exp_words),
+               "multiply": Fp4Decode(_E2M1_MUL_PTX, 126, e2m1_mul_words)}
 
 
 def _fp4_operand(plgpu, tiles, scale_rows, scheme: str = "table"):
@@ -813,7 +846,7 @@ def _fp4_operand(plgpu, tiles, scale_rows, scheme: str = "table"):
             even, odd = np.empty_like(fa.registers), np.empty_like(fa.registers)
             for idx, reg in np.ndenumerate(fa.registers):
                 u = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
-                pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [u], FP4_DECODES[scheme][0],
+                pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [u], FP4_DECODES[scheme].ptx,
                                        "=r,=r,r")
                 even[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [0]), words)
                 odd[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [1]), words)
@@ -879,7 +912,7 @@ def _swap_w(fmt, w, s, fp4_decode="table"):
     them bound by the integer ALU pipe (B256 gate/up kernel: ALU 61% busy, DRAM 29%; eleventh session)."""
     if fmt != "fp4":
         return (w,) if fmt == "dense" else (w, s)
-    return w, e8m0_bf16(jnp.swapaxes(s, 1, 2), FP4_DECODES[fp4_decode][1])
+    return w, e8m0_bf16(jnp.swapaxes(s, 1, 2), FP4_DECODES[fp4_decode].fold)
 
 
 def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret,

@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 39}" in
+case "${1:?part 1 to 40}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -488,6 +488,21 @@ case "${1:?part 1 to 39}" in
     timeout 150 $M --regime decode --decode-tokens 64,256,1024 2>&1 | grep -E "^\| decode|rror"
     timeout 120 $M --regime prefill 2>&1 | grep -E "^\| prefill|rror"
     ncu_moe fp4_decode_exponent --format fp4 --tokens 256 --config '{"block_m": 16, "block_n": 256, "block_k": 64, "block_n_down": 256, "block_k_down": 64, "max_concurrent_steps": 4, "swap_ab": true, "warp_specialized": false, "fp4_decode": "exponent"}' ;;
-*)  echo "part must be 1 to 39" >&2; exit 2 ;;
+40) # twelfth session, after 39 (exponent decode: gate/up kernel 1.088 -> 0.951 ms, but each FP4 weight's per-call
+    # scale transpose had become three fusions, ~0.2 ms each): the "multiply" decode's GPU tests, FP4 decode with
+    # the three decodes at the default tiles, the scale-preparation probe, and the three decodes' SASS opcodes
+    export PYTHONUNBUFFERED=1
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "multiply or half_codes" 2>&1 | tail -3
+    C='{"swap_ab": true, "block_m": 16, "block_n": 256, "block_k": 64, "block_n_down": 256, "block_k_down": 64, "max_concurrent_steps": 4, "warp_specialized": false, "fp4_decode": "'
+    timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4 --out "$OUT" \
+        --regime decode --decode-tokens 64,256 --mgpu-configs "[${C}table\"}, ${C}exponent\"}, ${C}multiply\"}]" \
+        2>&1 | grep -E "^\| decode|rror"
+    timeout 100 python -m experiments.probes.moe_fp4_scales 2>&1 | tail -14
+    for d in table exponent multiply; do
+        MOSAIC_GPU_DUMP_SASS=1 timeout 100 python -m experiments.probes.moe_profile_target --format fp4 --tokens 256 \
+            --calls 1 --cuda-root /usr/local/cuda --config "${C}$d\"}" > "$OUT/sass_fp4_decode_$d.txt" 2>&1
+        echo "== $d"; python -m experiments.probes.sass_opcodes "$OUT/sass_fp4_decode_$d.txt" --top 14
+    done ;;
+*)  echo "part must be 1 to 40" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -232,6 +232,9 @@ class MgpuConfig:
     # FP4 swap_ab kernels' E2M1 -> bf16 register decode (FP4_DECODES): "table" (exact for every scale) or
     # "exponent" / "multiply" (fewer integer instructions; NaN outputs for scales above 2: see _E2M1_EXP_PTX)
     fp4_decode: str = "table"
+    # FP4 swap_ab kernels: stream a K step's packed weights as one [block_n, block_k/2] box (True) or as one
+    # [block_n, 16] box per scale group (False: 16-byte rows, one TMA per group)
+    fp4_step_box: bool = False
 
     def __post_init__(self):
         if self.fp4_decode not in FP4_DECODES:
@@ -944,8 +947,9 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                      wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
     steps, delay = _pipeline_depth(fit, nk)
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
+    boxes = 1 if cfg.fp4_step_box else g   # FP4 weight boxes per step
     if fmt == "fp4":
-        w_specs = [spec((bn, FP4_GROUP), lambda kk, i=i: (0, kk * g + i)) for i in range(g)] + \
+        w_specs = [spec((bn, bk // 2 // boxes), lambda kk, i=i: (0, kk * boxes + i)) for i in range(boxes)] + \
                   [spec((g, bn), lambda kk: (kk, 0))]
     else:
         w_specs = [spec((bn, bk), lambda kk: (0, kk))]
@@ -956,7 +960,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
         streamed = []
         for i in range(nw):
             w_g = refs[1 + i * per_w]
-            streamed += [w_g.at[e, rows]] * (g if fmt == "fp4" else 1)
+            streamed += [w_g.at[e, rows]] * (boxes if fmt == "fp4" else 1)
             if fmt == "fp4":
                 streamed.append(refs[2 + i * per_w].at[e, :, rows])
         return (refs[0].at[:, pl.ds(t * bm, bm)], *streamed)
@@ -973,8 +977,9 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                                    (kk * bk) // fp8_block)
                 a = (w_t[0].at[rows][...].astype(jnp.float32) * sc).astype(jnp.bfloat16)
             else:
-                a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)],
-                                 cfg.fp4_decode)
+                groups = [w_t[q].at[rows][...] for q in range(g)] if boxes == g else \
+                    [w_t[0].at[rows, pl.ds(q * FP4_GROUP, FP4_GROUP)][...] for q in range(g)]
+                a = _fp4_operand(plgpu, groups, [w_t[-1][q, rows] for q in range(g)], cfg.fp4_decode)
             plgpu.wgmma(acc, a, x_s)
         plgpu.wgmma_wait(1 if fmt == "dense" else 0)
         return accs

@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 40}" in
+case "${1:?part 1 to 41}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -503,6 +503,26 @@ case "${1:?part 1 to 40}" in
             --calls 1 --cuda-root /usr/local/cuda --config "${C}$d\"}" > "$OUT/sass_fp4_decode_$d.txt" 2>&1
         echo "== $d"; python -m experiments.probes.sass_opcodes "$OUT/sass_fp4_decode_$d.txt" --top 14
     done ;;
-*)  echo "part must be 1 to 40" >&2; exit 2 ;;
+41) # after 40 ("multiply" decode no faster than "exponent" although 128 fewer instructions per step: the gate/up
+    # kernel is not bound by decode instructions; the scale conversion's NaN selects split it into three fusions):
+    # FP4 weights streamed as one TMA box per K step (fp4_step_box; 16-byte rows before) -- GPU tests, FP4 decode
+    # and prefill; the scale conversion's variants
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4 --out $OUT"
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "step_box" 2>&1 | tail -3
+    C='{"swap_ab": true, "block_m": 16, "warp_specialized": false, "fp4_decode": "exponent", '
+    D1='"block_n": 256, "block_k": 64, "block_n_down": 256, "block_k_down": 64, "max_concurrent_steps": 4'
+    D2='"block_n": 128, "block_k": 128, "block_n_down": 128, "block_k_down": 128, "max_concurrent_steps": 4'
+    D3='"block_n": 128, "block_k": 128, "block_n_down": 128, "block_k_down": 128, "max_concurrent_steps": 6'
+    S='"fp4_step_box": true}'
+    timeout 200 $M --regime decode --decode-tokens 64,256 \
+        --mgpu-configs "[${C}${D1}}, ${C}${D1}, $S, ${C}${D2}, $S, ${C}${D3}, $S]" 2>&1 | grep -E "^\| decode|rror"
+    P=$(python -c 'import dataclasses as d, json; from pallas_kernels import moe
+c = moe.default_config("mgpu", 49152, 256, "fp4", balanced=True)
+print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
+                  d.asdict(d.replace(c, fp4_step_box=True, fp4_decode="exponent"))]))')
+    timeout 150 $M --regime prefill --mgpu-configs "$P" 2>&1 | grep -E "^\| prefill|rror"
+    timeout 100 python -m experiments.probes.moe_fp4_scales 2>&1 | tail -18 ;;
+*)  echo "part must be 1 to 41" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

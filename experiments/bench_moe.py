@@ -287,7 +287,7 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
             if regime == "decode" and rows_per_expert > 16:   # as bench_moe_20261130-025512 measured them
                 out = [dataclasses.replace(out[1], block_m=32, max_concurrent_steps=5),
                        dataclasses.replace(out[0], block_m=32), dataclasses.replace(out[2], block_m=32)]
-            out[1:1] = [dataclasses.replace(out[0], fp4_decode=d) for d in ("exponent", "multiply")]  # leaner decodes
+            out.insert(1, dataclasses.replace(out[0], fp4_decode="table"))   # the exact-for-every-scale decode
         elif regime == "prefill" and fmt == "bf16":   # warp-specialised row tiles first (2 or 3 compute WGs)
             ws = functools.partial(MgpuConfig, block_n=128, block_k=64, block_k_down=64)
             out = [ws(block_m=128, compute_wgs=2, block_n_down=256, max_concurrent_steps=4),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -24,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from pallas_kernels.moe import FP4_DECODES
 
 from . import quant_io
 from .config import ModelConfig
@@ -138,6 +141,10 @@ def _dequantised(items: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> I
         quant_io.dequantize_official({name: arr})
 
 
+# the largest UE8M0 byte the default Mosaic GPU E2M1 decode holds (its scales carry 2^fold in bf16)
+FP4_EXPONENT_DECODE_MAX_BYTE = 254 - FP4_DECODES["exponent"].fold
+
+
 def _held_format(cfg: ModelConfig, name: str) -> str | None:
     """How `cfg` holds the official tensor `name`: "fp4" (routed experts, cfg.expert_weights), "fp8" (the
     release's FP8 matrices, cfg.dense_weights) or None (dequantised to the model dtype)."""
@@ -167,13 +174,17 @@ def _as_held(pair: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[st
         grid = tuple(-(-n // cfg.fp8_block) for n in w.shape)
         stored = w.dtype == quant_io.F8_E4M3 and scale is not None and np.shape(scale) == grid
     if stored and scale is not None and np.asarray(scale).dtype in (quant_io.F8_E8M0, np.uint8):
-        yield wname, w.view(np.int8) if fmt == "fp4" else w
-        yield sname, np.asarray(scale).view(np.uint8)
-        return
-    (_, dense), = quant_io.dequantize_official(pair).items()
-    q, qs = quant_io.quantize_fp4(dense) if fmt == "fp4" else quant_io.quantize_fp8_blocks(dense, cfg.fp8_block)
-    yield wname, q
-    yield sname, qs.view(np.uint8)
+        w, qs = w.view(np.int8) if fmt == "fp4" else w, np.asarray(scale)
+    else:
+        (_, dense), = quant_io.dequantize_official(pair).items()
+        w, qs = quant_io.quantize_fp4(dense) if fmt == "fp4" else quant_io.quantize_fp8_blocks(dense, cfg.fp8_block)
+    qs = qs.view(np.uint8)
+    if fmt == "fp4" and qs.size and qs.max() > FP4_EXPONENT_DECODE_MAX_BYTE:
+        warnings.warn(f"{sname}: FP4 scales up to 2^{int(qs.max()) - 127}; the Mosaic GPU kernels' default E2M1 "
+                      "decode (fp4_decode='exponent') holds scales up to 2 and returns NaN beyond; "
+                      "pallas_kernels.moe.MgpuConfig(fp4_decode='table') decodes every scale", stacklevel=2)
+    yield wname, w
+    yield sname, qs
 
 
 # ----------------------------------------------------------------------------- loading

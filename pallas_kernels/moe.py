@@ -229,12 +229,9 @@ class MgpuConfig:
     # a dedicated TMA warpgroup feeds the compute ones (emit_pipeline_warp_specialized); False (compute_wgs=1
     # only): the compute warpgroup issues its own copies -- faster for the swap_ab decode tiles (tenth session)
     warp_specialized: bool = True
-    # FP4 swap_ab kernels' E2M1 -> bf16 register decode (FP4_DECODES): "table" (exact for every scale) or
-    # "exponent" / "multiply" (fewer integer instructions; NaN outputs for scales above 2: see _E2M1_EXP_PTX)
-    fp4_decode: str = "table"
-    # FP4 swap_ab kernels: stream a K step's packed weights as one [block_n, block_k/2] box (True) or as one
-    # [block_n, 16] box per scale group (False: 16-byte rows, one TMA per group)
-    fp4_step_box: bool = False
+    # FP4 swap_ab kernels' E2M1 -> bf16 register decode (FP4_DECODES): "exponent" (fewer integer instructions,
+    # 12% faster gate/up kernel; NaN outputs for scales above 2: see _E2M1_EXP_PTX) or "table" (every scale)
+    fp4_decode: str = "exponent"
 
     def __post_init__(self):
         if self.fp4_decode not in FP4_DECODES:
@@ -740,17 +737,17 @@ lop3.b32 $1, os, 0x80008000, o, 0xEA;
 }}"""
 
 
-# The same decode, ~5 integer-ALU instructions per four weights where the table takes ~8 (Nsight Compute: the
-# FP4 decode kernels are bound by the ALU pipe, docs/benchmarks.md): each nibble's three magnitude bits go to
+# The same decode with fewer integer-ALU instructions (SASS per K step: 268 LOP3 + 80 SHF + 64 PRMT, the
+# table's 320 PRMT + 204 LOP3; Nsight Compute had the table decode's kernels ALU-bound, docs/benchmarks.md),
+# the default: each nibble's three magnitude bits go to
 # bf16 bits 8..6 (the exponent's low two bits and the mantissa's top bit) and its sign to bit 15, which is the
 # E2M1 value times 2^-126 for all 16 codes (0.5 becomes the subnormal 2^-127); the 2^126 is folded into the
 # scale, 2^(b-1) instead of 2^(b-127), which bf16 holds for UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes
 # the larger ones NaN, so they cannot pass silently). Exact where it applies, provided the bf16 multiply keeps
 # the subnormal input (bf16 mul has no flush-to-zero in PTX; tests/test_kernels_moe.py test_gpu_fp4_half_codes).
-#   "exponent": two shifts, a mask and a merge per output word (part 39: gate/up kernel 1.088 -> 0.951 ms);
-#   "multiply": the nibble masked, one integer multiply by 2^6 + 2^12 (or 2^2 + 2^8 for the odd nibble) lays
-#   two disjoint copies -- the magnitude lands at bits 8..6, the sign at bit 15 -- and one mask keeps those:
-#   seven instructions per four weights instead of nine, two of them multiplies (the FMA pipe, not the ALU's).
+# Part 39/40 (H200, B64 decode): gate/up kernel 1.088 ms with the table, 0.951 with this decode; a variant with
+# seven instructions instead of nine (integer multiplies laying both copies, then one mask) took 0.969, so the
+# kernel is no longer bound by decode instructions.
 _E2M1_EXP_PTX = """{
 .reg .b32 x, a, b, c, d;
 prmt.b32 x, $2, 0, 0x4140;
@@ -763,19 +760,6 @@ shl.b32 d, x, 8;
 and.b32 c, c, 0x01C001C0;
 lop3.b32 $1, d, 0x80008000, c, 0xEA;
 }"""
-E2M1_FOLDED_BITS = 0x81C081C0   # bf16x2 bits 15, 8..6 of each half: sign and E2M1 magnitude, times 2^-126
-_E2M1_MUL_PTX = f"""{{
-.reg .b32 x, e, o;
-prmt.b32 x, $2, 0, 0x4140;
-and.b32 e, x, 0x000F000F;
-and.b32 o, x, 0x00F000F0;
-mul.lo.u32 e, e, 0x1040;
-mul.lo.u32 o, o, 0x104;
-and.b32 $0, e, {E2M1_FOLDED_BITS:#x};
-and.b32 $1, o, {E2M1_FOLDED_BITS:#x};
-}}"""
-
-
 def _prmt(a, b, sel):
     """numpy model of PTX prmt.b32 (default mode, selectors < 8): byte i of the result is byte sel_i of b:a."""
     pool = np.asarray(b, np.uint64) << np.uint64(32) | np.asarray(a, np.uint64)
@@ -805,13 +789,6 @@ def e2m1_exp_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _u32(word(x << np.uint64(6), x << np.uint64(12)), word(x << np.uint64(2), x << np.uint64(8)))
 
 
-def e2m1_mul_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy model of _E2M1_MUL_PTX (for tests): as e2m1_exp_words, by masked multiplies (uint32 wrap-around)."""
-    x = _prmt(np.asarray(u, np.uint64), 0, 0x4140)
-    word = lambda nib, mult: ((nib * np.uint64(mult)) & np.uint64(0xFFFFFFFF)) & np.uint64(E2M1_FOLDED_BITS)  # noqa: E731
-    return _u32(word(x & np.uint64(0x000F000F), 0x1040), word(x & np.uint64(0x00F000F0), 0x104))
-
-
 class Fp4Decode(NamedTuple):
     ptx: str        # inline PTX: $2 = two packed bytes (zero-extended) -> $0, $1 = (even, odd) bf16x2 words
     fold: int       # the words are E2M1 * 2^-fold; the scales carry 2^fold (e8m0_bf16)
@@ -819,8 +796,7 @@ class Fp4Decode(NamedTuple):
 
 
 FP4_DECODES = {"table": Fp4Decode(_E2M1_BF16_PTX, 0, e2m1_bf16_words),
-               "exponent": Fp4Decode(_E2M1_EXP_PTX, 126, e2m1_exp_words),
-               "multiply": Fp4Decode(_E2M1_MUL_PTX, 126, e2m1_mul_words)}
+               "exponent": Fp4Decode(_E2M1_EXP_PTX, 126, e2m1_exp_words)}
 
 
 def _fp4_operand(plgpu, tiles, scale_rows, scheme: str = "table"):
@@ -901,10 +877,12 @@ def fp4_k_order(a: jax.Array, axis: int) -> jax.Array:
 
 def e8m0_bf16(b: jax.Array, fold: int = 0) -> jax.Array:
     """UE8M0 bytes -> bf16 scales 2^(b - 127 + fold): b + fold = 0 -> the subnormal 2^-127, and NaN for b = 255
-    (as reference._e8m0) or where bf16 cannot hold the power (b + fold > 254)."""
-    b = b.astype(jnp.int16)
-    e = b + fold
-    bits = jnp.where((b == 255) | (e > 254), jnp.int16(0x7FC0), jnp.where(e == 0, jnp.int16(0x40), e << 7))
+    (as reference._e8m0) or where bf16 cannot hold the power (b + fold > 254). Unsigned 16-bit and one select:
+    XLA fuses that with the swap kernels' transpose of the scales (0.06 ms a V4-Flash scale tensor on the H200;
+    signed with two selects it split into three fusions, 0.20 ms: experiments/probes/moe_fp4_scales.py)."""
+    b = b.astype(jnp.uint16)
+    bits = jnp.maximum((b + fold) << 7, jnp.uint16(0x40))
+    bits = jnp.where(b > min(254 - fold, 254), jnp.uint16(0x7FC0), bits)
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
@@ -947,9 +925,8 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                      wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
     steps, delay = _pipeline_depth(fit, nk)
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
-    boxes = 1 if cfg.fp4_step_box else g   # FP4 weight boxes per step
     if fmt == "fp4":
-        w_specs = [spec((bn, bk // 2 // boxes), lambda kk, i=i: (0, kk * boxes + i)) for i in range(boxes)] + \
+        w_specs = [spec((bn, FP4_GROUP), lambda kk, i=i: (0, kk * g + i)) for i in range(g)] + \
                   [spec((g, bn), lambda kk: (kk, 0))]
     else:
         w_specs = [spec((bn, bk), lambda kk: (0, kk))]
@@ -960,7 +937,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
         streamed = []
         for i in range(nw):
             w_g = refs[1 + i * per_w]
-            streamed += [w_g.at[e, rows]] * (boxes if fmt == "fp4" else 1)
+            streamed += [w_g.at[e, rows]] * (g if fmt == "fp4" else 1)
             if fmt == "fp4":
                 streamed.append(refs[2 + i * per_w].at[e, :, rows])
         return (refs[0].at[:, pl.ds(t * bm, bm)], *streamed)
@@ -977,9 +954,8 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                                    (kk * bk) // fp8_block)
                 a = (w_t[0].at[rows][...].astype(jnp.float32) * sc).astype(jnp.bfloat16)
             else:
-                groups = [w_t[q].at[rows][...] for q in range(g)] if boxes == g else \
-                    [w_t[0].at[rows, pl.ds(q * FP4_GROUP, FP4_GROUP)][...] for q in range(g)]
-                a = _fp4_operand(plgpu, groups, [w_t[-1][q, rows] for q in range(g)], cfg.fp4_decode)
+                a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)],
+                                 cfg.fp4_decode)
             plgpu.wgmma(acc, a, x_s)
         plgpu.wgmma_wait(1 if fmt == "dense" else 0)
         return accs

@@ -3,6 +3,8 @@ official checkpoints ship them; the reference path dequantises in-graph, the Pal
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,19 @@ def test_official_checkpoint_kept_fp4(golden_dir, name):
     want = load_file(d / "outputs.safetensors")["prefill_logits"]
     got = np.asarray(model(prompts))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+
+
+def test_large_fp4_scales_warn_at_load():
+    """FP4 expert scales above 2 (UE8M0 byte > 128) load, with a warning naming the tensor: the default Mosaic
+    GPU decode would return NaN for them."""
+    from model.checkpoint import FP4_EXPONENT_DECODE_MAX_BYTE, _as_held
+    cfg = CFG.replace(expert_weights="fp4")
+    name = "layers.0.ffn.experts.0.w1"
+    packed = np.zeros((4, 32), np.int8)
+    for top, warns in ((FP4_EXPONENT_DECODE_MAX_BYTE, False), (FP4_EXPONENT_DECODE_MAX_BYTE + 1, True)):
+        scale = np.full((4, 2), top, np.uint8).view(quant_io.F8_E8M0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            held = dict(_as_held({name + ".weight": packed, name + ".scale": scale}, cfg))
+        assert held[name + ".scale"].dtype == np.uint8 and held[name + ".weight"] is not None
+        assert any(name + ".scale" in str(w.message) for w in caught) == warns

@@ -188,8 +188,8 @@ def test_e2m1_decoder_covers_all_codes():
 
 @pytest.mark.parametrize("decode", sorted(K.FP4_DECODES))
 def test_e2m1_bf16_decoders_are_exact(decode):
-    """The Mosaic GPU swap kernels' in-register decoders (inline PTX: prmt byte tables; bits shifted or
-    multiplied into the bf16 exponent, a factor 2^-126 folded into the scale), through their numpy models,
+    """The Mosaic GPU swap kernels' in-register decoders (inline PTX: prmt byte tables; bits shifted
+    into the bf16 exponent, a factor 2^-126 folded into the scale), through their numpy models,
     against the E2M1 table for every pair of packed bytes; the PTX itself runs in the GPU tests."""
     import ml_dtypes
     u = np.arange(1 << 16, dtype=np.uint32)
@@ -482,9 +482,7 @@ SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=1
     ("mgpu", "bf16", 64, "out_in", SWAP_DECODE),  # swapped operands, decode tiles of 16 tokens
     ("mgpu", "fp8", 256, "out_in", SWAP_DECODE_FP8),  # FP8 dequantised in registers
     ("mgpu", "fp4", 256, "out_in", SWAP_DECODE),      # FP4 decoded in registers, whole scale groups per step
-    ("mgpu", "fp4", 256, "out_in", dataclasses.replace(SWAP_DECODE, fp4_decode="exponent")),
-    ("mgpu", "fp4", 256, "out_in", dataclasses.replace(SWAP_DECODE, fp4_decode="multiply")),
-    ("mgpu", "fp4", 256, "out_in", dataclasses.replace(SWAP_DECODE, fp4_step_box=True)),
+    ("mgpu", "fp4", 256, "out_in", dataclasses.replace(SWAP_DECODE, fp4_decode="table")),
     ("mgpu", "fp4", 64, "out_in", None),
     ("mgpu", "fp4", 1024, "out_in", None),            # verify B256 x 4 rows: 24 rows per expert, 32-token tiles
     ("mgpu", "fp4", 8192, "out_in", None),            # default_config: FP4 prefill on the swap kernels
@@ -562,8 +560,7 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
                                                ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap"),
                                                ("mgpu", "fp8", "swap_2wg"), ("mgpu", "fp4", "swap_2wg"),
                                                ("mgpu", "bf16", "balanced192"), ("mgpu", "fp4", "balanced192"),
-                                               ("mgpu", "fp4", "swap_exponent"), ("mgpu", "fp4", "swap_multiply"),
-                                               ("mgpu", "fp4", "swap_step_box")])
+                                               ("mgpu", "fp4", "swap_table")])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
 def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     e, d, i, k = 32, 1024, 512, 6
@@ -571,13 +568,12 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     # FP8 as the V4 checkpoints ship it: 128x128 scale blocks
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x, ids, w, q1, q2, q3, sc)
-    if tiles in ("swap", "swap_2wg", "swap_exponent", "swap_multiply", "swap_step_box"):   # 2wg: two compute warpgroups of 64 weight rows each
+    if tiles in ("swap", "swap_2wg", "swap_table"):   # 2wg: two compute warpgroups of 64 weight rows each
         bk, wgs = 64 if fmt == "fp4" else 128, 2 if tiles == "swap_2wg" else 1
         cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64 * wgs, block_k=bk,
                            block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs,
                            warp_specialized=wgs > 1,   # 1: as the decode defaults, no TMA warpgroup
-                           fp4_decode=tiles[len("swap_"):] if tiles in ("swap_exponent", "swap_multiply") else "table",
-                           fp4_step_box=tiles == "swap_step_box")
+                           fp4_decode="table" if tiles == "swap_table" else "exponent")
     elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
         cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)
     elif tiles == "balanced192":   # default_config's 192-row tiles for 192 rows per expert (three compute WGs)

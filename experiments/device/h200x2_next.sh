@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 41}" in
+case "${1:?part 1 to 42}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -523,6 +523,16 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
                   d.asdict(d.replace(c, fp4_step_box=True, fp4_decode="exponent"))]))')
     timeout 150 $M --regime prefill --mgpu-configs "$P" 2>&1 | grep -E "^\| prefill|rror"
     timeout 100 python -m experiments.probes.moe_fp4_scales 2>&1 | tail -18 ;;
-*)  echo "part must be 1 to 41" >&2; exit 2 ;;
+42) # after 41 (one TMA box per step: slower, 1.224 vs 1.008 ms, dropped; the scale conversion in uint16 with one
+    # select fuses into one 0.06 ms kernel): the exponent decode as the default and the fused scale conversion --
+    # the FP4 Mosaic GPU GPU tests, FP4 decode / prefill, the whole layer, the probe
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT"
+    timeout 170 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4" 2>&1 | tail -3
+    timeout 100 $M --impls mgpu --regime decode --formats fp4 --decode-tokens 64,256,1024 --quick 2>&1 | grep -E "^\| decode|rror"
+    timeout 100 $M --impls mgpu --regime prefill --formats fp4 --quick 2>&1 | grep -E "^\| prefill|rror"
+    timeout 150 $M --impls layer --regime prefill,decode --formats fp4 2>&1 | grep -E "^\| (decode|prefill)|rror"
+    timeout 60 python -m experiments.probes.moe_fp4_scales 2>&1 | grep -E "scales|current" ;;
+*)  echo "part must be 1 to 42" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

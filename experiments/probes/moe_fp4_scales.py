@@ -2,11 +2,13 @@
 
 The swap kernels take each FP4 weight's UE8M0 scales transposed to [E, in/32, out] and as bf16 with the decode's
 fold (`pallas_kernels.moe._swap_w`). At 7ec17d7 (part 39) CUPTI showed three transpose fusions per scale tensor,
-0.19-0.20 ms each tensor, where the eleventh session's part 35 had one of 0.07 ms (same shapes).
+0.19-0.20 ms each tensor, where the eleventh session's part 35 had one of 0.07 ms (same shapes). Parts 40-41
+(H200, gate/up scales): that spelling -- signed 16-bit, two selects -- 0.198 ms in 3 kernels; unsigned with one
+select 0.060 in 1 (e8m0_bf16 now); no select at all 0.062; the uint8 transpose alone 0.042.
 
 Variants, CUPTI kernel time per call and the kernels of the compiled module, at V4-Flash's gate/up scales
 [256, 2048, 128] and down scales [256, 4096, 64] (uint8):
-  current        e8m0_bf16(swapaxes(s), 126)          (moe._swap_w's spelling)
+  current        e8m0_bf16(swapaxes(s), 126)          (moe._swap_w's spelling; int16 and two selects until part 41)
   convert_first  swapaxes(e8m0_bf16(s, 126))
   shift_only     ((swapaxes(s) as uint16 + 126) << 7) bitcast to bf16, no NaN guards
   clamp          min(swapaxes(s) as uint16 + 126, 255) << 7: scales bf16 cannot hold become +inf

@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 42}" in
+case "${1:?part 1 to 43}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -533,6 +533,12 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 100 $M --impls mgpu --regime prefill --formats fp4 --quick 2>&1 | grep -E "^\| prefill|rror"
     timeout 150 $M --impls layer --regime prefill,decode --formats fp4 2>&1 | grep -E "^\| (decode|prefill)|rror"
     timeout 60 python -m experiments.probes.moe_fp4_scales 2>&1 | grep -E "scales|current" ;;
-*)  echo "part must be 1 to 42" >&2; exit 2 ;;
+43) # issue 11 on nvidia-h200-x2 (twelfth session): the 43-layer V4-Flash B256 verify and 2 x 4096 prefill that
+    # part 2 had no time left for (its B64 verify compiled for 200 s)
+    export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+    timeout 575 $B --preset v4-flash --dense-weights fp8 --expert-weights fp4 --mesh 1,2,1 \
+        --phase decode,prefill --batch 256 --prefill-batch 2 --context 32768 --time-budget 330 \
+        --tag h200x2_full43_b256 2>&1 | tail -8 ;;
+*)  echo "part must be 1 to 43" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

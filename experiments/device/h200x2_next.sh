@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 43}" in
+case "${1:?part 1 to 44}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -539,6 +539,11 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 575 $B --preset v4-flash --dense-weights fp8 --expert-weights fp4 --mesh 1,2,1 \
         --phase decode,prefill --batch 256 --prefill-batch 2 --context 32768 --time-budget 330 \
         --tag h200x2_full43_b256 2>&1 | tail -8 ;;
-*)  echo "part must be 1 to 43" >&2; exit 2 ;;
+44) # issue 11 on nvidia-h200-x2 (twelfth session): part 25's second command alone (its sweep is complete) --
+    # the per-kernel times of ep=2 verify B256, 4 layers
+    export NCCL_NVLS_ENABLE=0
+    timeout 230 $B --preset v4-flash-4l --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 256 \
+        --context 32768 --kernel-times 3 --tag h200x2_ep2_kernels 2>&1 | tail -40 ;;
+*)  echo "part must be 1 to 44" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

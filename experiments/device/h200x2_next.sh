@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 44}" in
+case "${1:?part 1 to 45}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -544,6 +544,10 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     export NCCL_NVLS_ENABLE=0
     timeout 230 $B --preset v4-flash-4l --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 256 \
         --context 32768 --kernel-times 3 --tag h200x2_ep2_kernels 2>&1 | tail -40 ;;
-*)  echo "part must be 1 to 44" >&2; exit 2 ;;
+45) # twelfth session, one GPU (of whichever machine is warm): the tenth session's model-level FP4 step
+    # (s10_fp4_defaults) again at this session's defaults (exponent decode, fused scale conversion, 192-row tiles)
+    CUDA_VISIBLE_DEVICES=0 timeout 280 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 \
+        --prefill-batch 2 --context 32768 --new-tokens 4096 --step verify --tag s12_fp4_defaults 2>&1 | tail -6 ;;
+*)  echo "part must be 1 to 45" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 45}" in
+case "${1:?part 1 to 46}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -548,6 +548,15 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     # (s10_fp4_defaults) again at this session's defaults (exponent decode, fused scale conversion, 192-row tiles)
     CUDA_VISIBLE_DEVICES=0 timeout 280 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 \
         --prefill-batch 2 --context 32768 --new-tokens 4096 --step verify --tag s12_fp4_defaults 2>&1 | tail -6 ;;
-*)  echo "part must be 1 to 45" >&2; exit 2 ;;
+46) # twelfth session, one GPU: Nsight Compute on the FP4 decode kernels at the new default (exponent decode) --
+    # what bounds them once decode instructions do not (part 39's ncu run with --config segfaulted)
+    export PYTHONUNBUFFERED=1
+    ncu_moe fp4_decode_exponent_default --format fp4 --tokens 256
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 ncu -k regex:mosaic --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
+        python -m experiments.probes.moe_profile_target --calls 1 --format fp4 --tokens 256 \
+        > "$OUT/ncu_fp4_decode_exponent_down.txt" 2>&1
+    grep -E "ERR|rror|Duration|Throughput|Stall|No Eligible|Achieved Occupancy" "$OUT/ncu_fp4_decode_exponent_down.txt" | head -30 ;;
+*)  echo "part must be 1 to 46" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

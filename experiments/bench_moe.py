@@ -143,9 +143,12 @@ def make_routing(kind: str, tokens: int, rng):
 
 
 def make_weights(fmt: str, seed: int):
-    """Random expert weights in storage format, generated on the device (never zeros)."""
+    """Random expert weights in storage format, generated on the device (never zeros); FP4 scales held as
+    the model holds them (pallas_kernels.moe.fp4_kernel_scales)."""
     import jax
     import jax.numpy as jnp
+
+    from pallas_kernels import moe as PK
     ks = jax.random.split(jax.random.key(seed), 6)
 
     @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -169,6 +172,8 @@ def make_weights(fmt: str, seed: int):
             s = jax.random.randint(ks_, (shape[0], shape[1], shape[2] // 32), 119, 123).astype(jnp.uint8)
             return v, s
     (w1, s1), (w2, s2), (w3, s3) = q(ks[0], (E, I, D)), q(ks[1], (E, D, I)), q(ks[2], (E, I, D))
+    if fmt == "fp4":    # as the model holds them (the weight bytes reported stay the checkpoint's: 1 per scale)
+        s1, s2, s3 = (PK.fp4_kernel_scales(s) for s in (s1, s2, s3))
     return w1, w2, w3, (s1, s2, s3)
 
 
@@ -179,11 +184,13 @@ def _xla_fn(fmt, act_block=0):
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels import moe as PK
     from pallas_kernels import reference as R
 
     def f(x, ids, w, w1, w2, w3, scales):
         if scales is not None:       # the XLA path with quantised weights: dequantise to bf16 every call
-            w1, w2, w3 = (R.dequant_experts(a, s).astype(jnp.bfloat16) for a, s in zip((w1, w2, w3), scales))
+            w1, w2, w3 = (R.dequant_experts(a, PK.fp4_scale_bytes(s)).astype(jnp.bfloat16)
+                          for a, s in zip((w1, w2, w3), scales))
         return R.moe_experts(x, ids, w, w1, w2, w3, LIMIT, act_block)
     return jax.jit(f)
 

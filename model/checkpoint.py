@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.moe import FP4_DECODES
+from pallas_kernels.moe import FP4_DECODES, fp4_kernel_scales, fp4_scale_bytes
 
 from . import quant_io
 from .config import ModelConfig
@@ -141,6 +141,11 @@ def _dequantised(items: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> I
         quant_io.dequantize_official({name: arr})
 
 
+def _is_kernel_scale(path: tuple, var) -> bool:
+    """A routed-expert FP4 scale leaf, held as pallas_moe.fp4_kernel_scales (bf16 [E, in/32, out])."""
+    return re.search(r"\.experts\.s[123]$", ".".join(map(str, path))) is not None and var.dtype == jnp.bfloat16
+
+
 # the largest UE8M0 byte the default Mosaic GPU E2M1 decode holds (its scales carry 2^fold in bf16)
 FP4_EXPONENT_DECODE_MAX_BYTE = 254 - FP4_DECODES["exponent"].fold
 
@@ -237,6 +242,10 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
     expected: dict[str, tuple[int, int | None]] = {}  # name -> (leaf index, expert index)
     buffers: list[np.ndarray | None] = [None] * len(flat)
     filled: list[np.ndarray | None] = [None] * len(flat)
+    # leaves held otherwise than stored: routed experts' FP4 scales (fp4_kernel_scales, bf16 [E, in/32, out])
+    # are read as their UE8M0 bytes [E, out, in/32] and converted once all experts are in
+    stored = {i: ((var.shape[0], var.shape[2], var.shape[1]), np.uint8) for i, (path, var) in enumerate(flat)
+              if _is_kernel_scale(path, var)}
     for i, (path, var) in enumerate(flat):
         name = path_to_official(path)
         if "{e}" in name:
@@ -267,15 +276,15 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
         seen.add(name)
         i, e = expected[name]
         var = flat[i][1]
-        want = tuple(var.shape[1:]) if e is not None else tuple(var.shape)
+        shape, np_dtype = stored.get(i, (tuple(var.shape), np.dtype(var.dtype)))
+        want = tuple(shape[1:]) if e is not None else tuple(shape)
         if tuple(arr.shape) != want:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
-        np_dtype = np.dtype(var.dtype)
         if e is None:
             buffers[i] = np.asarray(arr).astype(np_dtype)
         else:
             if buffers[i] is None:
-                buffers[i] = np.empty(var.shape, np_dtype)
+                buffers[i] = np.empty(shape, np_dtype)
             buffers[i][e] = np.asarray(arr).astype(np_dtype)
             filled[i][e] = True
     if unexpected:
@@ -289,6 +298,9 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
     missing = sorted((set(expected) | set(host_tables)) - seen - elsewhere)
     if missing:
         raise ValueError(f"{source}: missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    with jax.default_device(jax.devices("cpu")[0]):   # host buffers stay on the host
+        for i in stored:
+            buffers[i] = np.asarray(fp4_kernel_scales(buffers[i]))
     if mesh is not None:
         from sharding.apply import place_loaded
 
@@ -305,7 +317,10 @@ def official_tensors(model: Transformer) -> dict[str, np.ndarray]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
         name = path_to_official(path)
-        arr = np.asarray(jax.device_get(var[...]))
+        arr = var[...]
+        if _is_kernel_scale(path, var):
+            arr = fp4_scale_bytes(arr)
+        arr = np.asarray(jax.device_get(arr))
         if arr.dtype == np.uint8:  # UE8M0 exponent bytes in memory
             arr = arr.view(quant_io.F8_E8M0)
         if "{e}" in name:

@@ -19,7 +19,9 @@ Weights stay in their storage format in HBM and are dequantised in registers ins
   dense  bf16/f16/f32  w [E, out, in]
   FP8    float8_e4m3fn w [E, out, in] + UE8M0 block scales [E, out/B, in/B] (B = 128 V4, 32 V4.1)
   FP4    E2M1 packed   w int8 [E, out, in/2] (low nibble = even column) + UE8M0 [E, out, in/32]
-(scales as float8_e8m0fnu or their uint8 exponent bytes; see model/quant_io.py).
+(scales as float8_e8m0fnu or their uint8 exponent bytes; see model/quant_io.py). FP4 scales may also come in
+the layout the Mosaic GPU swap kernels stream, which is how the model holds routed experts' (`fp4_kernel_scales`:
+bf16 [E, in/32, out], 2^(b-1)); `fp4_scale_bytes` gives the UE8M0 bytes back.
 
 Backends (Pallas lowerings):
   "triton" - every format, block_m >= 16 (tl.dot): decode / verify (weight-bandwidth-bound: a tile holds
@@ -41,7 +43,8 @@ lowering for CUDA at V4-Flash shapes, and on the GPU.
 
 Public: `moe_experts` (drop-in for reference.moe_experts, plus scales / backend / config),
 `forced_balance` (DeepInfer's benchmark routing), `route_plan`, `quantize_experts_fp8/fp4` (numpy, for
-tests and tools), `expert_bytes`, `TritonConfig`, `MgpuConfig`, `default_config`.
+tests and tools), `fp4_kernel_scales` / `fp4_scale_bytes`, `expert_bytes`, `TritonConfig`, `MgpuConfig`,
+`default_config`.
 """
 
 from __future__ import annotations
@@ -886,14 +889,39 @@ def e8m0_bf16(b: jax.Array, fold: int = 0) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def _swap_w(fmt, w, s, fp4_decode="table"):
-    """A weight's kernel operands: (w,), FP8 (w, s), FP4 (w, s as bf16 transposed to [E, in/32, out]: one copy
-    of every expert's scales per call, 1/8 of the packed bytes). The bf16 conversion here, in the transpose
-    XLA runs anyway, saves the FP4 decode kernels two integer instructions per scale: Nsight Compute found
-    them bound by the integer ALU pipe (B256 gate/up kernel: ALU 61% busy, DRAM 29%; eleventh session)."""
+FP4_KERNEL_FOLD = FP4_DECODES["exponent"].fold   # the default decode's, which held scales carry
+
+
+def fp4_kernel_scales(s: jax.Array) -> jax.Array:
+    """FP4 UE8M0 scales [..., out, in/32] (uint8 or float8_e8m0fnu) -> the swap kernels' operand: bf16
+    [..., in/32, out] of 2^(b - 127 + FP4_KERNEL_FOLD) (e8m0_bf16: NaN for b > 128, scales above 2). Models hold
+    routed experts' FP4 scales so (model.moe.Experts), so no decode step transposes and converts them: that
+    per-call pass took 0.07 ms per V4-Flash scale tensor, 0.21 ms per layer (twelfth session, H200); the
+    price is 2 bytes per 32 weights instead of 1 (the kernels read the bf16 either way)."""
+    return e8m0_bf16(jnp.swapaxes(_as_e8m0_bytes(s), -1, -2), FP4_KERNEL_FOLD)
+
+
+def fp4_scale_bytes(s: jax.Array) -> jax.Array:
+    """FP4 scales in either layout -> UE8M0 bytes uint8 [..., out, in/32]: checkpoint bytes as they are,
+    fp4_kernel_scales' back (its NaN -> 255)."""
+    if s.dtype != jnp.bfloat16:
+        return _as_e8m0_bytes(s)
+    e = (lax.bitcast_convert_type(s, jnp.uint16) >> 7).astype(jnp.int32) & 0xFF
+    return jnp.swapaxes(jnp.where(e == 255, 255, e - FP4_KERNEL_FOLD).astype(jnp.uint8), -1, -2)
+
+
+def _swap_w(fmt, w, s, fp4_decode="exponent"):
+    """A weight's kernel operands: (w,), FP8 (w, s), FP4 (w, s as bf16 [E, in/32, out] with the decode's fold):
+    FP4 scales held so (fp4_kernel_scales) go straight in; UE8M0 bytes, or a decode with another fold, cost
+    one transpose-and-convert per call (0.07 ms per V4-Flash scale tensor, H200). bf16 scales save the
+    decode kernels two integer instructions per scale over bytes: Nsight Compute found them bound by the
+    integer ALU pipe (B256 gate/up kernel: ALU 61% busy, DRAM 29%; eleventh session)."""
     if fmt != "fp4":
         return (w,) if fmt == "dense" else (w, s)
-    return w, e8m0_bf16(jnp.swapaxes(s, 1, 2), FP4_DECODES[fp4_decode].fold)
+    fold = FP4_DECODES[fp4_decode].fold
+    if s.dtype == jnp.bfloat16 and fold == FP4_KERNEL_FOLD:
+        return w, s
+    return w, e8m0_bf16(jnp.swapaxes(fp4_scale_bytes(s), 1, 2), fold)
 
 
 def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret,
@@ -1059,7 +1087,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     x [M, D], expert_ids [M, k] int (ids outside [0, E) are dropped: they cost nothing and add 0 -- an
     expert-parallel shard passes the rows it does not own that way), weights [M, k] float32 (routing weights),
     w1/w3 [E, I, D], w2 [E, D, I] in storage format (dense; FP8 E4M3; FP4 packed [E, out, in/2]),
-    scales: None or (s1, s2, s3) UE8M0 scales of w1, w2, w3 (see module docstring),
+    scales: None or (s1, s2, s3) UE8M0 scales of w1, w2, w3 (see module docstring; FP4 ones also as
+    fp4_kernel_scales, which the swap kernels take without a per-call pass),
     backend: "auto" | "triton" | "mgpu"; config: TritonConfig / MgpuConfig (None -> by regime);
     interpret: None (auto: interpret on CPU) | bool | an InterpretGPUParams for mgpu;
     weight_layout: "out_in" (the model's [E, out, in]) or "in_out" (dense, or FP8 on the mgpu row tiles, scales
@@ -1076,7 +1105,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     uses it (default_config).
     Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
     """
-    s1, s2, s3 = (None, None, None) if scales is None else tuple(_as_e8m0_bytes(s) for s in scales)
+    held = (None, None, None) if scales is None else tuple(scales)   # FP4: either layout (fp4_kernel_scales)
+    s1, s2, s3 = (None, None, None) if scales is None else tuple(fp4_scale_bytes(s) for s in scales)  # UE8M0 bytes
     fmt = weight_format(w1, s1)
     if weight_format(w2, s2) != fmt or weight_format(w3, s3) != fmt:
         raise ValueError("moe_experts: w1, w2, w3 must share one storage format")
@@ -1154,12 +1184,13 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
         tiles = (plan.tile_expert, plan.tile_rows)
-        zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
+        sw1, sw2, sw3 = held if fmt == "fp4" else (s1, s2, s3)
+        zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (w1, w3), (sw1, sw3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
                         out_dtype=z_dtype, interpret=interp, x_rows=True)
         zt = rounded(zt.T).T if act_block else zt
         zt = fp4_k_order(zt, axis=0) if fmt == "fp4" else zt
-        yt = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
+        yt = _swap_gemm("down", zt, tiles, (w2,), (sw2,), fmt=fmt, names=("block_n_down", "block_k_down"),
                         cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
         y = transpose(yt, interpret=interp is not None)  # [P, D]: the combine below gathers whole rows
     elif backend == "mgpu":

@@ -188,7 +188,8 @@ def memory_per_device(cfg, dp: int = 1, ep: int = 1, tp: int = 1, seqs_per_devic
     """Bytes per device of parameters and caches from abstract shapes (no devices needed) under the
     table's layout. `params` holds weights as this model keeps them (`dtype`, or as shipped where the config
     says: FP8 + block scales with cfg.dense_weights="fp8", FP4 + scales with cfg.expert_weights="fp4");
-    `params_fp4_experts` counts routed experts as released (FP4 + one UE8M0 scale per 32 values);
+    `params_fp4_experts` counts routed experts as released (FP4 + one UE8M0 scale per 32 values; an FP4 model
+    holds the scales as bf16, one byte more per 32 values);
     `engram` is the part of `params` in replicated Engram tables (V4.1, device placement);
     `cache` is `seqs_per_device` sequences of `max_len` positions (each sequence lives on one device)."""
     from model.cache import memory_estimate
@@ -210,8 +211,12 @@ def memory_per_device(cfg, dp: int = 1, ep: int = 1, tp: int = 1, seqs_per_devic
         size = count * np.dtype(leaf.dtype).itemsize
         name = _official_name(path)
         out["params"] += size
-        dense_expert = ".experts." in name and np.dtype(leaf.dtype).itemsize > 1  # FP4 models: already packed
-        out["params_fp4_experts"] += count * (0.5 + 1 / 32) if dense_expert else size
+        if ".experts." in name and name.endswith(".scale"):   # FP4 models' scales: one UE8M0 byte as released
+            out["params_fp4_experts"] += count                 # (held as bf16, fp4_kernel_scales)
+        elif ".experts." in name and np.dtype(leaf.dtype).itemsize > 1:   # dense experts as released
+            out["params_fp4_experts"] += count * (0.5 + 1 / 32)
+        else:
+            out["params_fp4_experts"] += size
         if ".engram." in name:
             out["engram"] += size
     out["cache"] = seqs_per_device * memory_estimate(cfg, max_len)["bytes_per_sequence_at_max_len"]

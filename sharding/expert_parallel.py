@@ -133,7 +133,9 @@ class ExpertParallel:
                                   balanced=balanced)
         strategy, transport, tok_axes = self.choose(m)
         tok = P(tok_axes if tok_axes else None)
-        w13, w2s = P("ep", "tp", None), P("ep", None, "tp")  # FP4: packed weights and scales split alike
+        w13, w2s = P("ep", "tp", None), P("ep", None, "tp")  # FP4: packed weights and UE8M0 bytes split alike
+        held = scales is not None and scales[0].dtype == jnp.bfloat16   # FP4 scales as fp4_kernel_scales
+        s13, s2s = (w2s, w13) if held else (w13, w2s)                     # ([E, in/32, out]: transposed)
         if strategy == "replicate":
             body = _replicate_body
         elif transport == "gather":
@@ -148,7 +150,7 @@ class ExpertParallel:
         # pallas_call declares no varying-axes type for its outputs, and comm_only's rows do not vary over
         # tp: shard_map's varying-axes check runs with the reference arithmetic only
         fn = jax.shard_map(run, mesh=self.mesh, out_specs=tok, check_vma=self.impl == "reference",
-                           in_specs=(tok, tok, tok, w13, w2s, w13) + ((w13, w2s, w13) if scales else ()))
+                           in_specs=(tok, tok, tok, w13, w2s, w13) + ((s13, s2s, s13) if scales else ()))
         return fn(x, ids.astype(jnp.int32), weights.astype(jnp.float32), w1, w2, w3, *(scales or ()))
 
 

@@ -68,8 +68,11 @@ PARAM_RULES: list[tuple[str, tuple]] = [
     (r".*\.attn\.indexer\.wk\.weight", (None, "embed")),                     # [V4.1] own index keys
     (r".*\.attn\.indexer\.k_norm\.weight", ("norm",)),
     # MoE: routed experts over ep; router and shared expert replicated
-    (r".*\.ffn\.experts\.\{e\}\.w[13]\.(weight|scale)", ("experts", "expert_mlp", "embed")),  # FP4: packed /
-    (r".*\.ffn\.experts\.\{e\}\.w2\.(weight|scale)", ("experts", "embed", "expert_mlp")),    # scales alike
+    (r".*\.ffn\.experts\.\{e\}\.w[13]\.weight", ("experts", "expert_mlp", "embed")),   # FP4: packed alike
+    (r".*\.ffn\.experts\.\{e\}\.w2\.weight", ("experts", "embed", "expert_mlp")),
+    # FP4 scales are held transposed ([E, in/32, out]: pallas_kernels.moe.fp4_kernel_scales)
+    (r".*\.ffn\.experts\.\{e\}\.w[13]\.scale", ("experts", "embed", "expert_mlp")),
+    (r".*\.ffn\.experts\.\{e\}\.w2\.scale", ("experts", "expert_mlp", "embed")),
     (r".*\.ffn\.gate\.weight", ("router", "embed")),
     (r".*\.ffn\.gate\.bias", ("router",)),
     (r".*\.ffn\.gate\.tid2eid", ("vocab", "router")),

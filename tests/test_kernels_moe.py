@@ -218,6 +218,43 @@ def test_e8m0_bf16_scales():
         K.MgpuConfig(fp4_decode="lut")
 
 
+
+def test_fp4_kernel_scales_round_trip():
+    """FP4 scales as the model holds them (fp4_kernel_scales: bf16 [E, in/32, out] with the exponent decode's
+    fold) give every UE8M0 byte that decode holds back exactly (fp4_scale_bytes), the rest as NaN / 255; the
+    swap kernels' operand from either layout is the same array, for both decodes."""
+    rng = fresh_rng()
+    b = jnp.asarray(rng.permutation(np.arange(256)).reshape(1, 8, 32), jnp.uint8)   # [E, out, in/32]
+    held = K.fp4_kernel_scales(b)
+    assert held.dtype == jnp.bfloat16 and held.shape == (1, 32, 8)
+    back = np.asarray(K.fp4_scale_bytes(held))
+    ok = np.asarray(b) <= 254 - K.FP4_KERNEL_FOLD
+    np.testing.assert_array_equal(back[ok], np.asarray(b)[ok])
+    assert np.all(back[~ok] == 255)
+    assert np.array_equal(np.asarray(K.fp4_scale_bytes(b.view(jnp.float8_e8m0fnu))), np.asarray(b))
+    small = jnp.asarray(rng.integers(100, 129, (3, 64, 4)), jnp.uint8)
+    w = jnp.zeros((3, 64, 64), jnp.int8)
+    for decode in sorted(K.FP4_DECODES):
+        from_bytes, from_held = (K._swap_w("fp4", w, s, decode)[1] for s in (small, K.fp4_kernel_scales(small)))
+        np.testing.assert_array_equal(np.asarray(from_held).view(np.uint16), np.asarray(from_bytes).view(np.uint16))
+
+
+def test_moe_experts_takes_held_fp4_scales():
+    """moe_experts gives the same result with FP4 scales held as fp4_kernel_scales as with the checkpoint's
+    bytes (CPU: the Triton kernels, which read the bytes back), and the XLA reference path of the model too."""
+    from model.moe import routed_experts
+    rng = fresh_rng()
+    x, ids, w, w1, w2, w3 = problem(rng, 24, 2, 8, 128, 64, "skewed")
+    q1, q2, q3, sc = weights_in("fp4", w1, w2, w3)
+    held = tuple(K.fp4_kernel_scales(s) for s in sc)
+    xb = x.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(kernel(xb, ids, w, q1, q2, q3, held, backend="triton")),
+                                  np.asarray(kernel(xb, ids, w, q1, q2, q3, sc, backend="triton")))
+    got = routed_experts("reference", x, ids, w, q1, q2, q3, LIMIT, scales=held)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference(x, ids, w, q1, q2, q3, sc)), rtol=1e-6,
+                               atol=1e-6)
+
+
 # ------------------------------------------------------------------------------- kernels vs reference
 
 
@@ -453,6 +490,10 @@ def v4_flash_args(fmt, tokens, k=6, layout="out_in"):
         w13, w2 = sd((e, i, d), jnp.float8_e4m3fn), sd((e, d, i), jnp.float8_e4m3fn)
         s13, s2 = sd((e, i // 128, d // 128), jnp.uint8), sd((e, d // 128, i // 128), jnp.uint8)
         sc = (s13, s2, s13)
+    elif layout == "held":   # FP4 scales held as fp4_kernel_scales
+        w13, w2 = sd((e, i, d // 2), jnp.int8), sd((e, d, i // 2), jnp.int8)
+        s13, s2 = sd((e, d // 32, i), jnp.bfloat16), sd((e, i // 32, d), jnp.bfloat16)
+        sc = (s13, s2, s13)
     else:
         w13, w2 = sd((e, i, d // 2), jnp.int8), sd((e, d, i // 2), jnp.int8)
         s13, s2 = sd((e, i, d // 32), jnp.uint8), sd((e, d, i // 32), jnp.uint8)
@@ -483,6 +524,7 @@ SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=1
     ("mgpu", "fp8", 256, "out_in", SWAP_DECODE_FP8),  # FP8 dequantised in registers
     ("mgpu", "fp4", 256, "out_in", SWAP_DECODE),      # FP4 decoded in registers, whole scale groups per step
     ("mgpu", "fp4", 256, "out_in", dataclasses.replace(SWAP_DECODE, fp4_decode="table")),
+    ("mgpu", "fp4", 256, "held", None),               # FP4 scales as the model holds them (fp4_kernel_scales)
     ("mgpu", "fp4", 64, "out_in", None),
     ("mgpu", "fp4", 1024, "out_in", None),            # verify B256 x 4 rows: 24 rows per expert, 32-token tiles
     ("mgpu", "fp4", 8192, "out_in", None),            # default_config: FP4 prefill on the swap kernels
@@ -496,7 +538,7 @@ def test_lower_for_cuda_v4_flash(backend, fmt, tokens, layout, cfg):
 
     def f(x, ids, w, w1, w2, w3, sc):
         return K.moe_experts(x, ids, w, w1, w2, w3, 10.0, scales=sc, backend=backend, config=cfg,
-                             interpret=False, weight_layout=layout)
+                             interpret=False, weight_layout="out_in" if layout == "held" else layout)
 
     t0 = time.time()
     text = jax.jit(f).trace(*args, sc).lower(lowering_platforms=("cuda",)).as_text()
@@ -560,7 +602,7 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
                                                ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap"),
                                                ("mgpu", "fp8", "swap_2wg"), ("mgpu", "fp4", "swap_2wg"),
                                                ("mgpu", "bf16", "balanced192"), ("mgpu", "fp4", "balanced192"),
-                                               ("mgpu", "fp4", "swap_table")])
+                                               ("mgpu", "fp4", "swap_table"), ("mgpu", "fp4", "swap_held")])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
 def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     e, d, i, k = 32, 1024, 512, 6
@@ -568,7 +610,9 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     # FP8 as the V4 checkpoints ship it: 128x128 scale blocks
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x, ids, w, q1, q2, q3, sc)
-    if tiles in ("swap", "swap_2wg", "swap_table"):   # 2wg: two compute warpgroups of 64 weight rows each
+    if tiles in ("swap_held", "swap_table"):   # FP4 scales as the model holds them, into both decodes
+        sc = tuple(K.fp4_kernel_scales(s) for s in sc)
+    if tiles in ("swap", "swap_2wg", "swap_table", "swap_held"):   # 2wg: two compute warpgroups of 64 rows each
         bk, wgs = 64 if fmt == "fp4" else 128, 2 if tiles == "swap_2wg" else 1
         cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64 * wgs, block_k=bk,
                            block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs,

@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 46}" in
+case "${1:?part 1 to 47}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -557,6 +557,13 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
         python -m experiments.probes.moe_profile_target --calls 1 --format fp4 --tokens 256 \
         > "$OUT/ncu_fp4_decode_exponent_down.txt" 2>&1
     grep -E "ERR|rror|Duration|Throughput|Stall|No Eligible|Achieved Occupancy" "$OUT/ncu_fp4_decode_exponent_down.txt" | head -30 ;;
-*)  echo "part must be 1 to 46" >&2; exit 2 ;;
+47) # twelfth session, one GPU: FP4 expert scales held in the kernels' layout (fp4_kernel_scales; the model and
+    # bench_moe hold them so) -- the FP4 Mosaic GPU GPU tests (held scales into both decodes), FP4 decode, the layer
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT"
+    timeout 110 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
+    timeout 60 $M --impls mgpu --regime decode --formats fp4 --decode-tokens 64,256 --quick 2>&1 | grep -E "^\| decode|rror"
+    timeout 70 $M --impls layer --regime decode --formats fp4 2>&1 | grep -E "^\| decode|rror" ;;
+*)  echo "part must be 1 to 47" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -79,8 +79,9 @@ class Experts(nnx.Module):
     cfg.expert_weights "fp4": w1, w3 packed int8 [E, I, D/2], w2 [E, D, I/2] (E2M1 codes, low nibble = even
     column) with their UE8M0 scales held as the Mosaic GPU kernels stream them (`pallas_moe.fp4_kernel_scales`:
     bf16 powers of two s1, s3 [E, D/32, I], s2 [E, I/32, D]; `pallas_moe.fp4_scale_bytes` gives the
-    checkpoint's bytes back); random weights are the FP4 quantisation of the dense random ones. Each expert draws from its own key and FP4 experts are made one
-    at a time, so no float32 [E, out, in] tensor is ever held (V4.1's w1 would be 18 GB)."""
+    checkpoint's bytes back); random weights are the FP4 quantisation of the dense random ones. Each expert
+    draws from its own key and FP4 experts are made one at a time, so no float32 [E, out, in] tensor is ever
+    held (V4.1's w1 would be 18 GB)."""
 
     def __init__(self, cfg: ModelConfig, n_experts: int, *, rngs: nnx.Rngs, dtype):
         e, i, d = n_experts, cfg.moe_intermediate_size, cfg.hidden_size

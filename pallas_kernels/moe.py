@@ -740,13 +740,12 @@ lop3.b32 $1, os, 0x80008000, o, 0xEA;
 }}"""
 
 
-# The same decode with fewer integer-ALU instructions (SASS per K step: 268 LOP3 + 80 SHF + 64 PRMT, the
-# table's 320 PRMT + 204 LOP3; Nsight Compute had the table decode's kernels ALU-bound, docs/benchmarks.md),
-# the default: each nibble's three magnitude bits go to
-# bf16 bits 8..6 (the exponent's low two bits and the mantissa's top bit) and its sign to bit 15, which is the
-# E2M1 value times 2^-126 for all 16 codes (0.5 becomes the subnormal 2^-127); the 2^126 is folded into the
-# scale, 2^(b-1) instead of 2^(b-127), which bf16 holds for UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes
-# the larger ones NaN, so they cannot pass silently). Exact where it applies, provided the bf16 multiply keeps
+# The default decode, with fewer integer-ALU instructions (SASS per K step: 268 LOP3 + 80 SHF + 64 PRMT, the
+# table's 320 PRMT + 204 LOP3; Nsight Compute had the table decode's kernels ALU-bound, docs/benchmarks.md):
+# each nibble's three magnitude bits go to bf16 bits 8..6 (the exponent's low two bits and the mantissa's top
+# bit) and its sign to bit 15, which is the E2M1 value times 2^-126 for all 16 codes (0.5 becomes the
+# subnormal 2^-127); the 2^126 is folded into the scale, 2^(b-1) instead of 2^(b-127), which bf16 holds for
+# UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes the larger ones NaN, so they cannot pass silently). Exact where it applies, provided the bf16 multiply keeps
 # the subnormal input (bf16 mul has no flush-to-zero in PTX; tests/test_kernels_moe.py test_gpu_fp4_half_codes).
 # Part 39/40 (H200, B64 decode): gate/up kernel 1.088 ms with the table, 0.951 with this decode; a variant with
 # seven instructions instead of nine (integer multiplies laying both copies, then one mask) took 0.969, so the
@@ -763,6 +762,8 @@ shl.b32 d, x, 8;
 and.b32 c, c, 0x01C001C0;
 lop3.b32 $1, d, 0x80008000, c, 0xEA;
 }"""
+
+
 def _prmt(a, b, sel):
     """numpy model of PTX prmt.b32 (default mode, selectors < 8): byte i of the result is byte sel_i of b:a."""
     pool = np.asarray(b, np.uint64) << np.uint64(32) | np.asarray(a, np.uint64)
@@ -802,7 +803,7 @@ FP4_DECODES = {"table": Fp4Decode(_E2M1_BF16_PTX, 0, e2m1_bf16_words),
                "exponent": Fp4Decode(_E2M1_EXP_PTX, 126, e2m1_exp_words)}
 
 
-def _fp4_operand(plgpu, tiles, scale_rows, scheme: str = "table"):
+def _fp4_operand(plgpu, tiles, scale_rows, scheme: str = "exponent"):
     """One K step's wgmma A operand from FP4: G packed tiles [n, 16] int8 (WGMMA layout) and their scale rows
     [n] (bf16 powers of two, e8m0_bf16 with the scheme's fold) -> [n, 32G] bf16, per group its even columns
     then its odd ones (the activations are permuted to match, see fp4_k_order). Exact: the decode `scheme`

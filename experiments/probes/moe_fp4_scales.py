@@ -76,7 +76,8 @@ def main() -> None:
         for fn in (current, convert_first, shift_only, clamp, where_u16, lookup, u8_transpose):
             f = jax.jit(fn)
             hlo = f.lower(s).compile().as_text()
-            kernels = len(re.findall(r"^\s*(?:ROOT )?\S+ = \S+ (?:fusion|transpose|copy)\(", hlo.split("ENTRY")[-1], re.M))
+            entry = hlo.split("ENTRY")[-1]
+            kernels = len(re.findall(r"^\s*(?:ROOT )?\S+ = \S+ (?:fusion|transpose|copy)\(", entry, re.M))
             outs[fn.__name__] = np.asarray(f(s))
             t = float(np.median(cupti_ms(f, s, iterations=20))) if gpu else float("nan")
             print(f"{fn.__name__:>14} {t:8.4f}  kernels {kernels}", flush=True)

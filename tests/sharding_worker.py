@@ -162,8 +162,10 @@ def param_diff(a, b) -> dict:
 
 
 def run_fp8(out_path: str) -> None:
-    """cfg.dense_weights="fp8": init_random(mesh=) and load_checkpoint(mesh=) against one device, with the
-    FP8 weights and their scales laid out alike (tiny-v41's B=32 grids also split over tp=2)."""
+    """The release's formats (cfg.dense_weights="fp8", cfg.expert_weights="fp4"): init_random(mesh=) and
+    load_checkpoint(mesh=) against one device, with the FP8 weights and their scales laid out alike (tiny-v41's
+    B=32 grids also split over tp=2) and the FP4 experts' held scales ([E, in/32, out]) split as their weights'
+    transposes."""
     import jax
     import numpy as np
 
@@ -174,7 +176,7 @@ def run_fp8(out_path: str) -> None:
     assert jax.device_count() == 8, jax.devices()
     cases = []
     for preset, layouts in (("tiny-v4", [(2, 4, 1)]), ("tiny-v41", [(2, 2, 2)])):
-        cfg = small_config(preset).replace(dense_weights="fp8")
+        cfg = small_config(preset).replace(dense_weights="fp8", expert_weights="fp4")
         tokens, _ = inputs(cfg)
         one = init_random(cfg, seed=0, dtype="float32")
         want = np.asarray(one(tokens))
@@ -184,8 +186,9 @@ def run_fp8(out_path: str) -> None:
                 mesh = ParallelConfig(dp, ep, tp).make_mesh()
                 for how, model in (("init_random(mesh)", init_random(cfg, seed=0, dtype="float32", mesh=mesh)),
                                    ("load_checkpoint(mesh)", load_checkpoint(d, dtype="float32", mesh=mesh,
-                                                                             dense_weights="fp8"))):
-                    wq_b = model.layers[0].attn.wq_b
+                                                                             dense_weights="fp8",
+                                                                             expert_weights="fp4"))):
+                    wq_b, experts = model.layers[0].attn.wq_b, model.layers[0].ffn.experts
                     with jax.set_mesh(mesh):
                         got = to_host(model(shard_batch(tokens, mesh)))
                     cases.append({"preset": preset, "case": how, "mesh": [dp, ep, tp],
@@ -193,6 +196,8 @@ def run_fp8(out_path: str) -> None:
                                   "weight_dtype": str(wq_b.weight[...].dtype),
                                   "weight_spec": str(wq_b.weight[...].sharding.spec),
                                   "scale_spec": str(wq_b.scale[...].sharding.spec),
+                                  "expert_specs": [str(a[...].sharding.spec) for a in
+                                                   (experts.w1, experts.s1, experts.w2, experts.s2)],
                                   "bytes_equal": bool(np.array_equal(np.asarray(wq_b.scale[...]),
                                                                      np.asarray(one.layers[0].attn.wq_b.scale[...])))})
     Path(out_path).write_text(json.dumps(cases, indent=1))

@@ -206,8 +206,9 @@ def test_quant_sim_rounds_the_official_fp8_gemm_inputs(preset):
 
 @pytest.mark.slow
 def test_sharded_on_8_devices(tmp_path_factory):
-    """init_random(mesh=) and load_checkpoint(mesh=) of FP8 models on 8 simulated devices equal one device;
-    scales are laid out like their weights (tiny-v41 wq_b split over tp=2)."""
+    """init_random(mesh=) and load_checkpoint(mesh=) of FP8-dense, FP4-expert models on 8 simulated devices
+    equal one device; scales are laid out like their weights (tiny-v41 wq_b split over tp=2), FP4 experts'
+    held scales like their weights' transposes."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_sharding import _worker_results
 
@@ -219,6 +220,9 @@ def test_sharded_on_8_devices(tmp_path_factory):
         assert c["logits_rel_err"] < (1e-4 if c["case"] == "init_random(mesh)" else 1e-5), c
         assert c["weight_dtype"] == "float8_e4m3fn" and c["bytes_equal"], c
         assert c["scale_spec"] == c["weight_spec"], c
+        w1, s1, w2, s2 = c["expert_specs"]
+        assert (w1, s1, w2, s2) == (("P('ep', 'tp')", "P('ep', None, 'tp')", "P('ep', None, 'tp')", "P('ep', 'tp')")
+                                    if c["mesh"][2] > 1 else ("P('ep',)",) * 4), c
         # every weight, not only the logits: the piecewise born-sharded build (one program per distinct
         # layer, tiny-v41's reuse / reindex layers included) equals the one-device build
         assert c["params_max_rel_diff"] < 1e-6 and c["params_int_mismatch"] < 1e-3, c

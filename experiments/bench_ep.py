@@ -67,6 +67,7 @@ def run(args) -> dict:
 
     from model.moe import random_experts
     from sharding import EPConfig, ParallelConfig
+    from pallas_kernels.moe import fp4_kernel_scales
     from sharding.expert_parallel import ExpertParallel
     from sharding.placement import forced_balance_ids
 
@@ -81,11 +82,12 @@ def run(args) -> dict:
     keys = jax.random.split(jax.random.key(args.seed), 3)
     (w1, s1), (w2, s2), (w3, s3) = (make(jax.random.split(key, e), shape, shape[-1] ** -0.5, fp4, dtype)
                                     for key, shape in zip(keys, ((i, d), (d, i), (i, d))))
-    scales = (s1, s2, s3) if fp4 else None
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     w13, w2s = P("ep", "tp", None), P("ep", None, "tp")
     weights = (put(w1, w13), put(w2, w2s), put(w3, w13))
-    scales = None if scales is None else (put(scales[0], w13), put(scales[1], w2s), put(scales[2], w13))
+    # FP4 scales as the model holds them ([E, in/32, out], split as the weights' transposes)
+    scales = (put(fp4_kernel_scales(s1), w2s), put(fp4_kernel_scales(s2), w13), put(fp4_kernel_scales(s3), w2s)
+              ) if fp4 else None
     records = []
     for m in args.tokens:
         if m % (dp * ep):

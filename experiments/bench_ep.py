@@ -66,8 +66,8 @@ def run(args) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from model.moe import random_experts
-    from sharding import EPConfig, ParallelConfig
     from pallas_kernels.moe import fp4_kernel_scales
+    from sharding import EPConfig, ParallelConfig
     from sharding.expert_parallel import ExpertParallel
     from sharding.placement import forced_balance_ids
 

@@ -218,7 +218,6 @@ def test_e8m0_bf16_scales():
         K.MgpuConfig(fp4_decode="lut")
 
 
-
 def test_fp4_kernel_scales_round_trip():
     """FP4 scales as the model holds them (fp4_kernel_scales: bf16 [E, in/32, out] with the exponent decode's
     fold) give every UE8M0 byte that decode holds back exactly (fp4_scale_bytes), the rest as NaN / 255; the
@@ -236,7 +235,8 @@ def test_fp4_kernel_scales_round_trip():
     w = jnp.zeros((3, 64, 64), jnp.int8)
     for decode in sorted(K.FP4_DECODES):
         from_bytes, from_held = (K._swap_w("fp4", w, s, decode)[1] for s in (small, K.fp4_kernel_scales(small)))
-        np.testing.assert_array_equal(np.asarray(from_held).view(np.uint16), np.asarray(from_bytes).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(from_held).view(np.uint16),
+                                      np.asarray(from_bytes).view(np.uint16))
 
 
 def test_moe_experts_takes_held_fp4_scales():

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.moe import FP4_DECODES, fp4_kernel_scales, fp4_scale_bytes
+from pallas_kernels.moe import FP4_KERNEL_MAX_BYTE, fp4_kernel_scales, fp4_scale_bytes, is_fp4_kernel_layout
 
 from . import quant_io
 from .config import ModelConfig
@@ -143,11 +143,7 @@ def _dequantised(items: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> I
 
 def _is_kernel_scale(path: tuple, var) -> bool:
     """A routed-expert FP4 scale leaf, held as pallas_moe.fp4_kernel_scales (bf16 [E, in/32, out])."""
-    return re.search(r"\.experts\.s[123]$", ".".join(map(str, path))) is not None and var.dtype == jnp.bfloat16
-
-
-# the largest UE8M0 byte the default Mosaic GPU E2M1 decode holds (its scales carry 2^fold in bf16)
-FP4_EXPONENT_DECODE_MAX_BYTE = 254 - FP4_DECODES["exponent"].fold
+    return re.search(r"\.experts\.s[123]$", ".".join(map(str, path))) is not None and is_fp4_kernel_layout(var)
 
 
 def _held_format(cfg: ModelConfig, name: str) -> str | None:
@@ -184,10 +180,10 @@ def _as_held(pair: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[st
         (_, dense), = quant_io.dequantize_official(pair).items()
         w, qs = quant_io.quantize_fp4(dense) if fmt == "fp4" else quant_io.quantize_fp8_blocks(dense, cfg.fp8_block)
     qs = qs.view(np.uint8)
-    if fmt == "fp4" and qs.size and qs.max() > FP4_EXPONENT_DECODE_MAX_BYTE:
-        warnings.warn(f"{sname}: FP4 scales up to 2^{int(qs.max()) - 127}; the Mosaic GPU kernels' default E2M1 "
-                      "decode (fp4_decode='exponent') holds scales up to 2 and returns NaN beyond; "
-                      "pallas_kernels.moe.MgpuConfig(fp4_decode='table') decodes every scale", stacklevel=2)
+    if fmt == "fp4" and qs.size and qs.max() > FP4_KERNEL_MAX_BYTE:
+        warnings.warn(f"{sname}: FP4 scales up to 2^{int(qs.max()) - 127}; the model holds routed experts' FP4 "
+                      "scales as bf16 with the default E2M1 decode's fold (pallas_kernels.moe.fp4_kernel_scales), "
+                      "which holds scales up to 2: larger ones become NaN", stacklevel=2)
     yield wname, w
     yield sname, qs
 

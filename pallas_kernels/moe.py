@@ -745,8 +745,9 @@ lop3.b32 $1, os, 0x80008000, o, 0xEA;
 # each nibble's three magnitude bits go to bf16 bits 8..6 (the exponent's low two bits and the mantissa's top
 # bit) and its sign to bit 15, which is the E2M1 value times 2^-126 for all 16 codes (0.5 becomes the
 # subnormal 2^-127); the 2^126 is folded into the scale, 2^(b-1) instead of 2^(b-127), which bf16 holds for
-# UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes the larger ones NaN, so they cannot pass silently). Exact where it applies, provided the bf16 multiply keeps
-# the subnormal input (bf16 mul has no flush-to-zero in PTX; tests/test_kernels_moe.py test_gpu_fp4_half_codes).
+# UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes the larger ones NaN, so they cannot pass silently). Exact
+# where it applies, provided the bf16 multiply keeps the subnormal input (bf16 mul has no flush-to-zero in PTX;
+# tests/test_kernels_moe.py test_gpu_fp4_half_codes).
 # Part 39/40 (H200, B64 decode): gate/up kernel 1.088 ms with the table, 0.951 with this decode; a variant with
 # seven instructions instead of nine (integer multiplies laying both copies, then one mask) took 0.969, so the
 # kernel is no longer bound by decode instructions.
@@ -891,6 +892,12 @@ def e8m0_bf16(b: jax.Array, fold: int = 0) -> jax.Array:
 
 
 FP4_KERNEL_FOLD = FP4_DECODES["exponent"].fold   # the default decode's, which held scales carry
+FP4_KERNEL_MAX_BYTE = 254 - FP4_KERNEL_FOLD      # the largest UE8M0 byte bf16 holds with that fold (scale 2)
+
+
+def is_fp4_kernel_layout(s: jax.Array) -> bool:
+    """Whether FP4 scales come as fp4_kernel_scales made them (bf16) rather than as UE8M0 bytes."""
+    return s.dtype == jnp.bfloat16
 
 
 def fp4_kernel_scales(s: jax.Array) -> jax.Array:
@@ -905,7 +912,7 @@ def fp4_kernel_scales(s: jax.Array) -> jax.Array:
 def fp4_scale_bytes(s: jax.Array) -> jax.Array:
     """FP4 scales in either layout -> UE8M0 bytes uint8 [..., out, in/32]: checkpoint bytes as they are,
     fp4_kernel_scales' back (its NaN -> 255)."""
-    if s.dtype != jnp.bfloat16:
+    if not is_fp4_kernel_layout(s):
         return _as_e8m0_bytes(s)
     e = (lax.bitcast_convert_type(s, jnp.uint16) >> 7).astype(jnp.int32) & 0xFF
     return jnp.swapaxes(jnp.where(e == 255, 255, e - FP4_KERNEL_FOLD).astype(jnp.uint8), -1, -2)
@@ -920,7 +927,7 @@ def _swap_w(fmt, w, s, fp4_decode="exponent"):
     if fmt != "fp4":
         return (w,) if fmt == "dense" else (w, s)
     fold = FP4_DECODES[fp4_decode].fold
-    if s.dtype == jnp.bfloat16 and fold == FP4_KERNEL_FOLD:
+    if is_fp4_kernel_layout(s) and fold == FP4_KERNEL_FOLD:
         return w, s
     return w, e8m0_bf16(jnp.swapaxes(fp4_scale_bytes(s), 1, 2), fold)
 

@@ -51,6 +51,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from pallas_kernels.moe import is_fp4_kernel_layout
+
 from .placement import Placement, forced_balance_ids
 
 STRATEGIES = ("auto", "all_to_all", "replicate")
@@ -134,7 +136,7 @@ class ExpertParallel:
         strategy, transport, tok_axes = self.choose(m)
         tok = P(tok_axes if tok_axes else None)
         w13, w2s = P("ep", "tp", None), P("ep", None, "tp")  # FP4: packed weights and UE8M0 bytes split alike
-        held = scales is not None and scales[0].dtype == jnp.bfloat16   # FP4 scales as fp4_kernel_scales
+        held = scales is not None and is_fp4_kernel_layout(scales[0])   # FP4 scales as fp4_kernel_scales
         s13, s2s = (w2s, w13) if held else (w13, w2s)                     # ([E, in/32, out]: transposed)
         if strategy == "replicate":
             body = _replicate_body

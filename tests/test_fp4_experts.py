@@ -124,13 +124,14 @@ def test_official_checkpoint_kept_fp4(golden_dir, name):
 
 
 def test_large_fp4_scales_warn_at_load():
-    """FP4 expert scales above 2 (UE8M0 byte > 128) load, with a warning naming the tensor: the default Mosaic
-    GPU decode would return NaN for them."""
-    from model.checkpoint import FP4_EXPONENT_DECODE_MAX_BYTE, _as_held
+    """FP4 expert scales above 2 (UE8M0 byte > 128) load, with a warning naming the tensor: the model's held
+    scales (fp4_kernel_scales, the default decode's fold) are NaN for them."""
+    from model.checkpoint import _as_held
+    from pallas_kernels.moe import FP4_KERNEL_MAX_BYTE
     cfg = CFG.replace(expert_weights="fp4")
     name = "layers.0.ffn.experts.0.w1"
     packed = np.zeros((4, 32), np.int8)
-    for top, warns in ((FP4_EXPONENT_DECODE_MAX_BYTE, False), (FP4_EXPONENT_DECODE_MAX_BYTE + 1, True)):
+    for top, warns in ((FP4_KERNEL_MAX_BYTE, False), (FP4_KERNEL_MAX_BYTE + 1, True)):
         scale = np.full((4, 2), top, np.uint8).view(quant_io.F8_E8M0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

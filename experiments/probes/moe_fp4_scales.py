@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench_kernels import cupti_ms
+from pallas_kernels.moe import FP4_KERNEL_FOLD as FOLD
 from pallas_kernels.moe import e8m0_bf16
 
-FOLD = 126
 TABLE = np.asarray(e8m0_bf16(jnp.arange(256, dtype=jnp.uint8), FOLD))
 
 

@@ -66,7 +66,7 @@ def run(args) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from model.moe import random_experts
-    from pallas_kernels.moe import fp4_kernel_scales
+    from pallas_kernels.moe import fp4_kernel_scales, fp4_kernel_weights
     from sharding import EPConfig, ParallelConfig
     from sharding.expert_parallel import ExpertParallel
     from sharding.placement import forced_balance_ids
@@ -84,8 +84,10 @@ def run(args) -> dict:
                                     for key, shape in zip(keys, ((i, d), (d, i), (i, d))))
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     w13, w2s = P("ep", "tp", None), P("ep", None, "tp")
+    if fp4:   # FP4 weights and scales as the model holds them (scales [E, in/32, out]: split as the weights'
+        # transposes)
+        w1, w2, w3 = (fp4_kernel_weights(w) for w in (w1, w2, w3))
     weights = (put(w1, w13), put(w2, w2s), put(w3, w13))
-    # FP4 scales as the model holds them ([E, in/32, out], split as the weights' transposes)
     scales = (put(fp4_kernel_scales(s1), w2s), put(fp4_kernel_scales(s2), w13), put(fp4_kernel_scales(s3), w2s)
               ) if fp4 else None
     records = []

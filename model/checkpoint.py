@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.moe import FP4_KERNEL_MAX_BYTE, fp4_kernel_scales, fp4_scale_bytes, is_fp4_kernel_layout
+from pallas_kernels.moe import (FP4_KERNEL_MAX_BYTE, fp4_kernel_scales, fp4_kernel_weights, fp4_scale_bytes,
+                                 fp4_weight_bytes)
 
 from . import quant_io
 from .config import ModelConfig
@@ -141,9 +142,19 @@ def _dequantised(items: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> I
         quant_io.dequantize_official({name: arr})
 
 
-def _is_kernel_scale(path: tuple, var) -> bool:
-    """A routed-expert FP4 scale leaf, held as pallas_moe.fp4_kernel_scales (bf16 [E, in/32, out])."""
-    return re.search(r"\.experts\.s[123]$", ".".join(map(str, path))) is not None and is_fp4_kernel_layout(var)
+# routed experts' FP4 leaves held in the swap kernels' layout: (held dtype, to it, back to the checkpoint's
+# bytes, the checkpoint's [E, ...] shape and dtype from the held shape)
+_KERNEL_LAYOUTS = {
+    "s": (jnp.bfloat16, fp4_kernel_scales, fp4_scale_bytes, lambda e, n, k: ((e, k, n), np.uint8)),  # [E, in/32, out]
+    "w": (jnp.uint16, fp4_kernel_weights, fp4_weight_bytes, lambda e, n, k: ((e, n, 2 * k), np.int8)),  # [E, out, in/4]
+}
+
+
+def _kernel_layout(path: tuple, var) -> tuple | None:
+    """_KERNEL_LAYOUTS' entry of a routed-expert FP4 leaf held in the kernels' layout, else None."""
+    m = re.search(r"\.experts\.([sw])[123]$", ".".join(map(str, path)))
+    layout = _KERNEL_LAYOUTS[m.group(1)] if m else None
+    return layout[1:] if layout and var.dtype == layout[0] and var.ndim == 3 else None
 
 
 def _held_format(cfg: ModelConfig, name: str) -> str | None:
@@ -182,8 +193,9 @@ def _as_held(pair: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[st
     qs = qs.view(np.uint8)
     if fmt == "fp4" and qs.size and qs.max() > FP4_KERNEL_MAX_BYTE:
         warnings.warn(f"{sname}: FP4 scales up to 2^{int(qs.max()) - 127}; the model holds routed experts' FP4 "
-                      "scales as bf16 with the default E2M1 decode's fold (pallas_kernels.moe.fp4_kernel_scales), "
-                      "which holds scales up to 2: larger ones become NaN", stacklevel=2)
+                      "scales as bf16 with the Mosaic GPU kernels' decode fold (pallas_kernels.moe."
+                      "fp4_kernel_scales), which holds scales up to 2: larger ones become NaN (the Triton kernels, "
+                      "moe_experts(backend='triton'), take any scale from the checkpoint's bytes)", stacklevel=2)
     yield wname, w
     yield sname, qs
 
@@ -238,10 +250,10 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
     expected: dict[str, tuple[int, int | None]] = {}  # name -> (leaf index, expert index)
     buffers: list[np.ndarray | None] = [None] * len(flat)
     filled: list[np.ndarray | None] = [None] * len(flat)
-    # leaves held otherwise than stored: routed experts' FP4 scales (fp4_kernel_scales, bf16 [E, in/32, out])
-    # are read as their UE8M0 bytes [E, out, in/32] and converted once all experts are in
-    stored = {i: ((var.shape[0], var.shape[2], var.shape[1]), np.uint8) for i, (path, var) in enumerate(flat)
-              if _is_kernel_scale(path, var)}
+    # leaves held otherwise than stored: routed experts' FP4 weights and scales (_KERNEL_LAYOUTS) are read as the
+    # checkpoint's bytes and converted once all experts are in
+    held = {i: layout for i, (path, var) in enumerate(flat) if (layout := _kernel_layout(path, var))}
+    stored = {i: layout[2](*flat[i][1].shape) for i, layout in held.items()}
     for i, (path, var) in enumerate(flat):
         name = path_to_official(path)
         if "{e}" in name:
@@ -295,8 +307,8 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
     if missing:
         raise ValueError(f"{source}: missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     with jax.default_device(jax.devices("cpu")[0]):   # host buffers stay on the host
-        for i in stored:
-            buffers[i] = np.asarray(fp4_kernel_scales(buffers[i]))
+        for i, layout in held.items():
+            buffers[i] = np.asarray(layout[0](buffers[i]))
     if mesh is not None:
         from sharding.apply import place_loaded
 
@@ -314,8 +326,8 @@ def official_tensors(model: Transformer) -> dict[str, np.ndarray]:
     for path, var in nnx.to_flat_state(nnx.state(model)):
         name = path_to_official(path)
         arr = var[...]
-        if _is_kernel_scale(path, var):
-            arr = fp4_scale_bytes(arr)
+        if layout := _kernel_layout(path, var):
+            arr = layout[1](arr)
         arr = np.asarray(jax.device_get(arr))
         if arr.dtype == np.uint8:  # UE8M0 exponent bytes in memory
             arr = arr.view(quant_io.F8_E8M0)

@@ -76,10 +76,11 @@ def random_experts(keys: jax.Array, shape: tuple[int, int], std: float, fp4: boo
 class Experts(nnx.Module):
     """Stacked routed experts: w1, w3 [E, I, D] (gate, up), w2 [E, D, I] (down).
 
-    cfg.expert_weights "fp4": w1, w3 packed int8 [E, I, D/2], w2 [E, D, I/2] (E2M1 codes, low nibble = even
-    column) with their UE8M0 scales held as the Mosaic GPU kernels stream them (`pallas_moe.fp4_kernel_scales`:
-    bf16 powers of two s1, s3 [E, D/32, I], s2 [E, I/32, D]; `pallas_moe.fp4_scale_bytes` gives the
-    checkpoint's bytes back); random weights are the FP4 quantisation of the dense random ones. Each expert
+    cfg.expert_weights "fp4": E2M1 weights and their UE8M0 scales held as the Mosaic GPU kernels stream them:
+    w1, w3 uint16 [E, I, D/4], w2 [E, D, I/4] (`pallas_moe.fp4_kernel_weights`: the checkpoint's packed bytes,
+    each 32-bit word's bits permuted for the register decode) and s1, s3 bf16 [E, D/32, I], s2 [E, I/32, D]
+    (`pallas_moe.fp4_kernel_scales`); `fp4_weight_bytes` / `fp4_scale_bytes` give the checkpoint's bytes back.
+    Random weights are the FP4 quantisation of the dense random ones. Each expert
     draws from its own key and FP4 experts are made one at a time, so no float32 [E, out, in] tensor is ever
     held (V4.1's w1 would be 18 GB)."""
 
@@ -89,7 +90,7 @@ class Experts(nnx.Module):
         for name, shape, fan_in in (("w1", (i, d), d), ("w2", (d, i), i), ("w3", (i, d), d)):
             keys = jax.random.split(rngs.params(), e)
             w, scale = random_experts(keys, shape, fan_in ** -0.5, fp4, dtype)
-            setattr(self, name, nnx.Param(w))
+            setattr(self, name, nnx.Param(pallas_moe.fp4_kernel_weights(w) if fp4 else w))
             if fp4:
                 setattr(self, "s" + name[1], nnx.Param(pallas_moe.fp4_kernel_scales(scale)))
         self.fp4 = fp4
@@ -125,7 +126,8 @@ def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=
         return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block,
                                       balanced=balanced)
     if scales is not None:
-        w1, w2, w3 = ref.dense_experts(w1, w2, w3, tuple(pallas_moe.fp4_scale_bytes(s) for s in scales), x.dtype)
+        w1, w2, w3 = ref.dense_experts(*(pallas_moe.fp4_weight_bytes(w) for w in (w1, w2, w3)),
+                                       tuple(pallas_moe.fp4_scale_bytes(s) for s in scales), x.dtype)
     return ref.moe_experts(x, ids, weights, w1, w2, w3, limit, act_block)
 
 

@@ -19,9 +19,11 @@ Weights stay in their storage format in HBM and are dequantised in registers ins
   dense  bf16/f16/f32  w [E, out, in]
   FP8    float8_e4m3fn w [E, out, in] + UE8M0 block scales [E, out/B, in/B] (B = 128 V4, 32 V4.1)
   FP4    E2M1 packed   w int8 [E, out, in/2] (low nibble = even column) + UE8M0 [E, out, in/32]
-(scales as float8_e8m0fnu or their uint8 exponent bytes; see model/quant_io.py). FP4 scales may also come in
-the layout the Mosaic GPU swap kernels stream, which is how the model holds routed experts' (`fp4_kernel_scales`:
-bf16 [E, in/32, out], 2^(b-1)); `fp4_scale_bytes` gives the UE8M0 bytes back.
+(scales as float8_e8m0fnu or their uint8 exponent bytes; see model/quant_io.py). FP4 weights and scales may also
+come in the layout the Mosaic GPU swap kernels stream, which is how the model holds routed experts'
+(`fp4_kernel_weights`: uint16 [E, out, in/4], each 32-bit word's bits permuted for the register decode;
+`fp4_kernel_scales`: bf16 [E, in/32, out], 2^(b-1)); `fp4_weight_bytes` / `fp4_scale_bytes` give the
+checkpoint's bytes back (the Triton and XLA paths read those).
 
 Backends (Pallas lowerings):
   "triton" - every format, block_m >= 16 (tl.dot): decode / verify (weight-bandwidth-bound: a tile holds
@@ -43,7 +45,8 @@ lowering for CUDA at V4-Flash shapes, and on the GPU.
 
 Public: `moe_experts` (drop-in for reference.moe_experts, plus scales / backend / config),
 `forced_balance` (DeepInfer's benchmark routing), `route_plan`, `quantize_experts_fp8/fp4` (numpy, for
-tests and tools), `fp4_kernel_scales` / `fp4_scale_bytes`, `expert_bytes`, `TritonConfig`, `MgpuConfig`,
+tests and tools), `fp4_kernel_weights` / `fp4_weight_bytes`, `fp4_kernel_scales` / `fp4_scale_bytes`,
+`expert_bytes`, `TritonConfig`, `MgpuConfig`,
 `default_config`.
 """
 
@@ -158,9 +161,10 @@ def weight_format(w: jax.Array, scale) -> str:
         raise ValueError(f"expert weight of dtype {w.dtype} needs its scale")
     if w.dtype == jnp.float8_e4m3fn:
         return "fp8"
-    if w.dtype in (jnp.int8, jnp.uint8):
+    if w.dtype in (jnp.int8, jnp.uint8, jnp.uint16):    # uint16: fp4_kernel_weights
         return "fp4"
-    raise ValueError(f"scaled expert weights must be float8_e4m3fn or packed int8 FP4, got {w.dtype}")
+    raise ValueError(f"scaled expert weights must be float8_e4m3fn or packed FP4 (int8, or uint16 as "
+                     f"fp4_kernel_weights holds it), got {w.dtype}")
 
 
 def logical_shape(w: jax.Array, fmt: str) -> tuple[int, int, int]:
@@ -232,13 +236,8 @@ class MgpuConfig:
     # a dedicated TMA warpgroup feeds the compute ones (emit_pipeline_warp_specialized); False (compute_wgs=1
     # only): the compute warpgroup issues its own copies -- faster for the swap_ab decode tiles (tenth session)
     warp_specialized: bool = True
-    # FP4 swap_ab kernels' E2M1 -> bf16 register decode (FP4_DECODES): "exponent" (fewer integer instructions,
-    # 12% faster gate/up kernel; NaN outputs for scales above 2: see _E2M1_EXP_PTX) or "table" (every scale)
-    fp4_decode: str = "exponent"
 
     def __post_init__(self):
-        if self.fp4_decode not in FP4_DECODES:
-            raise ValueError(f"MgpuConfig: fp4_decode must be one of {sorted(FP4_DECODES)}, got {self.fp4_decode!r}")
         if not 1 <= self.compute_wgs <= 3:   # H200, tenth session: a 4-warpgroup FP4 decode tile had not finished
             raise ValueError(f"MgpuConfig: compute_wgs must be 1, 2 or 3 (4 did not finish on the H200), "
                              f"got {self.compute_wgs}")
@@ -263,11 +262,11 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
         if rows_per_expert <= 16 or (fmt == "fp4" and rows_per_expert <= 32):  # decode: weights as wgmma M
             # one warpgroup issuing its own copies (FP4 64 tokens: 2.03 ms against 2.25 / 2.11 warp-specialised
             # with 1 / 2 compute warpgroups; FP8 1.84 against 2.06 / 1.93)
-            if fmt == "fp4":            # bench_moe: 256 weight rows per tile at 16 tokens, 128 at 32
-                t16 = rows_per_expert <= 16
-                return MgpuConfig(block_m=16 if t16 else 32, block_n=256 if t16 else 128, block_k=64,
-                                  block_n_down=256 if t16 else 128, block_k_down=64,
-                                  max_concurrent_steps=4 if t16 else 5, swap_ab=True, warp_specialized=False)
+            if fmt == "fp4":            # bench_moe, held words (thirteenth session): 128 weight rows per tile
+                t16 = rows_per_expert <= 16     # (64 tokens: 1.622 ms against 1.645 with 256, 1.655 128-deep steps)
+                return MgpuConfig(block_m=16 if t16 else 32, block_n=128, block_k=64, block_n_down=128,
+                                  block_k_down=64, max_concurrent_steps=6 if t16 else 5, swap_ab=True,
+                                  warp_specialized=False)
             return MgpuConfig(block_m=16, block_n=128, block_k=128 if fmt == "fp8" else 64,
                               block_n_down=256 if fmt == "dense" else 128,
                               block_k_down=128 if fmt == "fp8" else 64,
@@ -704,10 +703,10 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
 # Quantised weights are dequantised in registers (wgmma's A operand may live in registers):
 #   FP8  E4M3 -> f32 times the tile's UE8M0 block scale -> bf16;
 #   FP4  a K step is G whole scale groups (16 packed bytes = 32 logical columns, one UE8M0 scale per weight
-#        row), streamed as G [bn, 16] tiles; each group's low nibbles (even columns) and high nibbles (odd
-#        columns) are decoded to bf16 (a table decode in inline PTX) and the step's groups form one [bn, 32G]
-#        operand (_fp4_operand), against activations whose rows are reordered to match. The scales enter
-#        as bf16, transposed ([E, in/32, out]) so that a group's scales are one contiguous [bn] row.
+#        row), streamed as G held [bn, 8] uint16 tiles (fp4_kernel_weights); a thread's 32-bit words are
+#        decoded to bf16 in inline PTX (nine integer instructions per 8 weights) and the step's groups form
+#        one [bn, 32G] operand (_fp4_operand) in the weights' own K order. The scales enter as bf16,
+#        transposed ([E, in/32, out], fp4_kernel_scales) so that a group's scales are one contiguous [bn] row.
 # The CPU interpreter has no register operand, so the quantised paths are checked by lowering and on the GPU.
 
 FP4_GROUP = 16   # packed bytes per UE8M0 scale (32 logical columns)
@@ -719,127 +718,101 @@ def _scale_scalar(s_gmem, e, r, c):
     return jnp.exp2(s_gmem[e, r, c].astype(jnp.float32) - 127.0)
 
 
-# E2M1 -> bf16 in registers, per 16-bit register of the WGMMA layout (the bytes of columns 2c, 2c+1):
-#   the four nibbles' magnitude codes (0..7) index two byte tables with `prmt` -- the high and low bytes of
-#   the bf16 values 0, .5, 1, 1.5, 2, 3, 4, 6 -- two more `prmt`s pair them into (even, odd) bf16x2 words,
-#   and the sign bits are shifted into bit 15 / 31: ten instructions per four weights, exact, no conversion.
-E2M1_BF16_HIGH_BYTES = (0x3F3F3F00, 0x40404040)   # codes 0-3, 4-7
-E2M1_BF16_LOW_BYTES = (0xC0800000, 0xC0804000)
-_E2M1_BF16_PTX = f"""{{
-.reg .b32 s, mag, hi, lo, e, o, es, os;
-prmt.b32 s, $2, 0, 0x4140;
-and.b32 mag, $2, 0x7777;
-prmt.b32 hi, {E2M1_BF16_HIGH_BYTES[0]:#x}, {E2M1_BF16_HIGH_BYTES[1]:#x}, mag;
-prmt.b32 lo, {E2M1_BF16_LOW_BYTES[0]:#x}, {E2M1_BF16_LOW_BYTES[1]:#x}, mag;
-prmt.b32 e, lo, hi, 0x6240;
-prmt.b32 o, lo, hi, 0x7351;
-shl.b32 es, s, 12;
-shl.b32 os, s, 8;
-lop3.b32 $0, es, 0x80008000, e, 0xEA;
-lop3.b32 $1, os, 0x80008000, o, 0xEA;
-}}"""
+# FP4 weights as the swap kernels read them ("kernel words", fp4_kernel_weights; the model holds routed experts'
+# so): each 32-bit word of a row's checkpoint bytes (8 weights, E2M1 nibbles j = 0..7 low first) with its bits
+# permuted, so that a thread of the WGMMA layout decodes the word into four bf16x2 words (even lane: nibble 2w,
+# odd lane: nibble 2w + 1, w = 0..3) with nine integer instructions: four rotations and five masks / merges
+# (the byte decodes before took 18 per 8 weights). Decoded word w gets each field of its nibbles -- E2M1 bit f
+# (mantissa, exponent low, exponent high, sign) onto bf16 bit FP4_FIELD_BITS[f] (the exponent's low two bits,
+# the mantissa's top bit, the sign; lane 1: +16) -- by rotating the held word right by FP4_WORD_SHIFTS[w][f].
+# That makes the bf16 value E2M1 x 2^-126 for all 16 codes (0.5 becomes the subnormal 2^-127); the 2^126 is
+# folded into the scales (FP4_KERNEL_FOLD: 2^(b-1) for UE8M0 byte b, which bf16 holds for b <= 128, scales <= 2;
+# e8m0_bf16 makes the larger ones NaN; the Triton kernels take any scale). Exact where it applies, provided the
+# bf16 multiply keeps the subnormal input (bf16 mul has no flush-to-zero in PTX; tests/test_kernels_moe.py
+# test_gpu_fp4_half_codes). The shifts are the cheapest such layout an exhaustive search found: no layout
+# decodes every word with one rotation each (the field pattern does not tile the 16-bit lane).
+FP4_FIELD_BITS = (6, 7, 8, 15)
+FP4_WORD_SHIFTS = ((0, 0, 0, 0), (10, 2, 2, 2), (12, 12, 12, 12), (6, 6, 6, 6))
+FP4_KERNEL_FOLD = 126
 
 
-# The default decode, with fewer integer-ALU instructions (SASS per K step: 268 LOP3 + 80 SHF + 64 PRMT, the
-# table's 320 PRMT + 204 LOP3; Nsight Compute had the table decode's kernels ALU-bound, docs/benchmarks.md):
-# each nibble's three magnitude bits go to bf16 bits 8..6 (the exponent's low two bits and the mantissa's top
-# bit) and its sign to bit 15, which is the E2M1 value times 2^-126 for all 16 codes (0.5 becomes the
-# subnormal 2^-127); the 2^126 is folded into the scale, 2^(b-1) instead of 2^(b-127), which bf16 holds for
-# UE8M0 bytes b <= 128 (scales <= 2; e8m0_bf16 makes the larger ones NaN, so they cannot pass silently). Exact
-# where it applies, provided the bf16 multiply keeps the subnormal input (bf16 mul has no flush-to-zero in PTX;
-# tests/test_kernels_moe.py test_gpu_fp4_half_codes).
-# Part 39/40 (H200, B64 decode): gate/up kernel 1.088 ms with the table, 0.951 with this decode; a variant with
-# seven instructions instead of nine (integer multiplies laying both copies, then one mask) took 0.969, so the
-# kernel is no longer bound by decode instructions.
-_E2M1_EXP_PTX = """{
-.reg .b32 x, a, b, c, d;
-prmt.b32 x, $2, 0, 0x4140;
-shl.b32 a, x, 6;
-shl.b32 b, x, 12;
-and.b32 a, a, 0x01C001C0;
-lop3.b32 $0, b, 0x80008000, a, 0xEA;
-shl.b32 c, x, 2;
-shl.b32 d, x, 8;
-and.b32 c, c, 0x01C001C0;
-lop3.b32 $1, d, 0x80008000, c, 0xEA;
-}"""
+def _word_fields(w: int) -> dict[int, int]:
+    """{right rotation: bf16x2 mask} that decoded word w takes from the held word."""
+    masks: dict[int, int] = {}
+    for bit, shift in zip(FP4_FIELD_BITS, FP4_WORD_SHIFTS[w]):
+        masks[shift] = masks.get(shift, 0) | (0x10001 << bit)
+    return masks
 
 
-def _prmt(a, b, sel):
-    """numpy model of PTX prmt.b32 (default mode, selectors < 8): byte i of the result is byte sel_i of b:a."""
-    pool = np.asarray(b, np.uint64) << np.uint64(32) | np.asarray(a, np.uint64)
-    sel = np.asarray(sel, np.uint64)
-    return sum(((pool >> (np.uint64(8) * ((sel >> np.uint64(4 * i)) & np.uint64(7)))) & np.uint64(0xFF))
-               << np.uint64(8 * i) for i in range(4))
+def fp4_held_bit(j: int, f: int) -> int:
+    """Bit of a held 32-bit word that holds bit f of checkpoint nibble j (the word's 8 weights, low first)."""
+    w, lane = divmod(j, 2)
+    return (FP4_FIELD_BITS[f] + 16 * lane + FP4_WORD_SHIFTS[w][f]) % 32
 
 
-def _u32(*words):
-    return tuple((w & np.uint64(0xFFFFFFFF)).astype(np.uint32) for w in words)
+def _words_ptx() -> str:
+    """Inline PTX: $4 = a held word -> $0..$3 = the four bf16x2 words (E2M1 x 2^-126)."""
+    shifts = sorted({s for w in range(4) for s in FP4_WORD_SHIFTS[w]} - {0})
+    src = {0: "$4", **{s: f"r{s}" for s in shifts}}
+    lines = [".reg .b32 t, " + ", ".join(src[s] for s in shifts) + ";"]
+    lines += [f"shf.r.wrap.b32 r{s}, $4, $4, {s};" for s in shifts]
+    for w in range(4):
+        (s0, m0), *rest = _word_fields(w).items()
+        acc = f"${w}" if not rest else "t"
+        lines.append(f"and.b32 {acc}, {src[s0]}, {m0:#010x};")
+        for n, (s, m) in enumerate(rest):     # (src & mask) | acc
+            lines.append(f"lop3.b32 {f'${w}' if n == len(rest) - 1 else 't'}, {src[s]}, {m:#010x}, t, 0xEA;")
+    return "{\n" + "\n".join(lines) + "\n}"
 
 
-def e2m1_bf16_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy model of _E2M1_BF16_PTX (for tests): u = b0 | b1 << 8 -> (even, odd) bf16x2 words, uint32."""
-    u = np.asarray(u, np.uint64)
-    s, mag = _prmt(u, 0, 0x4140), u & np.uint64(0x7777)
-    hi, lo = _prmt(*E2M1_BF16_HIGH_BYTES, mag), _prmt(*E2M1_BF16_LOW_BYTES, mag)
-    sign = lambda v: v & np.uint64(0x80008000)  # noqa: E731
-    return _u32(_prmt(lo, hi, 0x6240) | sign(s << np.uint64(12)), _prmt(lo, hi, 0x7351) | sign(s << np.uint64(8)))
+_E2M1_WORDS_PTX = _words_ptx()
 
 
-def e2m1_exp_words(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy model of _E2M1_EXP_PTX (for tests): u = b0 | b1 << 8 -> (even, odd) bf16x2 words of the E2M1
-    values times 2^-126, uint32."""
-    x = _prmt(np.asarray(u, np.uint64), 0, 0x4140)
-    word = lambda mag, sign: (mag & np.uint64(0x01C001C0)) | (sign & np.uint64(0x80008000))  # noqa: E731
-    return _u32(word(x << np.uint64(6), x << np.uint64(12)), word(x << np.uint64(2), x << np.uint64(8)))
+def e2m1_word_decode(q: np.ndarray) -> tuple[np.ndarray, ...]:
+    """numpy model of _E2M1_WORDS_PTX (for tests): held uint32 words -> the four bf16x2 words, uint32."""
+    q = np.asarray(q, np.uint64)
+    rotr = lambda s: ((q >> np.uint64(s)) | (q << np.uint64((32 - s) % 32))) & np.uint64(0xFFFFFFFF)  # noqa: E731
+    words = []
+    for w in range(4):
+        word = np.zeros_like(q)
+        for s, m in _word_fields(w).items():
+            word |= rotr(s) & np.uint64(m)
+        words.append(word.astype(np.uint32))
+    return tuple(words)
 
 
-class Fp4Decode(NamedTuple):
-    ptx: str        # inline PTX: $2 = two packed bytes (zero-extended) -> $0, $1 = (even, odd) bf16x2 words
-    fold: int       # the words are E2M1 * 2^-fold; the scales carry 2^fold (e8m0_bf16)
-    model: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]   # numpy model of the PTX, for tests
-
-
-FP4_DECODES = {"table": Fp4Decode(_E2M1_BF16_PTX, 0, e2m1_bf16_words),
-               "exponent": Fp4Decode(_E2M1_EXP_PTX, 126, e2m1_exp_words)}
-
-
-def _fp4_operand(plgpu, tiles, scale_rows, scheme: str = "exponent"):
-    """One K step's wgmma A operand from FP4: G packed tiles [n, 16] int8 (WGMMA layout) and their scale rows
-    [n] (bf16 powers of two, e8m0_bf16 with the scheme's fold) -> [n, 32G] bf16, per group its even columns
-    then its odd ones (the activations are permuted to match, see fp4_k_order). Exact: the decode `scheme`
-    (FP4_DECODES, inline PTX through plgpu.inline_mgpu), times the row's scale; the groups' registers
-    are concatenated along K (axis 1 of the WGMMA register array), which moves no data."""
+def _fp4_operand(plgpu, tiles, scale_rows):
+    """One K step's wgmma A operand from FP4: G held tiles [n, 8] uint16 (fp4_kernel_weights, WGMMA layout: a
+    thread's register is one held word) and their scale rows [n] (bf16 powers of two with FP4_KERNEL_FOLD) ->
+    [n, 32G] bf16, per group its decoded words 0..3 (8 columns each; the activations are permuted to match, see
+    fp4_kernel_weights). The words' registers are concatenated along K (axis 1 of the WGMMA register array), which
+    moves no data."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax._src.lib.mlir.dialects import llvm
     n, g = tiles[0].shape[0], len(tiles)
     wgmma = plgpu.Layout.WGMMA
 
-    def scale(b):
-        return lax.broadcast_in_dim(b, (n, FP4_GROUP), [0])
-
     @plgpu.inline_mgpu(arg_types=((wgmma,) * g, (wgmma,) * g),
                        return_type=plgpu.ShapeDtypeStruct((n, 2 * FP4_GROUP * g), jnp.bfloat16, layout=wgmma))
-    def decode(_, packed, scales):
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        words = ir.VectorType.get((2,), ir.BF16Type.get())
+    def decode(_, held, scales):
+        i32 = ir.IntegerType.get_signless(32)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         parts = []
-        for fa, s in zip(packed, scales):
+        for fa, s in zip(held, scales):
             assert fa.layout == mgpu.WGMMA_LAYOUT, fa.layout
-            even, odd = np.empty_like(fa.registers), np.empty_like(fa.registers)
+            words = [np.empty_like(fa.registers) for _ in range(4)]
             for idx, reg in np.ndenumerate(fa.registers):
-                u = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
-                pair = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [u], FP4_DECODES[scheme].ptx,
-                                       "=r,=r,r")
-                even[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [0]), words)
-                odd[idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, pair, [1]), words)
+                out = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [mgpu.utils.bitcast(reg, i32)],
+                                      _E2M1_WORDS_PTX, "=r,=r,=r,=r,r")
+                for w in range(4):
+                    words[w][idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, out, [w]), bf16x2)
             parts += [(mgpu.FragmentedArray(_registers=r, _layout=fa.layout, _is_signed=None) * s).registers
-                      for r in (even, odd)]
+                      for r in words]
         return mgpu.FragmentedArray(_registers=np.concatenate(parts, axis=1), _layout=mgpu.WGMMA_LAYOUT,
                                     _is_signed=None)
 
-    return decode(tuple(tiles), tuple(scale(b) for b in scale_rows))
+    return decode(tuple(tiles), tuple(lax.broadcast_in_dim(b, (n, FP4_GROUP // 2), [0]) for b in scale_rows))
 
 
 class _SwapTiles(NamedTuple):
@@ -870,16 +843,6 @@ def _swap_tiles(what, fmt, cfg: MgpuConfig, names, out_dim, in_dim, p, w, s) -> 
     return _SwapTiles(bm, bn, bk, fp8_block)
 
 
-def fp4_k_order(a: jax.Array, axis: int) -> jax.Array:
-    """a with its `axis` (an FP4 swap GEMM's K) in the order of _fp4_operand's columns: within each 32, the even
-    entries, then the odd ones. The kernels take activations so; moe_experts reorders the M token rows' columns
-    before the row gather (at 8K tokens XLA spent 0.40 ms reordering the gathered [D, P] rows)."""
-    axis %= a.ndim
-    n, shape = a.shape[axis], a.shape
-    split = a.reshape(shape[:axis] + (n // (2 * FP4_GROUP), FP4_GROUP, 2) + shape[axis + 1:])
-    return jnp.swapaxes(split, axis + 1, axis + 2).reshape(shape)
-
-
 def e8m0_bf16(b: jax.Array, fold: int = 0) -> jax.Array:
     """UE8M0 bytes -> bf16 scales 2^(b - 127 + fold): b + fold = 0 -> the subnormal 2^-127, and NaN for b = 255
     (as reference._e8m0) or where bf16 cannot hold the power (b + fold > 254). Unsigned 16-bit and one select:
@@ -891,12 +854,12 @@ def e8m0_bf16(b: jax.Array, fold: int = 0) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-FP4_KERNEL_FOLD = FP4_DECODES["exponent"].fold   # the default decode's, which held scales carry
-FP4_KERNEL_MAX_BYTE = 254 - FP4_KERNEL_FOLD      # the largest UE8M0 byte bf16 holds with that fold (scale 2)
+FP4_KERNEL_MAX_BYTE = 254 - FP4_KERNEL_FOLD   # the largest UE8M0 byte bf16 holds with that fold (scale 2)
 
 
 def is_fp4_kernel_layout(s: jax.Array) -> bool:
-    """Whether FP4 scales come as fp4_kernel_scales made them (bf16) rather than as UE8M0 bytes."""
+    """Whether FP4 scales come as fp4_kernel_scales made them (bf16) rather than as UE8M0 bytes (FP4 weights as
+    fp4_kernel_weights made them are uint16)."""
     return s.dtype == jnp.bfloat16
 
 
@@ -906,6 +869,8 @@ def fp4_kernel_scales(s: jax.Array) -> jax.Array:
     routed experts' FP4 scales so (model.moe.Experts), so no decode step transposes and converts them: that
     per-call pass took 0.07 ms per V4-Flash scale tensor, 0.21 ms per layer (twelfth session, H200); the
     price is 2 bytes per 32 weights instead of 1 (the kernels read the bf16 either way)."""
+    if is_fp4_kernel_layout(s):
+        return s
     return e8m0_bf16(jnp.swapaxes(_as_e8m0_bytes(s), -1, -2), FP4_KERNEL_FOLD)
 
 
@@ -918,43 +883,94 @@ def fp4_scale_bytes(s: jax.Array) -> jax.Array:
     return jnp.swapaxes(jnp.where(e == 255, 255, e - FP4_KERNEL_FOLD).astype(jnp.uint8), -1, -2)
 
 
-def _swap_w(fmt, w, s, fp4_decode="exponent"):
-    """A weight's kernel operands: (w,), FP8 (w, s), FP4 (w, s as bf16 [E, in/32, out] with the decode's fold):
-    FP4 scales held so (fp4_kernel_scales) go straight in; UE8M0 bytes, or a decode with another fold, cost
-    one transpose-and-convert per call (0.07 ms per V4-Flash scale tensor, H200). bf16 scales save the
-    decode kernels two integer instructions per scale over bytes: Nsight Compute found them bound by the
-    integer ALU pipe (B256 gate/up kernel: ALU 61% busy, DRAM 29%; eleventh session)."""
+def _held_byte_bits(w: int) -> np.ndarray:
+    """[256] uint32: the bits of a held word that checkpoint byte b of a group's word w (its nibbles 2c, 2c + 1
+    -- weights 8w + 2c, 8w + 2c + 1) fills, for every b (fp4_held_bit, nibbles 2w and 2w + 1 of the held word)."""
+    b = np.arange(256)
+    bits = np.zeros(256, np.uint32)
+    for lane in range(2):
+        for f in range(4):
+            bits |= (((b >> (4 * lane + f)) & 1) << fp4_held_bit(2 * w + lane, f)).astype(np.uint32)
+    return bits
+
+
+_HELD_BYTE_BITS = np.stack([_held_byte_bits(w) for w in range(4)])      # [w, byte value]
+
+
+def fp4_kernel_weights(w: jax.Array) -> jax.Array:
+    """Packed FP4 weights [..., out, in/2] (int8 / uint8, the checkpoint's E2M1 pairs) -> the swap kernels'
+    operand: uint16 [..., out, in/4], each scale group's 16 bytes of a row held as four 32-bit words (two uint16,
+    low first). Held word c of a group holds
+    weights 8w + 2c + l (w = 0..3, l = 0, 1) with their bits where the register decode finds them (fp4_held_bit),
+    so that decoded word w is operand column 8w + 2c + l of the WGMMA layout: the weights' own order, the
+    activations need none. Models hold routed experts' FP4 weights so (model.moe.Experts); as many bytes."""
+    if w.dtype == jnp.uint16:
+        return w
+    *lead, out, half = w.shape
+    if w.dtype not in (jnp.int8, jnp.uint8) or half % FP4_GROUP:
+        raise ValueError(f"fp4_kernel_weights: packed FP4 [..., out, in/2] int8/uint8 with in/2 a multiple of "
+                         f"{FP4_GROUP}, got {w.dtype} {w.shape}")
+    byte = w.astype(jnp.uint8).reshape(*lead, out, half // FP4_GROUP, 4, 4)      # [..., out, group, w, c]
+    held = jnp.zeros(byte.shape[:-2] + (4,), jnp.uint32)
+    for src in range(4):                                                          # held word c |= bits of byte (w, c)
+        held = held | jnp.asarray(_HELD_BYTE_BITS[src])[byte[..., src, :].astype(jnp.int32)]
+    return lax.bitcast_convert_type(held, jnp.uint16).reshape(*lead, out, half // 2)
+
+
+def fp4_weight_bytes(w: jax.Array) -> jax.Array:
+    """FP4 weights in either layout -> the checkpoint's packed int8 [..., out, in/2]."""
+    if w.dtype != jnp.uint16:
+        return w
+    *lead, out, quarter = w.shape
+    words = lax.bitcast_convert_type(w.reshape(*lead, out, quarter // 8, 4, 2), jnp.uint32)[..., None, :]
+    # [..., out, g, 1 (w), c]
+    byte = jnp.zeros(words.shape[:-2] + (4, 4), jnp.uint32)                           # [..., out, g, w, c]
+    for lane in range(2):
+        for f in range(4):
+            src = jnp.asarray([fp4_held_bit(2 * s + lane, f) for s in range(4)], jnp.uint32)[:, None]
+            byte = byte | (((words >> src) & 1) << (4 * lane + f))
+    return byte.astype(jnp.uint8).reshape(*lead, out, 2 * quarter).astype(jnp.int8)
+
+
+def fp4_logical_shape(w: jax.Array) -> tuple[int, ...]:
+    """(..., out, in) of FP4 weights in either layout."""
+    return (*w.shape[:-1], (4 if w.dtype == jnp.uint16 else 2) * w.shape[-1])
+
+
+def _swap_w(fmt, w, s):
+    """A weight's kernel operands: (w,), FP8 (w, s), FP4 (fp4_kernel_weights, fp4_kernel_scales): held so by the
+    model they go straight in; the checkpoint's bytes cost a per-call pass (0.07 ms per V4-Flash scale tensor,
+    H200). bf16 scales save the decode kernels two integer instructions per scale over bytes: Nsight Compute
+    found them bound by the integer ALU pipe (B256 gate/up kernel: ALU 61% busy, DRAM 29%; eleventh session)."""
     if fmt != "fp4":
         return (w,) if fmt == "dense" else (w, s)
-    fold = FP4_DECODES[fp4_decode].fold
-    if is_fp4_kernel_layout(s) and fold == FP4_KERNEL_FOLD:
-        return w, s
-    return w, e8m0_bf16(jnp.swapaxes(fp4_scale_bytes(s), 1, 2), fold)
+    return fp4_kernel_weights(w), fp4_kernel_scales(s)
 
 
 def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret,
                x_rows=False):
     """swap_ab: outT [N, P] = epilogue([W_e xT_t for W in ws]) (* routing weights) for each tile t of block_m
-    token columns of xT [K, P] (wgmma's N) -- x is xT, or with x_rows its rows [P, K], transposed here; FP4:
-    K in fp4_k_order;
-    ws: weights [E, N, K] in storage format, ss their scales (None).
+    token columns of xT [K, P] (wgmma's N) -- x is xT, or with x_rows its rows [P, K], transposed here;
+    ws: weights [E, N, K] in storage format (FP4 either layout), ss their scales (None).
 
-    Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: G tiles [bn, 16],
-    one per scale group, each its own TMA copy (one [bn, G, 16] tile has no bank-conflict-free group load
-    for G > 2), and their transposed scales [G, bn]; FP8 scales are read as GMEM scalars. The cfg.compute_wgs
+    Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: G held tiles [bn, 8]
+    uint16 (fp4_kernel_weights), one per scale group, each its own TMA copy (held scale group-major instead, one
+    copy of G contiguous runs a step, the decode kernels ran 3-9% slower, thirteenth session; one [bn, G, 16]
+    tile has no bank-conflict-free group load for G > 2), and their scales [G, bn]; FP8 scales are read as
+    GMEM scalars. The cfg.compute_wgs
     compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense) stay one
     step in flight; register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
     warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     k, p = x.shape[::-1] if x_rows else x.shape
-    n = ws[0].shape[1]
+    n = (fp4_logical_shape(ws[0]) if fmt == "fp4" else ws[0].shape)[1]
     bm, bn, bk, fp8_block = _swap_tiles(what, fmt, cfg, names, n, k, p, ws[0], ss[0])
     # -> [K, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
     # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
     xt = (transpose(x, interpret=interpret is not None) if bm >= 64 else x.T) if x_rows else x
     wgs, nk, nw = cfg.compute_wgs, k // bk, len(ws)
     wb, g = bn // wgs, bk // (2 * FP4_GROUP)
-    ops = [_swap_w(fmt, w, s, cfg.fp4_decode) for w, s in zip(ws, ss)]
+    ops = [_swap_w(fmt, w, s) for w, s in zip(ws, ss)]
     per_w = len(ops[0])
     w_bytes = {"dense": 2 * bn * bk, "fp8": bn * bk, "fp4": bn * (bk // 2 + 2 * g)}[fmt]   # per weight and step
     fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
@@ -962,7 +978,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     steps, delay = _pipeline_depth(fit, nk)
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
     if fmt == "fp4":
-        w_specs = [spec((bn, FP4_GROUP), lambda kk, i=i: (0, kk * g + i)) for i in range(g)] + \
+        w_specs = [spec((bn, FP4_GROUP // 2), lambda kk, i=i: (0, kk * g + i)) for i in range(g)] + \
                   [spec((g, bn), lambda kk: (kk, 0))]
     else:
         w_specs = [spec((bn, bk), lambda kk: (0, kk))]
@@ -990,8 +1006,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                                    (kk * bk) // fp8_block)
                 a = (w_t[0].at[rows][...].astype(jnp.float32) * sc).astype(jnp.bfloat16)
             else:
-                a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)],
-                                 cfg.fp4_decode)
+                a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)])
             plgpu.wgmma(acc, a, x_s)
         plgpu.wgmma_wait(1 if fmt == "dense" else 0)
         return accs
@@ -1113,8 +1128,11 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     uses it (default_config).
     Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
     """
-    held = (None, None, None) if scales is None else tuple(scales)   # FP4: either layout (fp4_kernel_scales)
-    s1, s2, s3 = (None, None, None) if scales is None else tuple(fp4_scale_bytes(s) for s in scales)  # UE8M0 bytes
+    # FP4 in either layout (fp4_kernel_weights / fp4_kernel_scales): the swap kernels take the held operands, the
+    # rest (and the checks) the checkpoint's bytes, which XLA computes only where they are used
+    held = (w1, w2, w3), ((None, None, None) if scales is None else tuple(scales))
+    w1, w2, w3 = (fp4_weight_bytes(a) for a in (w1, w2, w3))
+    s1, s2, s3 = (None, None, None) if scales is None else tuple(fp4_scale_bytes(s) for s in scales)
     fmt = weight_format(w1, s1)
     if weight_format(w2, s2) != fmt or weight_format(w3, s3) != fmt:
         raise ValueError("moe_experts: w1, w2, w3 must share one storage format")
@@ -1168,8 +1186,6 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     post = None
     xq, xq_scale = gemm_input(x)        # act_quant is per row: quantise the M tokens, then gather their rows
     swap = backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab
-    if swap and fmt == "fp4":
-        xq = fp4_k_order(xq, axis=1)
     xs = take_rows(xq, plan.row_token)                                   # [P, D] tile-aligned rows
     x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
@@ -1192,13 +1208,12 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
         tiles = (plan.tile_expert, plan.tile_rows)
-        sw1, sw2, sw3 = held if fmt == "fp4" else (s1, s2, s3)
-        zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (w1, w3), (sw1, sw3), fmt=fmt,
+        (hw1, hw2, hw3), (sw1, sw2, sw3) = held if fmt == "fp4" else ((w1, w2, w3), (s1, s2, s3))
+        zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (hw1, hw3), (sw1, sw3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
                         out_dtype=z_dtype, interpret=interp, x_rows=True)
         zt = rounded(zt.T).T if act_block else zt
-        zt = fp4_k_order(zt, axis=0) if fmt == "fp4" else zt
-        yt = _swap_gemm("down", zt, tiles, (w2,), (sw2,), fmt=fmt, names=("block_n_down", "block_k_down"),
+        yt = _swap_gemm("down", zt, tiles, (hw2,), (sw2,), fmt=fmt, names=("block_n_down", "block_k_down"),
                         cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
         y = transpose(yt, interpret=interp is not None)  # [P, D]: the combine below gathers whole rows
     elif backend == "mgpu":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -213,7 +214,7 @@ def memory_per_device(cfg, dp: int = 1, ep: int = 1, tp: int = 1, seqs_per_devic
         out["params"] += size
         if ".experts." in name and name.endswith(".scale"):   # FP4 models' scales: one UE8M0 byte as released
             out["params_fp4_experts"] += count                 # (held as bf16, fp4_kernel_scales)
-        elif ".experts." in name and np.dtype(leaf.dtype).itemsize > 1:   # dense experts as released
+        elif ".experts." in name and jnp.issubdtype(leaf.dtype, jnp.floating):   # dense experts as released
             out["params_fp4_experts"] += count * (0.5 + 1 / 32)
         else:
             out["params_fp4_experts"] += size

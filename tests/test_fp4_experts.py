@@ -13,7 +13,7 @@ import pytest
 from model import ModelConfig, init_random, quant_io
 from model.checkpoint import load_checkpoint, save_safetensors
 from pallas_kernels import reference as ref
-from pallas_kernels.moe import fp4_scale_bytes
+from pallas_kernels.moe import fp4_scale_bytes, fp4_weight_bytes
 
 CFG = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
                                             name="v4-small")
@@ -63,7 +63,7 @@ def test_checkpoint_round_trip_and_dense_equivalence(fp4_checkpoint):
     d2 = save_safetensors(dense, d.parent / "dense")
     requant = load_checkpoint(d2, dtype="float32", expert_weights="fp4")
     for name in ("w1", "w2", "w3"):
-        values = [ref.dequant_experts(getattr(m.layers[2].ffn.experts, name)[...],
+        values = [ref.dequant_experts(fp4_weight_bytes(getattr(m.layers[2].ffn.experts, name)[...]),
                                       fp4_scale_bytes(getattr(m.layers[2].ffn.experts, "s" + name[1])[...]))
                   for m in (requant, model)]
         np.testing.assert_array_equal(np.asarray(values[0]), np.asarray(values[1]))
@@ -113,7 +113,7 @@ def test_official_checkpoint_kept_fp4(golden_dir, name):
     d = golden_dir / name
     model = load_checkpoint(d, dtype="float32", expert_weights="fp4")
     stored = dict(quant_io.iter_checkpoint_tensors(d))
-    np.testing.assert_array_equal(np.asarray(model.layers[0].ffn.experts.w1[...][3]),
+    np.testing.assert_array_equal(np.asarray(fp4_weight_bytes(model.layers[0].ffn.experts.w1[...])[3]),
                                   stored["layers.0.ffn.experts.3.w1.weight"])
     np.testing.assert_array_equal(np.asarray(fp4_scale_bytes(model.layers[0].ffn.experts.s2[...][3])),
                                   stored["layers.0.ffn.experts.3.w2.scale"].view(np.uint8))

@@ -186,22 +186,34 @@ def test_e2m1_decoder_covers_all_codes():
     assert np.isnan(np.asarray(s)[5])
 
 
-@pytest.mark.parametrize("decode", sorted(K.FP4_DECODES))
-def test_e2m1_bf16_decoders_are_exact(decode):
-    """The Mosaic GPU swap kernels' in-register decoders (inline PTX: prmt byte tables; bits shifted
-    into the bf16 exponent, a factor 2^-126 folded into the scale), through their numpy models,
-    against the E2M1 table for every pair of packed bytes; the PTX itself runs in the GPU tests."""
+def test_fp4_kernel_weights_decode_exactly():
+    """FP4 weights as the swap kernels read them (fp4_kernel_weights: uint16 [E, out, in/4], each scale group's
+    four 32-bit words with their bits permuted): the checkpoint's bytes come back (fp4_weight_bytes); the register
+    decode (inline PTX, through its numpy model) of a thread's held word c gives operand columns 8w + 2c + l of
+    the group (WGMMA layout) as the E2M1 values of the weights in their own order, times 2^-126; the PTX is
+    the nine instructions the model describes. The PTX itself runs in the GPU tests."""
     import ml_dtypes
-    u = np.arange(1 << 16, dtype=np.uint32)
-    even, odd = K.FP4_DECODES[decode].model(u)
-    fold = K.FP4_DECODES[decode].fold
-    as_f64 = lambda w: (w.view(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
-                        * 2.0 ** fold).reshape(-1, 2)
+    rng = fresh_rng()
+    e, out, groups = 2, 64, 4
+    b = rng.integers(0, 256, (e, out, 16 * groups), dtype=np.uint8)          # [E, out, in/2]
+    held = K.fp4_kernel_weights(jnp.asarray(b.view(np.int8)))
+    assert held.dtype == jnp.uint16 and held.shape == (e, out, 8 * groups)
+    assert K.fp4_logical_shape(held) == K.fp4_logical_shape(jnp.asarray(b)) == (e, out, 32 * groups)
+    np.testing.assert_array_equal(np.asarray(K.fp4_weight_bytes(held)).view(np.uint8), b)
+    words = K.e2m1_word_decode(np.asarray(held).view(np.uint32).reshape(e, out, groups, 4))  # 4 x [E, out, g, c]
+    operand = np.zeros((e, out, groups, 32))
+    for w, word in enumerate(words):
+        vals = word.view(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 126
+        for c in range(4):
+            operand[..., 8 * w + 2 * c:8 * w + 2 * c + 2] = vals.reshape(e, out, groups, 4, 2)[..., c, :]
     mags = np.array(R.E2M1_MAGNITUDES, np.float64)
-    val = lambda c: np.where(c >= 8, -mags[c & 7], mags[c & 7])                  # noqa: E731
-    b0, b1 = u & 0xFF, u >> 8
-    assert np.array_equal(as_f64(even), np.stack([val(b0 & 15), val(b1 & 15)], 1))
-    assert np.array_equal(as_f64(odd), np.stack([val(b0 >> 4), val(b1 >> 4)], 1))
+    nibbles = np.stack([b & 15, b >> 4], -1).reshape(e, out, 32 * groups)     # low nibble first
+    assert all(len(np.unique(col)) == 16 for col in nibbles.reshape(-1, 32).T)   # every code at every position
+    values = np.where(nibbles >= 8, -mags[nibbles & 7], mags[nibbles & 7])
+    np.testing.assert_array_equal(operand.reshape(e, out, -1), values)
+    assert K._E2M1_WORDS_PTX.count(";") - 1 == 9                               # instructions after the .reg line
+    with pytest.raises(ValueError, match="in/2 a multiple of 16"):
+        K.fp4_kernel_weights(jnp.zeros((2, 8, 24), jnp.int8))
 
 
 def test_e8m0_bf16_scales():
@@ -214,8 +226,6 @@ def test_e8m0_bf16_scales():
         ok = (np.arange(256) < 255) & (np.arange(256) + fold <= 254)
         np.testing.assert_array_equal(got[ok], want[ok])
         assert np.all(np.isnan(got[~ok]))
-    with pytest.raises(ValueError, match="fp4_decode"):
-        K.MgpuConfig(fp4_decode="lut")
 
 
 def test_fp4_kernel_scales_round_trip():
@@ -232,25 +242,28 @@ def test_fp4_kernel_scales_round_trip():
     assert np.all(back[~ok] == 255)
     assert np.array_equal(np.asarray(K.fp4_scale_bytes(b.view(jnp.float8_e8m0fnu))), np.asarray(b))
     small = jnp.asarray(rng.integers(100, 129, (3, 64, 4)), jnp.uint8)
-    w = jnp.zeros((3, 64, 64), jnp.int8)
-    for decode in sorted(K.FP4_DECODES):
-        from_bytes, from_held = (K._swap_w("fp4", w, s, decode)[1] for s in (small, K.fp4_kernel_scales(small)))
-        np.testing.assert_array_equal(np.asarray(from_held).view(np.uint16),
-                                      np.asarray(from_bytes).view(np.uint16))
+    w = jnp.asarray(rng.integers(-128, 128, (3, 64, 64)), jnp.int8)
+    for hw, hs in ((w, small), (K.fp4_kernel_weights(w), K.fp4_kernel_scales(small))):
+        ops = K._swap_w("fp4", hw, hs)
+        np.testing.assert_array_equal(np.asarray(ops[0]), np.asarray(K.fp4_kernel_weights(w)))
+        np.testing.assert_array_equal(np.asarray(ops[1]).view(np.uint16),
+                                      np.asarray(K.fp4_kernel_scales(small)).view(np.uint16))
 
 
-def test_moe_experts_takes_held_fp4_scales():
-    """moe_experts gives the same result with FP4 scales held as fp4_kernel_scales as with the checkpoint's
-    bytes (CPU: the Triton kernels, which read the bytes back), and the XLA reference path of the model too."""
+def test_moe_experts_takes_held_fp4():
+    """moe_experts gives the same result with FP4 weights and scales held as fp4_kernel_weights /
+    fp4_kernel_scales as with the checkpoint's bytes (CPU: the Triton kernels, which read the bytes back), and
+    the XLA reference path of the model too."""
     from model.moe import routed_experts
     rng = fresh_rng()
     x, ids, w, w1, w2, w3 = problem(rng, 24, 2, 8, 128, 64, "skewed")
     q1, q2, q3, sc = weights_in("fp4", w1, w2, w3)
+    hw = tuple(K.fp4_kernel_weights(q) for q in (q1, q2, q3))
     held = tuple(K.fp4_kernel_scales(s) for s in sc)
     xb = x.astype(jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(kernel(xb, ids, w, q1, q2, q3, held, backend="triton")),
+    np.testing.assert_array_equal(np.asarray(kernel(xb, ids, w, *hw, held, backend="triton")),
                                   np.asarray(kernel(xb, ids, w, q1, q2, q3, sc, backend="triton")))
-    got = routed_experts("reference", x, ids, w, q1, q2, q3, LIMIT, scales=held)
+    got = routed_experts("reference", x, ids, w, *hw, LIMIT, scales=held)
     np.testing.assert_allclose(np.asarray(got), np.asarray(reference(x, ids, w, q1, q2, q3, sc)), rtol=1e-6,
                                atol=1e-6)
 
@@ -320,14 +333,6 @@ def test_act_quant_rows_kernel(dtype):
     np.testing.assert_array_equal(np.asarray(q[:live]).view(np.uint8), np.asarray(want_q).view(np.uint8))
     with pytest.raises(ValueError, match="must tile"):
         K.act_quant_rows(x[:, :100], 128, jnp.int32(live), interpret=not GPU)
-
-
-def test_fp4_k_order():
-    """The FP4 swap kernels' K order: within each 32, the even entries then the odd ones, along either axis."""
-    a = jnp.arange(2 * 64).reshape(2, 64)
-    want = np.concatenate([np.r_[b:b + 32:2, b + 1:b + 32:2] for b in (0, 32)])
-    np.testing.assert_array_equal(np.asarray(K.fp4_k_order(a, axis=1))[1] - 64, want)
-    np.testing.assert_array_equal(np.asarray(K.fp4_k_order(a.T, axis=0)), np.asarray(K.fp4_k_order(a, axis=1)).T)
 
 
 @pytest.mark.parametrize("dtype,cols", [(jnp.float8_e4m3fn, 256), (jnp.bfloat16, 64), (jnp.bfloat16, 3),
@@ -490,8 +495,8 @@ def v4_flash_args(fmt, tokens, k=6, layout="out_in"):
         w13, w2 = sd((e, i, d), jnp.float8_e4m3fn), sd((e, d, i), jnp.float8_e4m3fn)
         s13, s2 = sd((e, i // 128, d // 128), jnp.uint8), sd((e, d // 128, i // 128), jnp.uint8)
         sc = (s13, s2, s13)
-    elif layout == "held":   # FP4 scales held as fp4_kernel_scales
-        w13, w2 = sd((e, i, d // 2), jnp.int8), sd((e, d, i // 2), jnp.int8)
+    elif layout == "held":   # FP4 held as fp4_kernel_weights / fp4_kernel_scales
+        w13, w2 = sd((e, i, d // 4), jnp.uint16), sd((e, d, i // 4), jnp.uint16)
         s13, s2 = sd((e, d // 32, i), jnp.bfloat16), sd((e, i // 32, d), jnp.bfloat16)
         sc = (s13, s2, s13)
     else:
@@ -523,8 +528,7 @@ SWAP_PREFILL = K.MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=1
     ("mgpu", "bf16", 64, "out_in", SWAP_DECODE),  # swapped operands, decode tiles of 16 tokens
     ("mgpu", "fp8", 256, "out_in", SWAP_DECODE_FP8),  # FP8 dequantised in registers
     ("mgpu", "fp4", 256, "out_in", SWAP_DECODE),      # FP4 decoded in registers, whole scale groups per step
-    ("mgpu", "fp4", 256, "out_in", dataclasses.replace(SWAP_DECODE, fp4_decode="table")),
-    ("mgpu", "fp4", 256, "held", None),               # FP4 scales as the model holds them (fp4_kernel_scales)
+    ("mgpu", "fp4", 256, "held", None),               # FP4 as the model holds it (fp4_kernel_weights / _scales)
     ("mgpu", "fp4", 64, "out_in", None),
     ("mgpu", "fp4", 1024, "out_in", None),            # verify B256 x 4 rows: 24 rows per expert, 32-token tiles
     ("mgpu", "fp4", 8192, "out_in", None),            # default_config: FP4 prefill on the swap kernels
@@ -602,7 +606,7 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
                                                ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap"),
                                                ("mgpu", "fp8", "swap_2wg"), ("mgpu", "fp4", "swap_2wg"),
                                                ("mgpu", "bf16", "balanced192"), ("mgpu", "fp4", "balanced192"),
-                                               ("mgpu", "fp4", "swap_table"), ("mgpu", "fp4", "swap_held")])
+                                               ("mgpu", "fp4", "swap_held")])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
 def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     e, d, i, k = 32, 1024, 512, 6
@@ -610,14 +614,13 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     # FP8 as the V4 checkpoints ship it: 128x128 scale blocks
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x, ids, w, q1, q2, q3, sc)
-    if tiles in ("swap_held", "swap_table"):   # FP4 scales as the model holds them, into both decodes
-        sc = tuple(K.fp4_kernel_scales(s) for s in sc)
-    if tiles in ("swap", "swap_2wg", "swap_table", "swap_held"):   # 2wg: two compute warpgroups of 64 rows each
+    if tiles == "swap_held":   # FP4 as the model holds it (the other FP4 cases convert per call)
+        q1, q2, q3, sc = *(K.fp4_kernel_weights(q) for q in (q1, q2, q3)), tuple(K.fp4_kernel_scales(s) for s in sc)
+    if tiles in ("swap", "swap_2wg", "swap_held"):   # 2wg: two compute warpgroups of 64 rows each
         bk, wgs = 64 if fmt == "fp4" else 128, 2 if tiles == "swap_2wg" else 1
         cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64 * wgs, block_k=bk,
                            block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs,
-                           warp_specialized=wgs > 1,   # 1: as the decode defaults, no TMA warpgroup
-                           fp4_decode="table" if tiles == "swap_table" else "exponent")
+                           warp_specialized=wgs > 1)   # 1: as the decode defaults, no TMA warpgroup
     elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
         cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)
     elif tiles == "balanced192":   # default_config's 192-row tiles for 192 rows per expert (three compute WGs)
@@ -665,11 +668,9 @@ def test_gpu_fp8_rounding_survives_jit():
 
 @gpu
 @skip_no_gpu
-@pytest.mark.parametrize("decode", sorted(K.FP4_DECODES))
-def test_gpu_fp4_half_codes(decode):
-    """FP4 weights made only of the codes 0 and +-0.5 (the smallest table entries of the swap kernels'
-    decoder; the exponent decode makes 0.5 a bf16 subnormal), with small scales: a decoder that lost them
-    would return zeros."""
+def test_gpu_fp4_half_codes():
+    """FP4 weights made only of the codes 0 and +-0.5 (the swap kernels' register decode makes 0.5 a bf16
+    subnormal), with small scales: a decoder that lost them would return zeros."""
     rng = fresh_rng()
     e, d, i, k, m = 8, 256, 128, 2, 24
     x, ids, w, *_ = problem(rng, m, k, e, d, i, "uniform")
@@ -678,8 +679,7 @@ def test_gpu_fp4_half_codes(decode):
     scale = lambda *s: jnp.asarray(rng.integers(120, 128, s), jnp.uint8)  # noqa: E731
     w1, w3, w2 = packed(e, i, d // 2), packed(e, i, d // 2), packed(e, d, i // 2)
     sc = (scale(e, i, d // 32), scale(e, d, i // 32), scale(e, i, d // 32))
-    cfg = K.MgpuConfig(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True,
-                       fp4_decode=decode)
+    cfg = K.MgpuConfig(block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64, swap_ab=True)
     got = kernel(x.astype(jnp.bfloat16), ids, w, w1, w2, w3, sc, backend="mgpu", config=cfg)
     assert rel_err(got, reference(x, ids, w, w1, w2, w3, sc)) < 1e-2
 

@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 47}" in
+case "${1:?part 1 to 53}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -564,6 +564,74 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 110 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
     timeout 60 $M --impls mgpu --regime decode --formats fp4 --decode-tokens 64,256 --quick 2>&1 | grep -E "^\| decode|rror"
     timeout 70 $M --impls layer --regime decode --formats fp4 2>&1 | grep -E "^\| decode|rror" ;;
-*)  echo "part must be 1 to 47" >&2; exit 2 ;;
+48) # thirteenth session, one GPU: FP4 weights held as "kernel words" (fp4_kernel_weights: each 32-bit word's bits
+    # permuted so that 8 weights decode with 9 integer instructions instead of 18) -- the FP4 Mosaic GPU GPU tests,
+    # FP4 decode (tile sweep) and prefill, against the twelfth session's code (585e113, a git archive unpacked in
+    # _baseline/, which is never committed) in the same call; the new gate/up kernel's SASS opcodes
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4"
+    timeout 170 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
+    timeout 150 $M --out "$OUT" --regime decode --decode-tokens 64,256,1024 2>&1 | grep -E "^\| decode|rror"
+    (cd _baseline && timeout 80 $M --out "$OUT/base" --regime decode --decode-tokens 64,256,1024 --quick 2>&1 \
+        | grep -E "^\| decode|rror")
+    timeout 80 $M --out "$OUT" --regime prefill --quick 2>&1 | grep -E "^\| prefill|rror"
+    (cd _baseline && timeout 80 $M --out "$OUT/base" --regime prefill --quick 2>&1 | grep -E "^\| prefill|rror")
+    MOSAIC_GPU_DUMP_SASS=1 timeout 100 python -m experiments.probes.moe_profile_target --format fp4 --tokens 256 \
+        --calls 1 --cuda-root /usr/local/cuda > "$OUT/sass_fp4_decode_words.txt" 2>&1
+    python -m experiments.probes.sass_opcodes "$OUT/sass_fp4_decode_words.txt" --top 14 ;;
+49) # after 48 (kernel words: prefill gate/up kernel 3.53 -> 3.11 ms, decode unchanged at 0.95): is the FP4 decode
+    # kernel bound by its instructions or by HBM -- the same tiles with the weights in L2, then Nsight Compute
+    export PYTHONUNBUFFERED=1
+    timeout 200 python -m experiments.probes.moe_fp4_l2 2>&1 | grep -E "TB/s|rror"
+    ncu_moe fp4_decode_words --format fp4 --tokens 64 \
+        --config '{"block_m": 16, "block_n": 128, "block_k": 64, "block_n_down": 128, "block_k_down": 64, "max_concurrent_steps": 6, "swap_ab": true, "warp_specialized": false}' ;;
+50) # after 49 (weights in L2: the decode kernels stream 2.85 TB/s, from HBM 2.41 -- bound by their own instruction
+    # stream; the SASS shows a warpgroup barrier before each of a step's 7 TMA copies and a full wgmma wait at its
+    # end): FP4 decode with a TMA warpgroup (warp specialisation) and one or two compute warpgroups
+    export PYTHONUNBUFFERED=1
+    C='"swap_ab": true, "block_m": 16, "block_k": 64, "block_k_down": 64'
+    timeout 250 python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4 --out "$OUT" \
+        --regime decode --decode-tokens 64,1024 --mgpu-configs "[{$C, \"block_n\": 128, \"block_n_down\": 128, \"max_concurrent_steps\": 6, \"warp_specialized\": false},
+        {$C, \"block_n\": 128, \"block_n_down\": 128, \"max_concurrent_steps\": 6},
+        {$C, \"block_n\": 256, \"block_n_down\": 256, \"max_concurrent_steps\": 4},
+        {$C, \"block_n\": 128, \"block_n_down\": 128, \"max_concurrent_steps\": 6, \"compute_wgs\": 2},
+        {$C, \"block_n\": 256, \"block_n_down\": 256, \"max_concurrent_steps\": 4, \"compute_wgs\": 2}]" \
+        2>&1 | grep -E "^\| decode|rror" | cut -c1-200 ;;
+51) # after 50 (a TMA warpgroup, one or two compute warpgroups: no faster): FP4 weights held scale group-major
+    # ([E, in/32, out, 8]: a step's weight tile is one TMA copy of G contiguous runs, 5 copies a step instead of 7;
+    # the weights' own K order, so the activations' reorder is gone) -- FP4 GPU tests, decode (sweep) and prefill
+    # against the twelfth session's code (_baseline/), the L2 probe
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4"
+    timeout 170 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
+    timeout 150 $M --out "$OUT" --regime decode --decode-tokens 64,256,1024 2>&1 | grep -E "^\| decode|rror" | cut -c1-190
+    (cd _baseline && timeout 80 $M --regime decode --decode-tokens 64,1024 --quick 2>&1 | grep -E "^\| decode|rror" \
+        | cut -c1-120)
+    timeout 80 $M --out "$OUT" --regime prefill --quick 2>&1 | grep -E "^\| prefill|rror" | cut -c1-120
+    timeout 100 python -m experiments.probes.moe_fp4_l2 2>&1 | grep -E "TB/s|rror" ;;
+52) # after 51 (scale group-major held weights: prefill 7.20 -> 6.50 ms, the decode kernels 3-9% slower): back to
+    # row-major held words, now with the weights' own K order (a group's words exchange nibble pairs) -- FP4 GPU
+    # tests, decode and prefill against the twelfth session's code (_baseline/)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4"
+    timeout 170 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
+    timeout 150 $M --out "$OUT" --regime decode --decode-tokens 64,256,1024 2>&1 | grep -E "^\| decode|rror" | cut -c1-150
+    (cd _baseline && timeout 80 $M --regime decode --decode-tokens 64,1024 --quick 2>&1 | grep -E "^\| decode|rror" \
+        | cut -c1-120)
+    timeout 80 $M --out "$OUT" --regime prefill --quick 2>&1 | grep -E "^\| prefill|rror" | cut -c1-120 ;;
+53) # thirteenth session, one GPU: the model holds routed experts' FP4 weights as kernel words (fp4_kernel_weights),
+    # decode tiles of 128 weight rows -- the FP4 block (default tiles) and the whole layer, decode and prefill; the
+    # tenth session's model-level FP4 step (part 45's command), each against the twelfth session's code (_baseline/)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --formats fp4"
+    timeout 100 $M --out "$OUT" --impls mgpu,layer --regime decode,prefill --decode-tokens 64,256,1024 --quick 2>&1 \
+        | grep -E "^\| (decode|prefill)|rror" | cut -c1-110
+    (cd _baseline && timeout 100 $M --impls mgpu,layer --regime decode,prefill --decode-tokens 64,256,1024 --quick \
+        2>&1 | grep -E "^\| (decode|prefill)|rror" | cut -c1-110)
+    S="--preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 --context 32768"
+    timeout 150 $B $S --new-tokens 4096 --step verify --tag s13_fp4_words 2>&1 | tail -4
+    (cd _baseline && timeout 150 $B $S --new-tokens 4096 --step verify --tag s13_fp4_baseline --out "$OUT/base" 2>&1 \
+        | tail -4) ;;
+*)  echo "part must be 1 to 53" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

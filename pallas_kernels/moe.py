@@ -719,18 +719,19 @@ def _scale_scalar(s_gmem, e, r, c):
 
 
 # FP4 weights as the swap kernels read them ("kernel words", fp4_kernel_weights; the model holds routed experts'
-# so): each 32-bit word of a row's checkpoint bytes (8 weights, E2M1 nibbles j = 0..7 low first) with its bits
-# permuted, so that a thread of the WGMMA layout decodes the word into four bf16x2 words (even lane: nibble 2w,
-# odd lane: nibble 2w + 1, w = 0..3) with nine integer instructions: four rotations and five masks / merges
-# (the byte decodes before took 18 per 8 weights). Decoded word w gets each field of its nibbles -- E2M1 bit f
+# so): a scale group's 16 bytes of a row as four 32-bit held words, each holding 8 weights in slots j = 2w + l
+# with their bits permuted, so that a thread of the WGMMA layout decodes its word into four bf16x2 words
+# (decoded word w: lane l from slot 2w + l) with nine integer instructions: four rotations and five masks /
+# merges (the byte decodes before took 18 per 8 weights). Decoded word w gets each field of its slots -- E2M1 bit f
 # (mantissa, exponent low, exponent high, sign) onto bf16 bit FP4_FIELD_BITS[f] (the exponent's low two bits,
 # the mantissa's top bit, the sign; lane 1: +16) -- by rotating the held word right by FP4_WORD_SHIFTS[w][f].
 # That makes the bf16 value E2M1 x 2^-126 for all 16 codes (0.5 becomes the subnormal 2^-127); the 2^126 is
 # folded into the scales (FP4_KERNEL_FOLD: 2^(b-1) for UE8M0 byte b, which bf16 holds for b <= 128, scales <= 2;
 # e8m0_bf16 makes the larger ones NaN; the Triton kernels take any scale). Exact where it applies, provided the
 # bf16 multiply keeps the subnormal input (bf16 mul has no flush-to-zero in PTX; tests/test_kernels_moe.py
-# test_gpu_fp4_half_codes). The shifts are the cheapest such layout an exhaustive search found: no layout
-# decodes every word with one rotation each (the field pattern does not tile the 16-bit lane).
+# test_gpu_fp4_half_codes). The shifts are one of the cheapest layouts (9 instructions) of an exhaustive search
+# (experiments/probes/fp4_word_layout_search.py): no layout decodes every word with one rotation each (the
+# field pattern does not tile the 16-bit lane).
 FP4_FIELD_BITS = (6, 7, 8, 15)
 FP4_WORD_SHIFTS = ((0, 0, 0, 0), (10, 2, 2, 2), (12, 12, 12, 12), (6, 6, 6, 6))
 FP4_KERNEL_FOLD = 126
@@ -745,7 +746,7 @@ def _word_fields(w: int) -> dict[int, int]:
 
 
 def fp4_held_bit(j: int, f: int) -> int:
-    """Bit of a held 32-bit word that holds bit f of checkpoint nibble j (the word's 8 weights, low first)."""
+    """Bit of a held 32-bit word that holds E2M1 bit f of its slot j = 2w + l (decoded word w, lane l)."""
     w, lane = divmod(j, 2)
     return (FP4_FIELD_BITS[f] + 16 * lane + FP4_WORD_SHIFTS[w][f]) % 32
 
@@ -784,9 +785,9 @@ def e2m1_word_decode(q: np.ndarray) -> tuple[np.ndarray, ...]:
 def _fp4_operand(plgpu, tiles, scale_rows):
     """One K step's wgmma A operand from FP4: G held tiles [n, 8] uint16 (fp4_kernel_weights, WGMMA layout: a
     thread's register is one held word) and their scale rows [n] (bf16 powers of two with FP4_KERNEL_FOLD) ->
-    [n, 32G] bf16, per group its decoded words 0..3 (8 columns each; the activations are permuted to match, see
-    fp4_kernel_weights). The words' registers are concatenated along K (axis 1 of the WGMMA register array), which
-    moves no data."""
+    [n, 32G] bf16, per group its decoded words 0..3 (8 columns each, the weights' own K order: see
+    fp4_kernel_weights). The words' registers are concatenated along K (axis 1 of the WGMMA register array),
+    which moves no data."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
@@ -900,10 +901,10 @@ _HELD_BYTE_BITS = np.stack([_held_byte_bits(w) for w in range(4)])      # [w, by
 def fp4_kernel_weights(w: jax.Array) -> jax.Array:
     """Packed FP4 weights [..., out, in/2] (int8 / uint8, the checkpoint's E2M1 pairs) -> the swap kernels'
     operand: uint16 [..., out, in/4], each scale group's 16 bytes of a row held as four 32-bit words (two uint16,
-    low first). Held word c of a group holds
-    weights 8w + 2c + l (w = 0..3, l = 0, 1) with their bits where the register decode finds them (fp4_held_bit),
-    so that decoded word w is operand column 8w + 2c + l of the WGMMA layout: the weights' own order, the
-    activations need none. Models hold routed experts' FP4 weights so (model.moe.Experts); as many bytes."""
+    low first). Held word c of a group holds weights 8w + 2c + l (w = 0..3, l = 0, 1) in slot 2w + l, with their
+    bits where the register decode finds them (fp4_held_bit), so that decoded word w of the thread holding word c
+    is operand column 8w + 2c + l of the WGMMA layout: the weights' own order, the activations need none.
+    Models hold routed experts' FP4 weights so (model.moe.Experts); as many bytes as the checkpoint's."""
     if w.dtype == jnp.uint16:
         return w
     *lead, out, half = w.shape

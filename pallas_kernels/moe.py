@@ -898,6 +898,7 @@ def _held_byte_bits(w: int) -> np.ndarray:
 _HELD_BYTE_BITS = np.stack([_held_byte_bits(w) for w in range(4)])      # [w, byte value]
 
 
+@jax.jit   # eager, the loader's per-tensor conversion took 12x longer (CPU)
 def fp4_kernel_weights(w: jax.Array) -> jax.Array:
     """Packed FP4 weights [..., out, in/2] (int8 / uint8, the checkpoint's E2M1 pairs) -> the swap kernels'
     operand: uint16 [..., out, in/4], each scale group's 16 bytes of a row held as four 32-bit words (two uint16,
@@ -918,6 +919,7 @@ def fp4_kernel_weights(w: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(held, jnp.uint16).reshape(*lead, out, half // 2)
 
 
+@jax.jit   # eager, the loader's per-tensor conversion took 12x longer (CPU)
 def fp4_weight_bytes(w: jax.Array) -> jax.Array:
     """FP4 weights in either layout -> the checkpoint's packed int8 [..., out, in/2]."""
     if w.dtype != jnp.uint16:

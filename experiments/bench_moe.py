@@ -488,8 +488,8 @@ def bench_moe(args) -> list[dict]:
         try:
             w1, w2, w3, scales = make_weights(fmt, args.seed + 1) if block_impls else (None,) * 4
             # FP4: the Mosaic GPU kernels take the weights as the model holds them, the rest the checkpoint's bytes
-            held_w = jax.jit(lambda *a: tuple(PK.fp4_kernel_weights(b) for b in a))(w1, w2, w3) \
-                if fmt == "fp4" and block_impls else (w1, w2, w3)
+            held_w = tuple(PK.fp4_kernel_weights(b) for b in (w1, w2, w3)) if fmt == "fp4" and block_impls \
+                else (w1, w2, w3)
             jax.block_until_ready((w1, w2, w3, held_w))
         except Exception as e:  # noqa: BLE001
             records.append({"fmt": fmt, "error": f"weights: {type(e).__name__}: {str(e)[:300]}"})

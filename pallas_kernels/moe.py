@@ -168,8 +168,8 @@ def weight_format(w: jax.Array, scale) -> str:
 
 
 def logical_shape(w: jax.Array, fmt: str) -> tuple[int, int, int]:
-    e, n, k = w.shape
-    return (e, n, 2 * k) if fmt == "fp4" else (e, n, k)
+    """[E, out, in] of expert weights in storage format `fmt` (FP4 in either layout)."""
+    return fp4_logical_shape(w) if fmt == "fp4" else w.shape
 
 
 def expert_bytes(d: int, i: int, fmt: str, fp8_block: int = 128, dense_itemsize: int = 2) -> int:
@@ -966,7 +966,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     k, p = x.shape[::-1] if x_rows else x.shape
-    n = (fp4_logical_shape(ws[0]) if fmt == "fp4" else ws[0].shape)[1]
+    n = logical_shape(ws[0], fmt)[1]
     bm, bn, bk, fp8_block = _swap_tiles(what, fmt, cfg, names, n, k, p, ws[0], ss[0])
     # -> [K, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
     # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
@@ -1131,12 +1131,12 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     uses it (default_config).
     Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
     """
-    # FP4 in either layout (fp4_kernel_weights / fp4_kernel_scales): the swap kernels take the held operands, the
-    # rest (and the checks) the checkpoint's bytes, which XLA computes only where they are used
-    held = (w1, w2, w3), ((None, None, None) if scales is None else tuple(scales))
-    w1, w2, w3 = (fp4_weight_bytes(a) for a in (w1, w2, w3))
-    s1, s2, s3 = (None, None, None) if scales is None else tuple(fp4_scale_bytes(s) for s in scales)
+    # FP4 comes in either layout (fp4_kernel_weights / fp4_kernel_scales): the swap kernels take the held operands,
+    # the Triton kernels the checkpoint's bytes (converted in their branch only); the checks read shapes
+    s1, s2, s3 = (None, None, None) if scales is None else tuple(scales)
     fmt = weight_format(w1, s1)
+    if fmt == "fp8":
+        s1, s2, s3 = (_as_e8m0_bytes(s) for s in (s1, s2, s3))
     if weight_format(w2, s2) != fmt or weight_format(w3, s3) != fmt:
         raise ValueError("moe_experts: w1, w2, w3 must share one storage format")
     if weight_layout not in ("out_in", "in_out"):
@@ -1156,7 +1156,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} / weights {weights.shape} vs x {x.shape}")
     if fmt == "fp4":
         for name, w_, s_ in (("s1", w1, s1), ("s2", w2, s2), ("s3", w3, s3)):
-            ref.check_fp4_scale(w_.shape, s_.shape, 2 * FP4_GROUP, f"moe_experts: FP4 scales {name}")
+            *lead, out, in_dim = fp4_logical_shape(w_)
+            s_shape = (*s_.shape[:-2], s_.shape[-1], s_.shape[-2]) if is_fp4_kernel_layout(s_) else s_.shape
+            ref.check_fp4_scale((*lead, out, in_dim // 2), s_shape, 2 * FP4_GROUP, f"moe_experts: FP4 scales {name}")
     m, k = expert_ids.shape
     if act_block < 0 or (act_block and (d % act_block or i_dim % act_block)):
         raise ValueError(f"moe_experts: act_block {act_block} must divide the expert dims D={d} and I={i_dim}")
@@ -1194,6 +1196,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     if backend == "triton":
         if not isinstance(config, TritonConfig):
             raise ValueError(f"moe_experts: backend 'triton' needs a TritonConfig, got {type(config).__name__}")
+        if fmt == "fp4":
+            w1, w2, w3 = (fp4_weight_bytes(a) for a in (w1, w2, w3))
+            s1, s2, s3 = (fp4_scale_bytes(a) for a in (s1, s2, s3))
         # FP4 bytes hold (even, odd) column pairs: feed the activations as even and odd halves
         split = (lambda a: (a[:, 0::2], a[:, 1::2])) if fmt == "fp4" else (lambda a: (a,))  # noqa: E731
         z = _gate_up_triton(split(xs), plan.row_weight, plan.tile_expert, w1, w3, s1, s3, fmt=fmt,
@@ -1211,12 +1216,11 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
         tiles = (plan.tile_expert, plan.tile_rows)
-        (hw1, hw2, hw3), (sw1, sw2, sw3) = held if fmt == "fp4" else ((w1, w2, w3), (s1, s2, s3))
-        zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (hw1, hw3), (sw1, sw3), fmt=fmt,
+        zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
                         out_dtype=z_dtype, interpret=interp, x_rows=True)
         zt = rounded(zt.T).T if act_block else zt
-        yt = _swap_gemm("down", zt, tiles, (hw2,), (sw2,), fmt=fmt, names=("block_n_down", "block_k_down"),
+        yt = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
                         cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
         y = transpose(yt, interpret=interp is not None)  # [P, D]: the combine below gathers whole rows
     elif backend == "mgpu":

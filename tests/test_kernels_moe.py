@@ -480,6 +480,12 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="one per 32 input columns"):
         s8 = jnp.zeros((8, 128, 8), jnp.uint8)                         # one scale per 16 columns
         K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s8, s8, s8))
+    # held FP4 (fp4_kernel_weights / fp4_kernel_scales) is checked from its shapes, no conversion back
+    h4, hs4 = K.fp4_kernel_weights(p4), K.fp4_kernel_scales(s4)
+    with pytest.raises(ValueError, match="one per 32 input columns"):
+        K.moe_experts(x, ids, w, h4, h4, h4, 1.0, scales=(hs4, hs4, hs4[:, :2]))
+    with pytest.raises(ValueError, match="does not match expert input dim 128"):
+        K.moe_experts(x[:, :64], ids, w, h4, h4, h4, 1.0, scales=(hs4, hs4, hs4))
 
 
 # ------------------------------------------------------------------ lowering for CUDA at V4-Flash shapes

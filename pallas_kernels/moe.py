@@ -262,10 +262,11 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
         if rows_per_expert <= 16 or (fmt == "fp4" and rows_per_expert <= 32):  # decode: weights as wgmma M
             # one warpgroup issuing its own copies (FP4 64 tokens: 2.03 ms against 2.25 / 2.11 warp-specialised
             # with 1 / 2 compute warpgroups; FP8 1.84 against 2.06 / 1.93)
-            if fmt == "fp4":            # bench_moe, held words (thirteenth session): 128 weight rows per tile
-                t16 = rows_per_expert <= 16     # (64 tokens: 1.622 ms against 1.645 with 256, 1.655 128-deep steps)
-                return MgpuConfig(block_m=16 if t16 else 32, block_n=128, block_k=64, block_n_down=128,
-                                  block_k_down=64, max_concurrent_steps=6 if t16 else 5, swap_ab=True,
+            if fmt == "fp4":   # bench_moe, held words, one TMA copy a step (fourteenth session, part 55): 128
+                t16 = rows_per_expert <= 16   # weight rows, 128-column steps (64 tokens: 1.445 ms against 1.587
+                bk = 128 if t16 else 64       # with 64-column steps); 32-token tiles: 64 (1024 tokens: 1.773)
+                return MgpuConfig(block_m=16 if t16 else 32, block_n=128, block_k=bk, block_n_down=128,
+                                  block_k_down=bk, max_concurrent_steps=4 if t16 else 5, swap_ab=True,
                                   warp_specialized=False)
             return MgpuConfig(block_m=16, block_n=128, block_k=128 if fmt == "fp8" else 64,
                               block_n_down=256 if fmt == "dense" else 128,
@@ -703,7 +704,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
 # Quantised weights are dequantised in registers (wgmma's A operand may live in registers):
 #   FP8  E4M3 -> f32 times the tile's UE8M0 block scale -> bf16;
 #   FP4  a K step is G whole scale groups (16 packed bytes = 32 logical columns, one UE8M0 scale per weight
-#        row), streamed as G held [bn, 8] uint16 tiles (fp4_kernel_weights); a thread's 32-bit words are
+#        row), streamed as one held [bn, 8G] uint16 tile (fp4_kernel_weights); a thread's 32-bit words are
 #        decoded to bf16 in inline PTX (nine integer instructions per 8 weights) and the step's groups form
 #        one [bn, 32G] operand (_fp4_operand) in the weights' own K order. The scales enter as bf16,
 #        transposed ([E, in/32, out], fp4_kernel_scales) so that a group's scales are one contiguous [bn] row.
@@ -782,38 +783,39 @@ def e2m1_word_decode(q: np.ndarray) -> tuple[np.ndarray, ...]:
     return tuple(words)
 
 
-def _fp4_operand(plgpu, tiles, scale_rows):
-    """One K step's wgmma A operand from FP4: G held tiles [n, 8] uint16 (fp4_kernel_weights, WGMMA layout: a
-    thread's register is one held word) and their scale rows [n] (bf16 powers of two with FP4_KERNEL_FOLD) ->
+def _fp4_operand(plgpu, tile, scale_rows):
+    """One K step's wgmma A operand from FP4: its G scale groups' held words, a [n, 8G] uint16 tile
+    (fp4_kernel_weights, WGMMA layout: a thread's register is one held word, axis 1 of the register array the
+    8-column blocks, i.e. the groups), and their scale rows [n] (bf16 powers of two with FP4_KERNEL_FOLD) ->
     [n, 32G] bf16, per group its decoded words 0..3 (8 columns each, the weights' own K order: see
-    fp4_kernel_weights). The words' registers are concatenated along K (axis 1 of the WGMMA register array),
-    which moves no data."""
+    fp4_kernel_weights). The words' registers are concatenated along K, which moves no data."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
-    n, g = tiles[0].shape[0], len(tiles)
+    n, g = tile.shape[0], len(scale_rows)
     wgmma = plgpu.Layout.WGMMA
 
-    @plgpu.inline_mgpu(arg_types=((wgmma,) * g, (wgmma,) * g),
+    @plgpu.inline_mgpu(arg_types=(wgmma, (wgmma,) * g),
                        return_type=plgpu.ShapeDtypeStruct((n, 2 * FP4_GROUP * g), jnp.bfloat16, layout=wgmma))
     def decode(_, held, scales):
         i32 = ir.IntegerType.get_signless(32)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        assert held.layout == mgpu.WGMMA_LAYOUT, held.layout
         parts = []
-        for fa, s in zip(held, scales):
-            assert fa.layout == mgpu.WGMMA_LAYOUT, fa.layout
-            words = [np.empty_like(fa.registers) for _ in range(4)]
-            for idx, reg in np.ndenumerate(fa.registers):
+        for q, s in enumerate(scales):
+            group = held.registers[:, q:q + 1]
+            words = [np.empty_like(group) for _ in range(4)]
+            for idx, reg in np.ndenumerate(group):
                 out = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [mgpu.utils.bitcast(reg, i32)],
                                       _E2M1_WORDS_PTX, "=r,=r,=r,=r,r")
                 for w in range(4):
                     words[w][idx] = mgpu.utils.bitcast(llvm.extractvalue(i32, out, [w]), bf16x2)
-            parts += [(mgpu.FragmentedArray(_registers=r, _layout=fa.layout, _is_signed=None) * s).registers
+            parts += [(mgpu.FragmentedArray(_registers=r, _layout=held.layout, _is_signed=None) * s).registers
                       for r in words]
         return mgpu.FragmentedArray(_registers=np.concatenate(parts, axis=1), _layout=mgpu.WGMMA_LAYOUT,
                                     _is_signed=None)
 
-    return decode(tuple(tiles), tuple(lax.broadcast_in_dim(b, (n, FP4_GROUP // 2), [0]) for b in scale_rows))
+    return decode(tile, tuple(lax.broadcast_in_dim(b, (n, FP4_GROUP // 2), [0]) for b in scale_rows))
 
 
 class _SwapTiles(NamedTuple):
@@ -956,10 +958,9 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     token columns of xT [K, P] (wgmma's N) -- x is xT, or with x_rows its rows [P, K], transposed here;
     ws: weights [E, N, K] in storage format (FP4 either layout), ss their scales (None).
 
-    Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: G held tiles [bn, 8]
-    uint16 (fp4_kernel_weights), one per scale group, each its own TMA copy (held scale group-major instead, one
-    copy of G contiguous runs a step, the decode kernels ran 3-9% slower, thirteenth session; one [bn, G, 16]
-    tile has no bank-conflict-free group load for G > 2), and their scales [G, bn]; FP8 scales are read as
+    Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: the held [bn, 8G]
+    uint16 tile of its G scale groups (fp4_kernel_weights; one TMA copy of 16G-byte rows: decode 11% faster at
+    G = 4 than one [bn, 8] copy per group, fourteenth session) and their scales [G, bn]; FP8 scales are read as
     GMEM scalars. The cfg.compute_wgs
     compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense) stay one
     step in flight; register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
@@ -980,9 +981,8 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                      wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
     steps, delay = _pipeline_depth(fit, nk)
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
-    if fmt == "fp4":
-        w_specs = [spec((bn, FP4_GROUP // 2), lambda kk, i=i: (0, kk * g + i)) for i in range(g)] + \
-                  [spec((g, bn), lambda kk: (kk, 0))]
+    if fmt == "fp4":    # the step's held words (one copy of G groups a row) and their scales [G, bn]
+        w_specs = [spec((bn, g * FP4_GROUP // 2), lambda kk: (0, kk)), spec((g, bn), lambda kk: (kk, 0))]
     else:
         w_specs = [spec((bn, bk), lambda kk: (0, kk))]
     specs = [spec((bk, bm), lambda kk: (kk, 0))] + w_specs * nw
@@ -992,7 +992,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
         streamed = []
         for i in range(nw):
             w_g = refs[1 + i * per_w]
-            streamed += [w_g.at[e, rows]] * (g if fmt == "fp4" else 1)
+            streamed.append(w_g.at[e, rows])
             if fmt == "fp4":
                 streamed.append(refs[2 + i * per_w].at[e, :, rows])
         return (refs[0].at[:, pl.ds(t * bm, bm)], *streamed)
@@ -1009,7 +1009,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                                    (kk * bk) // fp8_block)
                 a = (w_t[0].at[rows][...].astype(jnp.float32) * sc).astype(jnp.bfloat16)
             else:
-                a = _fp4_operand(plgpu, [t.at[rows][...] for t in w_t[:-1]], [w_t[-1][q, rows] for q in range(g)])
+                a = _fp4_operand(plgpu, w_t[0].at[rows][...], [w_t[1][q, rows] for q in range(g)])
             plgpu.wgmma(acc, a, x_s)
         plgpu.wgmma_wait(1 if fmt == "dense" else 0)
         return accs

@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 54}" in
+case "${1:?part 1 to 55}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -644,6 +644,24 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
         | grep -E "^\| (decode|prefill)|rror" | cut -c1-110
     (cd _baseline && timeout 90 $M --regime decode,prefill --decode-tokens 64,256,1024 --quick 2>&1 \
         | grep -E "^\| (decode|prefill)|rror" | cut -c1-110) ;;
-*)  echo "part must be 1 to 54" >&2; exit 2 ;;
+55) # fourteenth session: a step's FP4 held words of all its scale groups as one TMA copy ([bn, 8G] uint16, 32-byte
+    # rows at block_k 64) instead of one [bn, 8] copy per group (gate/up 5 copies a step instead of 7) -- FP4 GPU
+    # tests, decode (sweep: block_k 64 / 128) and prefill against 53da7f2 (_baseline/, a git archive), the L2 probe
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4"
+    C='"swap_ab": true, "block_n": 128, "block_n_down": 128, "warp_specialized": false'
+    timeout 170 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
+    timeout 150 $M --out "$OUT" --regime decode --decode-tokens 64,256,1024 --mgpu-configs "[
+        {$C, \"block_m\": 16, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 6},
+        {$C, \"block_m\": 16, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 3},
+        {$C, \"block_m\": 16, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 4},
+        {$C, \"block_m\": 32, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 5}]" 2>&1 \
+        | grep -E "^\| decode|rror" | cut -c1-190
+    (cd _baseline && timeout 80 $M --regime decode --decode-tokens 64,256,1024 --quick 2>&1 \
+        | grep -E "^\| decode|rror" | cut -c1-120)
+    timeout 80 $M --out "$OUT" --regime prefill --quick 2>&1 | grep -E "^\| prefill|rror" | cut -c1-120
+    (cd _baseline && timeout 80 $M --regime prefill --quick 2>&1 | grep -E "^\| prefill|rror" | cut -c1-120)
+    timeout 100 python -m experiments.probes.moe_fp4_l2 2>&1 | grep -E "TB/s|rror" ;;
+*)  echo "part must be 1 to 55" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -287,13 +287,15 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                    swap(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64),
                    swap(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
                         compute_wgs=2)] if regime == "prefill" else [
-                plain(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6),
-                plain(block_m=16, block_n=256, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=4),
+                plain(block_m=16, block_n=64, block_k=256, block_n_down=64, block_k_down=256, max_concurrent_steps=4),
+                plain(block_m=16, block_n=64, block_k=256, block_n_down=64, block_k_down=256, max_concurrent_steps=3),
                 plain(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
-                plain(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=128, max_concurrent_steps=6)]
-            if regime == "decode" and rows_per_expert > 16:   # as bench_moe_20261130-025512 measured them
-                out = [dataclasses.replace(out[0], block_m=32, max_concurrent_steps=5),
-                       dataclasses.replace(out[1], block_m=32), dataclasses.replace(out[2], block_m=32)]
+                plain(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6)]
+            if regime == "decode" and rows_per_expert > 16:   # as bench_moe_20261201-074354 measured them
+                out = [dataclasses.replace(out[0], block_m=32, max_concurrent_steps=3),
+                       dataclasses.replace(out[0], block_m=32, max_concurrent_steps=2),
+                       dataclasses.replace(out[2], block_m=32, max_concurrent_steps=3),
+                       dataclasses.replace(out[3], block_m=32, max_concurrent_steps=5)]
         elif regime == "prefill" and fmt == "bf16":   # warp-specialised row tiles first (2 or 3 compute WGs)
             ws = functools.partial(MgpuConfig, block_n=128, block_k=64, block_k_down=64)
             out = [ws(block_m=128, compute_wgs=2, block_n_down=256, max_concurrent_steps=4),

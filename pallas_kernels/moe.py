@@ -262,11 +262,11 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
         if rows_per_expert <= 16 or (fmt == "fp4" and rows_per_expert <= 32):  # decode: weights as wgmma M
             # one warpgroup issuing its own copies (FP4 64 tokens: 2.03 ms against 2.25 / 2.11 warp-specialised
             # with 1 / 2 compute warpgroups; FP8 1.84 against 2.06 / 1.93)
-            if fmt == "fp4":   # bench_moe, held words, one TMA copy a step (fourteenth session, part 55): 128
-                t16 = rows_per_expert <= 16   # weight rows, 128-column steps (64 tokens: 1.445 ms against 1.587
-                bk = 128 if t16 else 64       # with 64-column steps); 32-token tiles: 64 (1024 tokens: 1.773)
-                return MgpuConfig(block_m=16 if t16 else 32, block_n=128, block_k=bk, block_n_down=128,
-                                  block_k_down=bk, max_concurrent_steps=4 if t16 else 5, swap_ab=True,
+            if fmt == "fp4":   # bench_moe, held words, one TMA copy a step (fourteenth session, parts 55-57):
+                t16 = rows_per_expert <= 16   # 64 weight rows, 256-column steps (128-byte TMA rows; 64 tokens:
+                # 1.149 ms against 1.448 with 128 x 128, 1.587 with 128 x 64; 1024 tokens, 32-token tiles: 1.589)
+                return MgpuConfig(block_m=16 if t16 else 32, block_n=64, block_k=256, block_n_down=64,
+                                  block_k_down=256, max_concurrent_steps=4 if t16 else 3, swap_ab=True,
                                   warp_specialized=False)
             return MgpuConfig(block_m=16, block_n=128, block_k=128 if fmt == "fp8" else 64,
                               block_n_down=256 if fmt == "dense" else 128,

@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 55}" in
+case "${1:?part 1 to 59}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -662,6 +662,70 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 80 $M --out "$OUT" --regime prefill --quick 2>&1 | grep -E "^\| prefill|rror" | cut -c1-120
     (cd _baseline && timeout 80 $M --regime prefill --quick 2>&1 | grep -E "^\| prefill|rror" | cut -c1-120)
     timeout 100 python -m experiments.probes.moe_fp4_l2 2>&1 | grep -E "TB/s|rror" ;;
-*)  echo "part must be 1 to 55" >&2; exit 2 ;;
+56) # after 55 (one TMA copy of a step's held words: decode 11% faster at 128-column steps): those tiles in SMEM
+    # with a TMA swizzle of their row width (32 / 64 / 128 bytes) against 40b654d (_baseline/, unswizzled) --
+    # FP4 GPU tests, decode and prefill sweeps (both trees), the L2 probe at 128-column steps
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4"
+    C='"swap_ab": true, "block_n": 128, "block_n_down": 128, "warp_specialized": false'
+    D="[{$C, \"block_m\": 16, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 4},
+        {$C, \"block_m\": 16, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 5},
+        {$C, \"block_m\": 16, \"block_k\": 256, \"block_k_down\": 256, \"max_concurrent_steps\": 2},
+        {$C, \"block_m\": 16, \"block_k\": 256, \"block_k_down\": 256, \"max_concurrent_steps\": 3},
+        {$C, \"block_m\": 32, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 5},
+        {$C, \"block_m\": 32, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 3},
+        {$C, \"block_m\": 32, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 4}]"
+    P='"swap_ab": true, "block_m": 128, "block_n": 128, "block_n_down": 128, "compute_wgs": 2'
+    Q="[{$P, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 4},
+        {$P, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 2},
+        {$P, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 3}]"
+    timeout 170 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
+    for tree in . _baseline; do
+        echo "== $tree"
+        (cd $tree && timeout 100 $M --out "$OUT/$tree" --regime decode --decode-tokens 64,256,1024 --mgpu-configs "$D" \
+            2>&1 | grep -E "^\| decode|rror" | cut -c1-190
+         timeout 80 $M --out "$OUT/$tree" --regime prefill --mgpu-configs "$Q" 2>&1 | grep -E "^\| prefill|rror" \
+            | cut -c1-190)
+    done
+    timeout 100 python -m experiments.probes.moe_fp4_l2 --configs "[{$C, \"block_m\": 16, \"block_k\": 128,
+        \"block_k_down\": 128, \"max_concurrent_steps\": 4}]" 2>&1 | grep -E "TB/s|rror" ;;
+57) # after 56 (a TMA swizzle of the held tiles changed nothing; reverted): FP4 decode tiles of 64 and 256 weight
+    # rows at 128- and 256-column steps (more CTAs an SM, or longer TMA rows), against part 56's best
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4"
+    C='"swap_ab": true, "warp_specialized": false'
+    cfg() { echo "{$C, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2, \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"; }
+    D="[$(cfg 16 128 128 4), $(cfg 16 64 128 4), $(cfg 16 64 128 6), $(cfg 16 64 256 3), $(cfg 16 64 256 4),
+        $(cfg 16 256 128 2), $(cfg 16 256 128 3), $(cfg 32 128 128 3), $(cfg 32 64 128 4), $(cfg 32 64 256 3)]"
+    timeout 200 $M --out "$OUT" --regime decode --decode-tokens 64,256,1024 --mgpu-configs "$D" 2>&1 \
+        | grep -E "^\| decode|rror" | cut -c1-190 ;;
+58) # after 57 (64 weight rows x 256-column steps: FP4 decode 1.149 ms at 64 tokens), the new default tiles:
+    # FP4 GPU tests, a sweep around them, then the FP4 block and whole layer (decode, prefill) against 123e7c5
+    # (_baseline/, the thirteenth session's code)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --formats fp4"
+    C='"swap_ab": true, "warp_specialized": false'
+    cfg() { echo "{$C, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2, \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"; }
+    timeout 170 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
+    D="[$(cfg 16 64 256 4), $(cfg 16 64 256 5), $(cfg 16 64 512 2), $(cfg 32 64 256 2), $(cfg 32 64 256 3),
+        $(cfg 32 64 256 4)]"
+    timeout 100 $M --impls mgpu --out "$OUT" --regime decode --decode-tokens 64,256,1024 --mgpu-configs "$D" 2>&1 \
+        | grep -E "^\| decode|rror" | cut -c1-190
+    for tree in . _baseline; do
+        echo "== $tree"
+        (cd $tree && timeout 100 $M --out "$OUT/$tree" --impls mgpu,layer --regime decode,prefill \
+            --decode-tokens 64,256,1024 --quick 2>&1 | grep -E "^\| (decode|prefill)|rror" | cut -c1-110)
+    done ;;
+59) # after 58 (FP4 decode block 1.146 ms at 64 tokens; the layer 1.185 = 1.16x of its floor): the FP4 block at the
+    # default tiles (bench_moe's sweeps now list them first), then the tenth session's model-level FP4 step (part
+    # 45's command), each against 123e7c5 (_baseline/)
+    export PYTHONUNBUFFERED=1
+    timeout 60 python -m experiments.bench_moe --routing balanced --iters 10 --formats fp4 --out "$OUT" --impls mgpu \
+        --regime decode --decode-tokens 64,256,1024 --quick 2>&1 | grep -E "^\| decode|rror" | cut -c1-110
+    S="--preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 --context 32768"
+    timeout 170 $B $S --new-tokens 4096 --step verify --tag s14_fp4_tiles 2>&1 | tail -4
+    (cd _baseline && JAXINFER_GIT_REVISION=123e7c5 timeout 170 $B $S --new-tokens 4096 --step verify --tag s14_fp4_baseline --out "$OUT/base" 2>&1 \
+        | tail -4) ;;
+*)  echo "part must be 1 to 59" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

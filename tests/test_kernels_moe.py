@@ -620,22 +620,26 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     # FP8 as the V4 checkpoints ship it: 128x128 scale blocks
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3) if fmt == "fp8" else weights_in(fmt, w1, w2, w3)
     want = reference(x, ids, w, q1, q2, q3, sc)
-    if tiles == "swap_held":   # FP4 as the model holds it (the other FP4 cases convert per call)
+    if tiles == "swap_held":   # FP4 as the model holds it (the other FP4 cases convert per call), at
+        # default_config's tiles (decode: its 32-token tiles too)
         q1, q2, q3, sc = *(K.fp4_kernel_weights(q) for q in (q1, q2, q3)), tuple(K.fp4_kernel_scales(s) for s in sc)
-    if tiles in ("swap", "swap_2wg", "swap_held"):   # 2wg: two compute warpgroups of 64 rows each
+        cfgs = [K.default_config("mgpu", m * k, e, "fp4")] + \
+            ([K.default_config("mgpu", 24 * e, e, "fp4")] if m * k <= 16 * e else [])
+    elif tiles in ("swap", "swap_2wg"):   # 2wg: two compute warpgroups of 64 rows each
         bk, wgs = 64 if fmt == "fp4" else 128, 2 if tiles == "swap_2wg" else 1
-        cfg = K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64 * wgs, block_k=bk,
-                           block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs,
-                           warp_specialized=wgs > 1)   # 1: as the decode defaults, no TMA warpgroup
+        cfgs = [K.MgpuConfig(block_m=16 if m * k < 16 * e else 64, block_n=64 * wgs, block_k=bk,
+                             block_n_down=128, block_k_down=bk, swap_ab=True, compute_wgs=wgs,
+                             warp_specialized=wgs > 1)]   # 1: as the decode defaults, no TMA warpgroup
     elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
-        cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)
+        cfgs = [K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)]
     elif tiles == "balanced192":   # default_config's 192-row tiles for 192 rows per expert (three compute WGs)
-        cfg = K.default_config(backend, 192 * e, e, "dense" if fmt == "bf16" else fmt, balanced=True)
-        assert cfg.block_m == 192, cfg
+        cfgs = [K.default_config(backend, 192 * e, e, "dense" if fmt == "bf16" else fmt, balanced=True)]
+        assert cfgs[0].block_m == 192, cfgs
     else:
-        cfg = K.MgpuConfig() if backend == "mgpu" else K.default_config(backend, m * k, e)
-    got = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend=backend, config=cfg)
-    assert rel_err(got, want) < 1e-2
+        cfgs = [K.MgpuConfig() if backend == "mgpu" else K.default_config(backend, m * k, e)]
+    for cfg in cfgs:
+        got = kernel(x.astype(jnp.bfloat16), ids, w, q1, q2, q3, sc, backend=backend, config=cfg)
+        assert rel_err(got, want) < 1e-2, cfg
 
 
 @gpu

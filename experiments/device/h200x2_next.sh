@@ -35,7 +35,7 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
-case "${1:?part 1 to 59}" in
+case "${1:?part 1 to 60}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -726,6 +726,13 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 170 $B $S --new-tokens 4096 --step verify --tag s14_fp4_tiles 2>&1 | tail -4
     (cd _baseline && JAXINFER_GIT_REVISION=123e7c5 timeout 170 $B $S --new-tokens 4096 --step verify --tag s14_fp4_baseline --out "$OUT/base" 2>&1 \
         | tail -4) ;;
-*)  echo "part must be 1 to 59" >&2; exit 2 ;;
+60) # after 59: correctness of the new default FP4 decode tiles -- the GPU test of FP4 as the model holds it, now
+    # at default_config's tiles (16- and 32-token decode tiles), and the block at V4-Flash shapes against XLA
+    export PYTHONUNBUFFERED=1
+    timeout 120 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "swap_held" 2>&1 | tail -3
+    timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --formats fp4 --out "$OUT" \
+        --impls xla,mgpu --regime decode --decode-tokens 64,256,1024 --quick 2>&1 | grep -E "^\| decode|rror" \
+        | cut -c1-130 ;;
+*)  echo "part must be 1 to 60" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

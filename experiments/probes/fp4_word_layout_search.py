@@ -7,8 +7,8 @@ per distinct nonzero shift (shared by all words), then per word one `and` for it
 merge for each further one. Both lanes rotate alike, so a layout is valid when the source positions
 (bit + s) mod 16 of all 4 x 4 (word, field) pairs cover the 16 lane positions exactly once. This enumerates
 every set of shifts and every assignment, and prints the cheapest layouts (pallas_kernels.moe.FP4_WORD_SHIFTS is
-one of them: 9 instructions; r nonzero rotations cost at least r + 4, so past 5 none can beat 9 and the default
-bound of 6 is exhaustive; about 3 minutes on one core):
+one of them: 9 instructions; r nonzero rotations cost at least r + 4, so past 5 none can beat 9: a bound of 6
+distinct rotations is exhaustive, the default 7 checks one more; about 3 minutes on one core):
 
   python -m experiments.probes.fp4_word_layout_search [--max-shifts 7]
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-FIELD_BITS = (6, 7, 8, 15)
+from pallas_kernels.moe import FP4_FIELD_BITS as FIELD_BITS
 
 
 def search(max_shifts: int) -> tuple[int, list]:

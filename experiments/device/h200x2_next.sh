@@ -35,6 +35,12 @@ ncu_moe() {
     echo "== $name"
     grep -E "ERR|rror|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Stall|L2 Hit|Executed Ipc A|Warp Cycles Per Issued" "$OUT/ncu_$name.txt" | head -40
 }
+# One plain FP4 swap_ab decode tiling as bench_moe --mgpu-configs JSON: swap_cfg BLOCK_M BLOCK_N BLOCK_K SLOTS
+# (block_n / block_k for both GEMMs, no TMA warpgroup)
+swap_cfg() {
+    echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
+        \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
+}
 case "${1:?part 1 to 60}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
@@ -693,10 +699,8 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     # rows at 128- and 256-column steps (more CTAs an SM, or longer TMA rows), against part 56's best
     export PYTHONUNBUFFERED=1
     M="python -m experiments.bench_moe --routing balanced --iters 10 --impls mgpu --formats fp4"
-    C='"swap_ab": true, "warp_specialized": false'
-    cfg() { echo "{$C, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2, \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"; }
-    D="[$(cfg 16 128 128 4), $(cfg 16 64 128 4), $(cfg 16 64 128 6), $(cfg 16 64 256 3), $(cfg 16 64 256 4),
-        $(cfg 16 256 128 2), $(cfg 16 256 128 3), $(cfg 32 128 128 3), $(cfg 32 64 128 4), $(cfg 32 64 256 3)]"
+    D="[$(swap_cfg 16 128 128 4), $(swap_cfg 16 64 128 4), $(swap_cfg 16 64 128 6), $(swap_cfg 16 64 256 3), $(swap_cfg 16 64 256 4),
+        $(swap_cfg 16 256 128 2), $(swap_cfg 16 256 128 3), $(swap_cfg 32 128 128 3), $(swap_cfg 32 64 128 4), $(swap_cfg 32 64 256 3)]"
     timeout 200 $M --out "$OUT" --regime decode --decode-tokens 64,256,1024 --mgpu-configs "$D" 2>&1 \
         | grep -E "^\| decode|rror" | cut -c1-190 ;;
 58) # after 57 (64 weight rows x 256-column steps: FP4 decode 1.149 ms at 64 tokens), the new default tiles:
@@ -704,11 +708,9 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     # (_baseline/, the thirteenth session's code)
     export PYTHONUNBUFFERED=1
     M="python -m experiments.bench_moe --routing balanced --iters 10 --formats fp4"
-    C='"swap_ab": true, "warp_specialized": false'
-    cfg() { echo "{$C, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2, \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"; }
     timeout 170 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "mgpu and fp4 and not v4_flash" 2>&1 | tail -3
-    D="[$(cfg 16 64 256 4), $(cfg 16 64 256 5), $(cfg 16 64 512 2), $(cfg 32 64 256 2), $(cfg 32 64 256 3),
-        $(cfg 32 64 256 4)]"
+    D="[$(swap_cfg 16 64 256 4), $(swap_cfg 16 64 256 5), $(swap_cfg 16 64 512 2), $(swap_cfg 32 64 256 2), $(swap_cfg 32 64 256 3),
+        $(swap_cfg 32 64 256 4)]"
     timeout 100 $M --impls mgpu --out "$OUT" --regime decode --decode-tokens 64,256,1024 --mgpu-configs "$D" 2>&1 \
         | grep -E "^\| decode|rror" | cut -c1-190
     for tree in . _baseline; do

@@ -1154,11 +1154,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         raise ValueError(f"moe_experts: x {x.shape} does not match expert input dim {d}")
     if expert_ids.shape != weights.shape or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} / weights {weights.shape} vs x {x.shape}")
-    if fmt == "fp4":
+    if fmt == "fp4":    # the checkpoint's shapes of either layout, traced only (no conversion runs)
         for name, w_, s_ in (("s1", w1, s1), ("s2", w2, s2), ("s3", w3, s3)):
-            *lead, out, in_dim = fp4_logical_shape(w_)
-            s_shape = (*s_.shape[:-2], s_.shape[-1], s_.shape[-2]) if is_fp4_kernel_layout(s_) else s_.shape
-            ref.check_fp4_scale((*lead, out, in_dim // 2), s_shape, 2 * FP4_GROUP, f"moe_experts: FP4 scales {name}")
+            ref.check_fp4_scale(jax.eval_shape(fp4_weight_bytes, w_).shape, jax.eval_shape(fp4_scale_bytes, s_).shape,
+                                2 * FP4_GROUP, f"moe_experts: FP4 scales {name}")
     m, k = expert_ids.shape
     if act_block < 0 or (act_block and (d % act_block or i_dim % act_block)):
         raise ValueError(f"moe_experts: act_block {act_block} must divide the expert dims D={d} and I={i_dim}")

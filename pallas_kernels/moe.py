@@ -134,7 +134,9 @@ def route_plan(expert_ids: jax.Array, weights: jax.Array, num_experts: int, bloc
     dest = jnp.zeros((r,), jnp.int32).at[order].set(dest_sorted).reshape(m, k)
     num_tiles = tiles_end[-1]
     t = jnp.arange(t_max, dtype=jnp.int32)
-    tile_expert = jnp.searchsorted(tiles_end, t, side="right").astype(jnp.int32)
+    # one fused compare-and-count (T x E): the default binary search is a chain of ~2 log2(E) tiny kernels
+    # on the GPU, ~20 us of a decode layer's ~100 us of glue
+    tile_expert = jnp.searchsorted(tiles_end, t, side="right", method="compare_all").astype(jnp.int32)
     live = t < num_tiles
     e_t = jnp.minimum(tile_expert, num_experts - 1)
     tile_rows = jnp.where(live, jnp.clip(gs[e_t] - (t - tile_first[e_t]) * block_m, 0, block_m), 0)
@@ -536,7 +538,8 @@ class _Cta(NamedTuple):
 
 
 def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_accs, epilogue, rw_axis, rw_slice,
-               out_block, grid, wgs, specialized, nk, steps, out_shape, out_dtype, interpret, register_carry=False):
+               out_block, grid, wgs, specialized, nk, steps, out_shape, out_dtype, interpret, register_carry=False,
+               out_t=False):
     """The grouped GEMM that both Mosaic GPU orientations (row tiles, swap_ab) run.
 
     grid (tiles t, output blocks j); the last grid axis is CUDA's fastest, so the CTAs of one tile run
@@ -587,7 +590,12 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                 if rw_gmem:   # layout inference gives the weights the WGMMA row / column layout of the broadcast
                     plgpu.barrier_wait(bar.at[wg])
                     out = out * lax.broadcast_in_dim(rw_s[...], acc_shape, [rw_axis])
-                out_smem.at[wg][...] = out.astype(out_dtype)
+                out = out.astype(out_dtype)
+                if out_t and not interpret:   # a transposed SMEM view takes the accumulator's transposed
+                    plgpu.transpose_ref(out_smem.at[wg], (1, 0))[...] = plgpu.layout_cast(   # register layout
+                        out, plgpu.Layout.WGMMA_TRANSPOSED)
+                else:                         # (the MGPU interpreter has neither: it transposes the value)
+                    out_smem.at[wg][...] = out.T if out_t else out
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_block(t, j, wg)])
                 plgpu.wait_smem_to_gmem(0)
@@ -605,7 +613,7 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                         lambda idx, *tiles: mma(cta, idx[0], tiles, accs), grid=(nk,), in_specs=specs,
                         max_concurrent_steps=steps)(*streamed))
 
-        scratch = (plgpu.SMEM((wgs, *acc_shape), out_dtype), plgpu.SMEM((wgs, rw_row), jnp.float32),
+        scratch = (plgpu.SMEM((wgs, *(acc_shape[::-1] if out_t else acc_shape)), out_dtype), plgpu.SMEM((wgs, rw_row), jnp.float32),
                    plgpu.Barrier(num_barriers=wgs))
         if specialized:
             pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(*cta_refs(ops, 0, 0, 0)), *scratch,
@@ -953,9 +961,10 @@ def _swap_w(fmt, w, s):
 
 
 def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret,
-               x_rows=False):
+               rows=None, out_rows=False):
     """swap_ab: outT [N, P] = epilogue([W_e xT_t for W in ws]) (* routing weights) for each tile t of block_m
-    token columns of xT [K, P] (wgmma's N) -- x is xT, or with x_rows its rows [P, K], transposed here;
+    token columns of xT [K, P] (wgmma's N) -- x is xT, or with rows = (row_token [P], live rows) the token rows
+    [M, K] that `transpose` gathers into it (one pass; the tiles past the live rows are left unwritten);
     ws: weights [E, N, K] in storage format (FP4 either layout), ss their scales (None).
 
     Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: the held [bn, 8G]
@@ -966,12 +975,10 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     step in flight; register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
     warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    k, p = x.shape[::-1] if x_rows else x.shape
+    k, p = (x.shape[1], rows[0].shape[0]) if rows else x.shape
     n = logical_shape(ws[0], fmt)[1]
     bm, bn, bk, fp8_block = _swap_tiles(what, fmt, cfg, names, n, k, p, ws[0], ss[0])
-    # -> [K, P]: at prefill tiles a transpose kernel beats XLA's fused gather-transpose (0.82 vs 1.17 ms at 8K
-    # tokens), at decode tiles not (0.054 vs 0.040 ms at 256; experiments/probes/moe_combine.py, H200)
-    xt = (transpose(x, interpret=interpret is not None) if bm >= 64 else x.T) if x_rows else x
+    xt = transpose(x, *rows, interpret=interpret is not None) if rows else x
     wgs, nk, nw = cfg.compute_wgs, k // bk, len(ws)
     wb, g = bn // wgs, bk // (2 * FP4_GROUP)
     ops = [_swap_w(fmt, w, s) for w, s in zip(ws, ss)]
@@ -1017,28 +1024,46 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     return _ws_kernel(plan_arrays=plan_arrays, operands=(xt, *(a for o in ops for a in o)),
                       specs=specs, cta_refs=cta_refs, mma=mma, acc_shape=(wb, bm), num_accs=nw, epilogue=epilogue,
                       rw_axis=1, rw_slice=lambda t, wg: pl.ds(t * bm, bm),
-                      out_block=lambda t, j, wg: (pl.ds(j * bn + wg * wb, wb), pl.ds(t * bm, bm)),
+                      out_block=lambda t, j, wg: (pl.ds(j * bn + wg * wb, wb), pl.ds(t * bm, bm))[::-1 if out_rows else 1],
                       grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps,
-                      out_shape=(n, p), out_dtype=out_dtype, interpret=interpret)
+                      out_shape=(p, n) if out_rows else (n, p), out_dtype=out_dtype, interpret=interpret, out_t=out_rows)
 
 
-def transpose(a: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """a [R, C] -> a.T [C, R] materialised by a Triton kernel (64 x 64 tiles). Left to XLA, the transpose of the
-    swap kernels' yT fused into the combine's gather, which then read [D]-strided columns at 3-10% of HBM
-    bandwidth (0.39 ms at 1,024 tokens, 3.9 ms at 8K: experiments/probes/moe_combine.py); layout assignment
-    relabels an XLA-side copy, so only a custom call keeps the copy physical."""
+def transpose(a: jax.Array, rows: jax.Array | None = None, live: jax.Array | None = None, *,
+              interpret: bool = False) -> jax.Array:
+    """a.T, or with rows [P] int32 the gathered a[rows].T [C, P], for an a [R, C], materialised by one Triton
+    kernel (64 x 64 tiles; live, an int32 scalar: output columns from live on are left unwritten -- the swap
+    kernels' dead tiles, which nothing reads). Left to XLA, the transpose of the swap kernels' yT fused into the
+    combine's gather, which then read [D]-strided columns at 3-10% of HBM bandwidth (0.39 ms at 1,024 tokens,
+    3.9 ms at 8K: experiments/probes/moe_combine.py); layout assignment relabels an XLA-side copy, so only a
+    custom call keeps the copy physical. The gathered form is the swap kernels' dispatch: each tile reads its
+    64 token rows (whole 128-byte runs) and writes them transposed, one pass instead of a row gather and a
+    transpose."""
     from jax.experimental.pallas import triton as plt
-    r, c = a.shape
+    r, c = a.shape if rows is None else (rows.shape[0], a.shape[1])
     br, bc = math.gcd(r, 64), math.gcd(c, 64)
+    live = jnp.reshape(jnp.int32(r) if live is None else live, (1,)).astype(jnp.int32)
 
-    def kern(a_ref, o_ref):
-        o_ref[...] = a_ref[...].T
+    def kern(live_ref, *refs):
+        *idx_ref, a_ref, o_ref = refs
 
+        i, j = pl.program_id(0), pl.program_id(1)
+
+        @pl.when(i * br < live_ref[0])
+        def _():
+            o_ref[...] = (a_ref[idx_ref[0][...], pl.ds(j * bc, bc)] if idx_ref else a_ref[...]).T
+
+    scalar = pl.BlockSpec((1,), lambda i, j: (0,))
+    if rows is None:
+        specs, args = [pl.BlockSpec((br, bc), lambda i, j: (i, j))], (a,)
+    else:   # a whole: each tile gathers its rows
+        specs, args = [pl.BlockSpec((br,), lambda i, j: (i,)), pl.BlockSpec(a.shape, lambda i, j: (0, 0))], \
+            (rows.astype(jnp.int32), a)
     return pl.pallas_call(
-        kern, grid=(r // br, c // bc), in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
+        kern, grid=(r // br, c // bc), in_specs=[scalar, *specs],
         out_specs=pl.BlockSpec((bc, br), lambda i, j: (j, i)), out_shape=jax.ShapeDtypeStruct((c, r), a.dtype),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret, name="moe_transpose",
-    )(a)
+    )(live, *args)
 
 
 def act_quant_rows(a: jax.Array, block: int, live_rows: jax.Array, *, rows: int = 64, interpret: bool = False
@@ -1190,7 +1215,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     post = None
     xq, xq_scale = gemm_input(x)        # act_quant is per row: quantise the M tokens, then gather their rows
     swap = backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab
-    xs = take_rows(xq, plan.row_token)                                   # [P, D] tile-aligned rows
+    # the tile-aligned rows [P, D]; the swap kernels take them transposed, gathered so in one pass
+    xs = None if swap else take_rows(xq, plan.row_token)
     x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
         if not isinstance(config, TritonConfig):
@@ -1215,13 +1241,12 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
         tiles = (plan.tile_expert, plan.tile_rows)
-        zt = _swap_gemm("gate/up", xs, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
+        zt = _swap_gemm("gate/up", xq, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
-                        out_dtype=z_dtype, interpret=interp, x_rows=True)
+                        out_dtype=z_dtype, interpret=interp, rows=(plan.row_token, plan.num_tiles * config.block_m))
         zt = rounded(zt.T).T if act_block else zt
-        yt = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
-                        cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp)
-        y = transpose(yt, interpret=interp is not None)  # [P, D]: the combine below gathers whole rows
+        y = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
+                       cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp, out_rows=True)
     elif backend == "mgpu":
         if fmt == "fp4" or jnp.dtype(cdt) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError("moe_experts: the mgpu row-tile kernels take dense bf16/f16 weights, or FP8 ones "

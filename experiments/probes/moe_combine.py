@@ -13,8 +13,10 @@ apart. Variants, CUPTI kernel time per call (all kernels of the jitted function)
               writes [P, D] (the Triton path's output)
   rows_kernel y = pallas_kernels.moe.transpose(y^T) (a Triton transpose kernel), then the row gather: the fix
 And the dispatch's mirror image, x^T [D, P] built for the swap gate/up kernel from token rows:
-  xt_fused    jnp.take(x, row_token, axis=0).T (the current code; XLA fuses gather and transpose)
-  xt_kernel   transpose(jnp.take(x, row_token, axis=0))
+  xt_fused    jnp.take(x, row_token, axis=0).T (XLA fuses gather and transpose; the decode tiles' code until
+              the fifteenth session)
+  xt_kernel   transpose(jnp.take(x, row_token, axis=0)) (the prefill tiles' code until then)
+  xt_gather   transpose(x, row_token): one Triton kernel gathers the rows and writes them transposed (now both)
 Shapes: D = 4096, E = 256, k = 6, balanced routing, block_m 32 (decode / verify) or 128 (prefill).
 Run: python -m experiments.probes.moe_combine   (GPU; on the CPU it only checks the variants agree)
 """
@@ -66,15 +68,19 @@ def xt_kernel(x, row_token):
     return transpose(jnp.take(x, row_token, axis=0), interpret=jax.default_backend() != "gpu")
 
 
+def xt_gather(x, row_token):
+    return transpose(x, row_token, interpret=jax.default_backend() != "gpu")
+
+
 VARIANTS = (columns, rows_fused, rows_copy, rows_input, rows_kernel)
-DISPATCH = (xt_fused, xt_kernel)
+DISPATCH = (xt_fused, xt_kernel, xt_gather)
 
 
 def main() -> None:
     gpu = jax.default_backend() == "gpu"
     print(f"{'tokens':>7} {'block_m':>7} {'P':>6} " + " ".join(f"{f.__name__:>11}" for f in VARIANTS + DISPATCH)
           + "  floor  (ms, CUPTI; floor: the k rows read + the f32 output written at 3.40 TB/s)", flush=True)
-    for tokens, block_m in ((256, 16), (1024, 32), (8192, 128)) if gpu else ((64, 16),):
+    for tokens, block_m in ((64, 16), (256, 16), (1024, 32), (8192, 128)) if gpu else ((64, 16),):
         rng = np.random.default_rng(tokens)
         ids = np.stack([rng.permutation(E)[:K] for _ in range(tokens)]).astype(np.int32)
         plan = route_plan(jnp.asarray(ids), jnp.ones((tokens, K), jnp.float32), E, block_m)
@@ -96,7 +102,8 @@ def main() -> None:
             xts.append(np.asarray(f(x, plan.row_token)))
             if gpu:
                 times.append(float(np.median(cupti_ms(f, x, plan.row_token, iterations=20))))
-        np.testing.assert_array_equal(xts[1], xts[0])
+        for xt in xts[1:]:
+            np.testing.assert_array_equal(xt, xts[0])
         floor = (tokens * K * D * 2 + tokens * D * 4) / 3.40e12 * 1e3
         print(f"{tokens:>7} {block_m:>7} {p:>6} " + " ".join(f"{t:>11.4f}" for t in times) + f"  {floor:.4f}",
               flush=True)

@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 60}" in
+case "${1:?part 1 to 61}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -735,6 +735,20 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --formats fp4 --out "$OUT" \
         --impls xla,mgpu --regime decode --decode-tokens 64,256,1024 --quick 2>&1 | grep -E "^\| decode|rror" \
         | cut -c1-130 ;;
-*)  echo "part must be 1 to 60" >&2; exit 2 ;;
+61) # fifteenth session: the swap kernels' glue -- the dispatch gathers token rows straight into xT (one Triton
+    # kernel), the down kernel writes y [P, D] through a transposed SMEM view, the route plan's tile search is one
+    # compare-and-count: the MoE GPU tests of the swap path, the FP4 block and layer (decode, prefill) against
+    # 0fa3738 (_baseline/), the dispatch / combine probe
+    export PYTHONUNBUFFERED=1
+    timeout 220 python -m pytest -q -m gpu tests/test_kernels_moe.py \
+        -k "swap or balanced192 or half_codes or (act_quant and fp4) or v4_flash_shapes" 2>&1 | tail -3
+    for tree in . _baseline; do
+        echo "== $tree"
+        (cd $tree && timeout 100 python -m experiments.bench_moe --routing balanced --iters 10 --formats fp4 \
+            --out "$OUT/$tree" --impls mgpu,layer --regime decode,prefill --decode-tokens 64,256,1024 --quick 2>&1 \
+            | grep -E "^\| (decode|prefill)|rror" | cut -c1-110)
+    done
+    timeout 120 python -m experiments.probes.moe_combine 2>&1 | tail -5 ;;
+*)  echo "part must be 1 to 61" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -134,9 +134,16 @@ def test_route_plan(block_m):
 
 @pytest.mark.parametrize("shape", [(256, 48), (64, 16), (8, 200)])
 def test_transpose_kernel(shape):
-    """The swap path's materialised transpose (any R, C: tiles are gcd(dim, 64))."""
-    a = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.bfloat16)
+    """The swap path's materialised transpose (any R, C: tiles are gcd(dim, 64)), and its dispatch form: rows
+    gathered (repeats, any order) and written transposed, the columns from `live` on left unwritten."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(K.transpose(a, interpret=not GPU)), np.asarray(a).T)
+    rows = rng.integers(0, shape[0], 3 * 64)
+    want = np.asarray(a)[rows].T
+    np.testing.assert_array_equal(np.asarray(K.transpose(a, jnp.asarray(rows), interpret=not GPU)), want)
+    got = np.asarray(K.transpose(a, jnp.asarray(rows), jnp.int32(64), interpret=not GPU))
+    np.testing.assert_array_equal(got[:, :64], want[:, :64])
 
 
 def test_dropped_ids_cost_nothing():

@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 61}" in
+case "${1:?part 1 to 62}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -749,6 +749,15 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
             | grep -E "^\| (decode|prefill)|rror" | cut -c1-110)
     done
     timeout 120 python -m experiments.probes.moe_combine 2>&1 | tail -5 ;;
-*)  echo "part must be 1 to 61" >&2; exit 2 ;;
+62) # after 61 (FP4 decode block 1.083 / 1.102 ms at 64 / 256 tokens, prefill 5.407): the tenth session's model-level
+    # FP4 step (part 59's command) against 0fa3738 (_baseline/), then the bf16 block and layer as they stand
+    export PYTHONUNBUFFERED=1
+    S="--preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 --context 32768"
+    timeout 170 $B $S --new-tokens 4096 --step verify --tag s15_fp4_glue 2>&1 | tail -4
+    (cd _baseline && JAXINFER_GIT_REVISION=0fa3738 timeout 170 $B $S --new-tokens 4096 --step verify \
+        --tag s15_fp4_baseline --out "$OUT/base" 2>&1 | tail -4)
+    timeout 120 python -m experiments.bench_moe --routing balanced --iters 10 --formats bf16 --out "$OUT" \
+        --impls mgpu,layer --regime prefill,decode --quick 2>&1 | grep -E "^\| (decode|prefill)|rror" | cut -c1-110 ;;
+*)  echo "part must be 1 to 62" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

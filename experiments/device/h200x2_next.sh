@@ -750,14 +750,16 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     done
     timeout 120 python -m experiments.probes.moe_combine 2>&1 | tail -5 ;;
 62) # after 61 (FP4 decode block 1.083 / 1.102 ms at 64 / 256 tokens, prefill 5.407): the tenth session's model-level
-    # FP4 step (part 59's command) against 0fa3738 (_baseline/), then the bf16 block and layer as they stand
+    # FP4 step (part 59's command) against 0fa3738 (_baseline/), then the bf16 block and layer as they stand,
+    # the L2 probe at the default decode tiles
     export PYTHONUNBUFFERED=1
     S="--preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 --context 32768"
     timeout 170 $B $S --new-tokens 4096 --step verify --tag s15_fp4_glue 2>&1 | tail -4
     (cd _baseline && JAXINFER_GIT_REVISION=0fa3738 timeout 170 $B $S --new-tokens 4096 --step verify \
         --tag s15_fp4_baseline --out "$OUT/base" 2>&1 | tail -4)
     timeout 120 python -m experiments.bench_moe --routing balanced --iters 10 --formats bf16 --out "$OUT" \
-        --impls mgpu,layer --regime prefill,decode --quick 2>&1 | grep -E "^\| (decode|prefill)|rror" | cut -c1-110 ;;
+        --impls mgpu,layer --regime prefill,decode --quick 2>&1 | grep -E "^\| (decode|prefill)|rror" | cut -c1-110
+    timeout 100 python -m experiments.probes.moe_fp4_l2 --configs "[$(swap_cfg 16 64 256 4)]" 2>&1 | grep -E "TB/s|rror" ;;
 *)  echo "part must be 1 to 62" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -550,7 +550,7 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
     warpgroup runs accs = mma(cta, k_step, tiles, accs) per step on num_accs float32 accumulators of acc_shape
     (wgmma accumulator refs; with register_carry, specialized only, float32 arrays carried from step to step),
     then epilogue(accs) [times the routing weights row_weight[rw_slice(t, wg)] broadcast along rw_axis,
-    where plan_arrays holds them] -> SMEM -> TMA store to out[out_block(t, j, wg)].
+    where plan_arrays holds them] -> SMEM (out_t: transposed) -> TMA store to out[out_block(t, j, wg)].
     plan_arrays: (tile_expert [T], tile_rows [T]) or (..., row_weight [P]).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -707,8 +707,9 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
 # Decode/verify tiles hold a handful of rows, but wgmma's M is 64: with the weights as the M operand
 # (the [E, out, in] storage is already wgmma's K-major A layout) and the tile's tokens as N (any multiple of
 # 8 up to 256) a tile costs one pass over its expert's weights whatever its row count. The activations go
-# in transposed ([D, P]) and z / y come out transposed ([I, P], [D, P]), so neither operand needs a
-# transposed SMEM view (which also keeps the bf16 kernels runnable in the MGPU CPU interpreter).
+# in transposed ([D, P], gathered so by the dispatch kernel `transpose`) and z comes out transposed ([I, P]),
+# so no operand needs a transposed SMEM view (which keeps the bf16 kernels runnable in the MGPU CPU
+# interpreter); the down kernel stores y [P, D] through one, so that the combine gathers whole rows.
 # Quantised weights are dequantised in registers (wgmma's A operand may live in registers):
 #   FP8  E4M3 -> f32 times the tile's UE8M0 block scale -> bf16;
 #   FP4  a K step is G whole scale groups (16 packed bytes = 32 logical columns, one UE8M0 scale per weight
@@ -965,6 +966,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     """swap_ab: outT [N, P] = epilogue([W_e xT_t for W in ws]) (* routing weights) for each tile t of block_m
     token columns of xT [K, P] (wgmma's N) -- x is xT, or with rows = (row_token [P], live rows) the token rows
     [M, K] that `transpose` gathers into it (one pass; the tiles past the live rows are left unwritten);
+    out_rows: out [P, N] instead of outT (the epilogue stores through a transposed SMEM view);
     ws: weights [E, N, K] in storage format (FP4 either layout), ss their scales (None).
 
     Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: the held [bn, 8G]

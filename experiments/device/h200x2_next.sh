@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 63}" in
+case "${1:?part 1 to 64}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -766,6 +766,14 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     S="--preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 --context 32768"
     timeout 170 $B $S --new-tokens 4096 --step verify --tag s15_fp4_glue 2>&1 | tail -4
     timeout 80 python -m experiments.probes.moe_fp4_l2 --configs "[$(swap_cfg 16 64 256 4)]" 2>&1 | grep -E "TB/s|rror" ;;
-*)  echo "part must be 1 to 63" >&2; exit 2 ;;
+64) # the bf16 and FP8 rows as they stand after 61 (their row tiles unchanged since the eleventh session but for
+    # the route plan's tile search): bf16 block and layer at prefill and decode, FP8 x FP8 (act_quant'd) prefill
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick"
+    timeout 150 $M --formats bf16 --impls triton,mgpu,layer --regime prefill,decode 2>&1 \
+        | grep -E "^\| (decode|prefill)|rror" | cut -c1-110
+    timeout 80 $M --formats fp8 --act-block 128 --impls mgpu --regime prefill 2>&1 | grep -E "^\| prefill|rror" \
+        | cut -c1-110 ;;
+*)  echo "part must be 1 to 64" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

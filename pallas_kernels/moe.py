@@ -1031,29 +1031,23 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
                       out_shape=(p, n) if out_rows else (n, p), out_dtype=out_dtype, interpret=interpret, out_t=out_rows)
 
 
-def transpose(a: jax.Array, rows: jax.Array | None = None, live: jax.Array | None = None, *,
-              interpret: bool = False) -> jax.Array:
-    """a.T, or with rows [P] int32 the gathered a[rows].T [C, P], for an a [R, C], materialised by one Triton
-    kernel (64 x 64 tiles; live, an int32 scalar: output columns from live on are left unwritten -- the swap
-    kernels' dead tiles, which nothing reads). Left to XLA, the transpose of the swap kernels' yT fused into the
-    combine's gather, which then read [D]-strided columns at 3-10% of HBM bandwidth (0.39 ms at 1,024 tokens,
-    3.9 ms at 8K: experiments/probes/moe_combine.py); layout assignment relabels an XLA-side copy, so only a
-    custom call keeps the copy physical. The gathered form is the swap kernels' dispatch: each tile reads its
-    64 token rows (whole 128-byte runs) and writes them transposed, one pass instead of a row gather and a
-    transpose."""
+def _row_tiles(a: jax.Array, rows, live, *, transposed: bool, interpret: bool) -> jax.Array:
+    """a [R, C] (rows None) or a[rows] (rows [P] int32), transposed or not, copied by one Triton kernel of 64-row x
+    128-byte tiles; the tiles whose first (gathered) row is at or past `live` (int32 scalar, None: all) are not
+    written. Rows are gathered as whole 128-byte runs, so each tile's loads and stores are coalesced."""
     from jax.experimental.pallas import triton as plt
     r, c = a.shape if rows is None else (rows.shape[0], a.shape[1])
-    br, bc = math.gcd(r, 64), math.gcd(c, 64)
+    br, bc = math.gcd(r, 64), math.gcd(c, 128 // a.dtype.itemsize)
     live = jnp.reshape(jnp.int32(r) if live is None else live, (1,)).astype(jnp.int32)
 
     def kern(live_ref, *refs):
         *idx_ref, a_ref, o_ref = refs
-
         i, j = pl.program_id(0), pl.program_id(1)
 
         @pl.when(i * br < live_ref[0])
         def _():
-            o_ref[...] = (a_ref[idx_ref[0][...], pl.ds(j * bc, bc)] if idx_ref else a_ref[...]).T
+            tile = a_ref[idx_ref[0][...], pl.ds(j * bc, bc)] if idx_ref else a_ref[...]
+            o_ref[...] = tile.T if transposed else tile
 
     scalar = pl.BlockSpec((1,), lambda i, j: (0,))
     if rows is None:
@@ -1061,11 +1055,24 @@ def transpose(a: jax.Array, rows: jax.Array | None = None, live: jax.Array | Non
     else:   # a whole: each tile gathers its rows
         specs, args = [pl.BlockSpec((br,), lambda i, j: (i,)), pl.BlockSpec(a.shape, lambda i, j: (0, 0))], \
             (rows.astype(jnp.int32), a)
+    out = (pl.BlockSpec((bc, br), lambda i, j: (j, i)), (c, r)) if transposed else \
+        (pl.BlockSpec((br, bc), lambda i, j: (i, j)), (r, c))
     return pl.pallas_call(
-        kern, grid=(r // br, c // bc), in_specs=[scalar, *specs],
-        out_specs=pl.BlockSpec((bc, br), lambda i, j: (j, i)), out_shape=jax.ShapeDtypeStruct((c, r), a.dtype),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret, name="moe_transpose",
+        kern, grid=(r // br, c // bc), in_specs=[scalar, *specs], out_specs=out[0],
+        out_shape=jax.ShapeDtypeStruct(out[1], a.dtype), compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret, name="moe_transpose" if transposed else "moe_take_rows",
     )(live, *args)
+
+
+def transpose(a: jax.Array, rows: jax.Array | None = None, live: jax.Array | None = None, *,
+              interpret: bool = False) -> jax.Array:
+    """a.T, or with rows [P] int32 the gathered a[rows].T [C, P], for an a [R, C], materialised by one Triton
+    kernel (live, an int32 scalar: output columns from live on are left unwritten -- the swap kernels' dead
+    tiles, which nothing reads). The gathered form is the swap kernels' dispatch: one pass instead of a row
+    gather and a transpose (8K tokens: 0.20 ms against 0.26 + 0.37; experiments/probes/moe_combine.py, H200).
+    Left to XLA, a transpose fused into its consumer's gather, which then read strided columns at 3-10% of HBM
+    bandwidth, and layout assignment relabels an XLA-side copy: only a custom call keeps the copy physical."""
+    return _row_tiles(a, rows, live, transposed=True, interpret=interpret)
 
 
 def act_quant_rows(a: jax.Array, block: int, live_rows: jax.Array, *, rows: int = 64, interpret: bool = False
@@ -1105,15 +1112,18 @@ def act_quant_rows(a: jax.Array, block: int, live_rows: jax.Array, *, rows: int 
     )(live, a)
 
 
-def take_rows(a: jax.Array, index: jax.Array) -> jax.Array:
-    """jnp.take(a, index, axis=0) for a [R, C], gathering 4-byte words: XLA's row gather of 1- and 2-byte elements
-    ran 3.6x / 1.9x slower (8K-token prefill dispatch, FP8 0.40 -> 0.11 ms, bf16 0.41 -> 0.22;
-    experiments/probes/moe_prefill_glue.py, H200)."""
+def take_rows(a: jax.Array, index: jax.Array, live: jax.Array | None = None, *, interpret: bool = False
+              ) -> jax.Array:
+    """jnp.take(a, index, axis=0) for a [R, C] by one Triton kernel; the 64-row output tiles from `live` (int32
+    scalar) on are left unwritten (the dead tiles of a RoutePlan, which no kernel reads: half the rows of the
+    192-row balanced prefill tiles). Narrow elements travel as 4-byte words: XLA's row gather of 1- and 2-byte
+    elements ran 3.6x / 1.9x slower than of words (experiments/probes/moe_prefill_glue.py, H200)."""
     per = 4 // a.dtype.itemsize if a.dtype.itemsize < 4 else 1
     if per == 1 or a.shape[1] % per:
-        return jnp.take(a, index, axis=0)
+        return _row_tiles(a, index, live, transposed=False, interpret=interpret)
     words = lax.bitcast_convert_type(a.reshape(a.shape[0], -1, per), jnp.uint32)
-    return lax.bitcast_convert_type(jnp.take(words, index, axis=0), a.dtype).reshape(index.shape[0], a.shape[1])
+    out = _row_tiles(words, index, live, transposed=False, interpret=interpret)
+    return lax.bitcast_convert_type(out, a.dtype).reshape(index.shape[0], a.shape[1])
 
 
 # ----------------------------------------------------------------------------------------- entry point
@@ -1218,7 +1228,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     xq, xq_scale = gemm_input(x)        # act_quant is per row: quantise the M tokens, then gather their rows
     swap = backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab
     # the tile-aligned rows [P, D]; the swap kernels take them transposed, gathered so in one pass
-    xs = None if swap else take_rows(xq, plan.row_token)
+    xs = None if swap else take_rows(xq, plan.row_token, plan.num_tiles * config.block_m, interpret=bool(interp))
     x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
         if not isinstance(config, TritonConfig):

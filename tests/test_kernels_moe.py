@@ -345,12 +345,16 @@ def test_act_quant_rows_kernel(dtype):
 @pytest.mark.parametrize("dtype,cols", [(jnp.float8_e4m3fn, 256), (jnp.bfloat16, 64), (jnp.bfloat16, 3),
                                         (jnp.float32, 16)])
 def test_take_rows_gathers_words(dtype, cols):
-    """take_rows (narrow rows gathered as uint32 words) equals jnp.take, and falls back for odd widths."""
+    """take_rows (narrow rows gathered as uint32 words) equals jnp.take, falls back to elements for odd widths,
+    and leaves the 64-row tiles from `live` on unwritten."""
     rng = fresh_rng()
     a = jnp.asarray(rng.standard_normal((50, cols)), jnp.float32).astype(dtype)
+    f32 = lambda v: np.asarray(v.astype(jnp.float32))  # noqa: E731
     idx = jnp.asarray(rng.integers(0, 50, 77), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(K.take_rows(a, idx).astype(jnp.float32)),
-                                  np.asarray(jnp.take(a, idx, axis=0).astype(jnp.float32)))
+    np.testing.assert_array_equal(f32(K.take_rows(a, idx, interpret=not GPU)), f32(jnp.take(a, idx, axis=0)))
+    idx = jnp.asarray(rng.integers(0, 50, 192), jnp.int32)
+    got = f32(K.take_rows(a, idx, jnp.int32(128), interpret=not GPU))
+    np.testing.assert_array_equal(got[:128], f32(jnp.take(a, idx[:128], axis=0)))
 
 
 @pytest.mark.parametrize("fmt,act_block,kind,m", [

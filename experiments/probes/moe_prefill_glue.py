@@ -5,9 +5,13 @@ tokens a 0.40 ms row gather of the FP8 activations and 0.61 ms for act_quant of 
 
 Variants, CUPTI kernel time per call (all kernels of the jitted function):
   gather_fp8       jnp.take(xq, row_token, axis=0) on act_quant'd rows xq [M, D] float8 (the current code)
-  gather_fp8_u32   the same rows gathered as uint32 words (pallas_kernels.moe.take_rows, now the dispatch's)
+  gather_fp8_u32   the same rows gathered by XLA as uint32 words (the dispatch from the eleventh session to the
+                   fourteenth)
+  gather_fp8_tiles pallas_kernels.moe.take_rows: one Triton kernel copies the words, the live tiles only (now)
   gather_bf16      jnp.take(x, row_token, axis=0) on bf16 rows (the bf16 / FP4 prefill's dispatch)
   gather_bf16_u32  the same as uint32 words ([M, D / 2])
+  gather_bf16_tiles  take_rows on the bf16 rows
+  gather_bf16_live   the same, the live tiles only (as moe_experts calls it)
   zq_f32           act_quant of the gate/up kernel's float32 output z [P, I] and the transposed scales
                    [I / B, P] the FP8 row kernel streams (the current code)
   zq_f32_barrier   the same with an optimization barrier between the scales and their transpose
@@ -33,6 +37,12 @@ def gather(x, row_token):
     return jnp.take(x, row_token, axis=0)
 
 
+def gather_words(x, row_token):
+    per = 4 // x.dtype.itemsize
+    words = jax.lax.bitcast_convert_type(x.reshape(x.shape[0], -1, per), jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.take(words, row_token, axis=0), x.dtype).reshape(-1, x.shape[1])
+
+
 def zq_f32(z):
     q, s = ref.act_quant(z, B)
     return q, s.T
@@ -53,8 +63,13 @@ def main() -> None:
     x = jnp.asarray(rng.standard_normal((tokens, D), np.float32), jnp.bfloat16)
     xq, _ = jax.jit(lambda a: ref.act_quant(a, B))(x)
     z = jnp.asarray(rng.standard_normal((p, I), np.float32))
-    cases = [("gather_fp8", gather, (xq, plan.row_token)), ("gather_fp8_u32", take_rows, (xq, plan.row_token)),
-             ("gather_bf16", gather, (x, plan.row_token)), ("gather_bf16_u32", take_rows, (x, plan.row_token)),
+    live = plan.num_tiles * 128
+    tiles = lambda a, rows: take_rows(a, rows, interpret=not gpu)  # noqa: E731 -- all rows: comparable
+    cases = [("gather_fp8", gather, (xq, plan.row_token)), ("gather_fp8_u32", gather_words, (xq, plan.row_token)),
+             ("gather_fp8_tiles", tiles, (xq, plan.row_token)),
+             ("gather_bf16", gather, (x, plan.row_token)), ("gather_bf16_u32", gather_words, (x, plan.row_token)),
+             ("gather_bf16_tiles", tiles, (x, plan.row_token)),
+             ("gather_bf16_live", lambda a, rows: take_rows(a, rows, live, interpret=not gpu), (x, plan.row_token)),
              ("zq_f32", zq_f32, (z,)), ("zq_f32_barrier", zq_f32_barrier, (z,)),
              ("zq_bf16", zq_f32, (z.astype(jnp.bfloat16),))]
     outs = {}
@@ -64,7 +79,8 @@ def main() -> None:
         outs[name] = jax.tree.map(lambda a: np.asarray(a.astype(jnp.float32)), f(*args))
         t = float(np.median(cupti_ms(f, *args, iterations=20))) if gpu else float("nan")
         print(f"{name:>16} {t:8.4f}", flush=True)
-    for a, b in (("gather_fp8", "gather_fp8_u32"), ("gather_bf16", "gather_bf16_u32"), ("zq_f32", "zq_f32_barrier")):
+    for a, b in (("gather_fp8", "gather_fp8_u32"), ("gather_fp8", "gather_fp8_tiles"), ("gather_bf16", "gather_bf16_u32"),
+                 ("gather_bf16", "gather_bf16_tiles"), ("zq_f32", "zq_f32_barrier")):
         jax.tree.map(np.testing.assert_array_equal, outs[a], outs[b])
 
 

@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 64}" in
+case "${1:?part 1 to 65}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -774,6 +774,17 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
         | grep -E "^\| (decode|prefill)|rror" | cut -c1-110
     timeout 80 $M --formats fp8 --act-block 128 --impls mgpu --regime prefill 2>&1 | grep -E "^\| prefill|rror" \
         | cut -c1-110 ;;
-*)  echo "part must be 1 to 64" >&2; exit 2 ;;
+65) # after 64 (bf16 prefill layer 5.521 ms = 1.28x of its floors, 0.314 of it XLA's dispatch gather of all P rows):
+    # take_rows as one Triton kernel over the live tiles -- the row-path and Triton MoE GPU tests, the bf16 block
+    # and layer, FP8 x FP8 prefill
+    export PYTHONUNBUFFERED=1
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py \
+        -k "(compiled_matches and (triton or rows or balanced192)) or (act_quant and (fp8 or auto))" 2>&1 | tail -3
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick"
+    timeout 90 $M --formats bf16 --impls mgpu,layer --regime prefill,decode 2>&1 \
+        | grep -E "^\| (decode|prefill)|rror" | cut -c1-110
+    timeout 50 $M --formats fp8 --act-block 128 --impls mgpu --regime prefill 2>&1 | grep -E "^\| prefill|rror" \
+        | cut -c1-110 ;;
+*)  echo "part must be 1 to 65" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -613,8 +613,8 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                         lambda idx, *tiles: mma(cta, idx[0], tiles, accs), grid=(nk,), in_specs=specs,
                         max_concurrent_steps=steps)(*streamed))
 
-        scratch = (plgpu.SMEM((wgs, *(acc_shape[::-1] if out_t else acc_shape)), out_dtype), plgpu.SMEM((wgs, rw_row), jnp.float32),
-                   plgpu.Barrier(num_barriers=wgs))
+        scratch = (plgpu.SMEM((wgs, *(acc_shape[::-1] if out_t else acc_shape)), out_dtype),
+                   plgpu.SMEM((wgs, rw_row), jnp.float32), plgpu.Barrier(num_barriers=wgs))
         if specialized:
             pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(*cta_refs(ops, 0, 0, 0)), *scratch,
                           collective_axes="wg")
@@ -1023,12 +1023,16 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
         plgpu.wgmma_wait(1 if fmt == "dense" else 0)
         return accs
 
+    def out_block(t, j, wg):     # this warpgroup's weight rows x the tile's tokens, or the transpose
+        block = (pl.ds(j * bn + wg * wb, wb), pl.ds(t * bm, bm))
+        return block[::-1] if out_rows else block
+
     return _ws_kernel(plan_arrays=plan_arrays, operands=(xt, *(a for o in ops for a in o)),
                       specs=specs, cta_refs=cta_refs, mma=mma, acc_shape=(wb, bm), num_accs=nw, epilogue=epilogue,
-                      rw_axis=1, rw_slice=lambda t, wg: pl.ds(t * bm, bm),
-                      out_block=lambda t, j, wg: (pl.ds(j * bn + wg * wb, wb), pl.ds(t * bm, bm))[::-1 if out_rows else 1],
+                      rw_axis=1, rw_slice=lambda t, wg: pl.ds(t * bm, bm), out_block=out_block,
                       grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps,
-                      out_shape=(p, n) if out_rows else (n, p), out_dtype=out_dtype, interpret=interpret, out_t=out_rows)
+                      out_shape=(p, n) if out_rows else (n, p), out_dtype=out_dtype, interpret=interpret,
+                      out_t=out_rows)
 
 
 def _row_tiles(a: jax.Array, rows, live, *, transposed: bool, interpret: bool) -> jax.Array:

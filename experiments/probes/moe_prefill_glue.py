@@ -79,8 +79,8 @@ def main() -> None:
         outs[name] = jax.tree.map(lambda a: np.asarray(a.astype(jnp.float32)), f(*args))
         t = float(np.median(cupti_ms(f, *args, iterations=20))) if gpu else float("nan")
         print(f"{name:>16} {t:8.4f}", flush=True)
-    for a, b in (("gather_fp8", "gather_fp8_u32"), ("gather_fp8", "gather_fp8_tiles"), ("gather_bf16", "gather_bf16_u32"),
-                 ("gather_bf16", "gather_bf16_tiles"), ("zq_f32", "zq_f32_barrier")):
+    for a, b in (("gather_fp8", "gather_fp8_u32"), ("gather_fp8", "gather_fp8_tiles"),
+                 ("gather_bf16", "gather_bf16_u32"), ("gather_bf16", "gather_bf16_tiles"), ("zq_f32", "zq_f32_barrier")):
         jax.tree.map(np.testing.assert_array_equal, outs[a], outs[b])
 
 

@@ -19,6 +19,30 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def small_config(preset: str):
+    """The tiny presets cut to their essentials (compile time dominates on CPU): V4 with one hash SWA, one CSA
+    and one HCA layer (every V4 attention kind, the indexer included) and no MTP layer; V4.1 without its DSpark
+    draft layers."""
+    from model import ModelConfig
+
+    cfg = ModelConfig.preset(preset)
+    if preset == "tiny-v4":
+        return cfg.replace(num_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1, num_mtp_layers=0)
+    return cfg.replace(num_mtp_layers=0, compress_ratios=cfg.compress_ratios[:cfg.num_layers])
+
+
+def small_v41():
+    """tiny-v41 cut to four layers that keep every V4.1 layer kind with an indexer or a published state: SWA;
+    Full r=2 + Engram (KV and index source); Full r=1 (candidate source); Reindex with candidates; its three
+    DSpark stages target layers 1-3. (No Reuse layer: Reuse layers read what the sources publish.)"""
+    from model import ModelConfig
+
+    return ModelConfig.preset("tiny-v41").replace(
+        num_layers=4, compress_ratios=(0, 2, 1, 1, 0, 0, 0), kv_source_layer_ids=(1, 2),
+        index_source_layer_ids=(1, 2, 3), candidate_source_layer_id=2, engram_layer_ids=(1,),
+        dspark_target_layer_ids=(1, 2, 3), name="v41-small")
+
+
 def load_golden(golden_dir: Path, name: str):
     """(model float32, prompts [B, S], continuation [B, D+1], outputs) of ../shared/golden/<name>."""
     from safetensors.numpy import load_file

@@ -1,5 +1,6 @@
 """Test-wide setup: CPU XLA with a cheaper backend optimisation level (compile time dominates the
-tiny models' tests; numerics are unchanged), the `gpu` marker's skip, and the shared golden data."""
+tiny models' tests; numerics are unchanged), the `gpu` marker's skip, the shared golden data, and the
+sharding worker started ahead of its tests."""
 
 import os
 import shutil
@@ -32,6 +33,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the 8-device sharding worker (tests/sharding_worker.py "meshes", ~100 s of XLA compiles) now if a
+    selected test needs its results (test_sharding.py's `mesh_results`): it runs on the second CPU core, which
+    this process (one compile at a time) mostly leaves idle, while this process runs the tests before it."""
+    if session.config.option.collectonly:
+        return
+    if any("mesh_results" in getattr(item, "fixturenames", ()) for item in session.items):
+        import sharding_worker
+
+        sharding_worker.start_early("meshes")
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    if "sharding_worker" in sys.modules:
+        sys.modules["sharding_worker"].stop_early()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,7 +1,8 @@
 """Subprocess side of tests/test_sharding.py: runs with simulated CPU devices (the device count must
 be set before jax is imported, so the pytest process, which has one device, launches this).
 
-    python tests/sharding_worker.py meshes OUT.json            # 8 devices: meshes x EP variants
+    python tests/sharding_worker.py meshes OUT.json            # 8 devices: MESHES x EP variants
+    python tests/sharding_worker.py meshes-extra OUT.json      # 8 devices: EXTRA_MESHES (slow)
     python tests/sharding_worker.py generations OUT.json       # 8 devices: greedy generate on every mesh
     python tests/sharding_worker.py multihost OUT PORT PID CKPT  # one of 2 processes x 4 devices
     python tests/sharding_worker.py fp8 OUT.json                # 8 devices: FP8-resident dense weights
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +23,69 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# (dp, ep, tp) meshes of the CI run ("meshes"): one per distinct sharding path. dp only: experts whole on every
+# device (ep and tp drop out of every spec); ep only: dp drops out, one expert per shard; dp x ep: the batch
+# and caches over both axes (the mesh every EP variant, born-sharded build and Pallas case below also runs on,
+# and generate's prefill / decode strategies); the tp mesh: heads, output groups and the experts' width split.
+# V4.1's own layers (Engram, Reuse, candidate source, Reindex) hold arrays that the tables lay out as V4's
+# (replicated, or batch over dp x ep): they run on dp x ep, with and without the Pallas attention kernels.
+MESHES = {"tiny-v4": [(2, 4, 1), (1, 8, 1), (8, 1, 1), (2, 2, 2)], "tiny-v41": [(2, 4, 1)]}
+# The same paths at the other sizes of the acceptance list (`slow`, mode "meshes-extra"): dp=4 x ep=2 is dp x ep
+# with two experts per shard instead of four; V4.1 on ep=8 is V4's ep-only path with V4.1's layers.
+EXTRA_MESHES = {"tiny-v4": [(4, 2, 1)], "tiny-v41": [(1, 8, 1)]}
+
+
+# ----------------------------------------------------------------------------- the parent side (pytest)
+
+class Run:
+    """One worker subprocess: `python tests/sharding_worker.py MODE DIR/results.json`, its output in
+    DIR/results.log (a file, not a pipe: a run started ahead of its test has no reader until the test waits)."""
+
+    def __init__(self, mode: str, directory: Path):
+        self.out = Path(directory) / "results.json"
+        self.log = self.out.with_suffix(".log")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, str(self.out)],
+                                         env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float) -> int:
+        """The exit status (killed and re-raised on a timeout)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-4000:]
+
+
+STARTED: dict[str, Run] = {}   # mode -> the run started at collection (start_early), until a test takes it
+_EARLY_DIRS: list[tempfile.TemporaryDirectory] = []
+
+
+def start_early(mode: str) -> None:
+    """Start MODE's run now, before the test that needs it (tests/conftest.py: at the end of collection): the
+    worker compiles in its own process, on the CPU core that the test process (one compile at a time) mostly
+    leaves idle, and the test takes its results from STARTED."""
+    _EARLY_DIRS.append(tempfile.TemporaryDirectory(prefix=f"sharding_worker_{mode}_"))
+    STARTED[mode] = Run(mode, Path(_EARLY_DIRS[-1].name))
+
+
+def stop_early() -> None:
+    """End of the session: kill the runs no test took (a -x stop, a deselection) and remove their files."""
+    for run in STARTED.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+    STARTED.clear()
+    while _EARLY_DIRS:
+        _EARLY_DIRS.pop().cleanup()
+
+
+# ----------------------------------------------------------------------------- the worker side
 
 def rel_err(a, b) -> float:
     from common import rel_err as shared  # tests/common.py (imports jax: only once the worker has set it up)
@@ -29,14 +94,9 @@ def rel_err(a, b) -> float:
 
 
 def small_config(preset: str):
-    """The tiny presets cut to their essentials (compile time dominates on CPU): V4 with one hash
-    SWA, one CSA and one HCA layer; V4.1 without its DSpark draft layers."""
-    from model import ModelConfig
+    from common import small_config as shared  # tests/common.py (imports jax: as rel_err above)
 
-    cfg = ModelConfig.preset(preset)
-    if preset == "tiny-v4":
-        return cfg.replace(num_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1, num_mtp_layers=0)
-    return cfg.replace(num_mtp_layers=0, compress_ratios=cfg.compress_ratios[:cfg.num_layers])
+    return shared(preset)
 
 
 def inputs(cfg):
@@ -48,9 +108,10 @@ def inputs(cfg):
     return tokens, prompts
 
 
-def run_meshes(out_path: str, full: bool = False) -> None:
-    """Logits on every mesh and EP variant (both generations), greedy generation on dp=2 x ep=4 (V4);
-    `full`: greedy generation on dp=8, dp=2 x ep=4 and ep=8 for both generations instead (slow)."""
+def run_meshes(out_path: str, mode: str = "meshes") -> None:
+    """"meshes": logits on MESHES and every EP variant (both generations), greedy generation on dp=2 x ep=4
+    (V4); "meshes-extra": logits on EXTRA_MESHES; "generations": greedy generation on dp=8, dp=2 x ep=4 and
+    ep=8 for both generations instead (slow)."""
     import jax
     import numpy as np
 
@@ -61,6 +122,7 @@ def run_meshes(out_path: str, full: bool = False) -> None:
     from sharding.expert_parallel import plan_of
 
     assert jax.device_count() == 8, jax.devices()
+    full = mode == "generations"
     results: dict = {"cases": [], "timings": {}}
     new_tokens = 4
 
@@ -74,7 +136,8 @@ def run_meshes(out_path: str, full: bool = False) -> None:
         model = init_random(cfg, seed=0, dtype="float32")
         tokens, prompts = inputs(cfg)
         ref_logits = None if full else np.asarray(model(tokens))
-        ref_tokens = generate(model, prompts, max_new_tokens=new_tokens).tokens if full or preset == "tiny-v4" else None
+        gen_here = full or (mode == "meshes" and preset == "tiny-v4")
+        ref_tokens = generate(model, prompts, max_new_tokens=new_tokens).tokens if gen_here else None
         results["timings"][f"{preset} single device"] = time.perf_counter() - t0
 
         def case(name, mesh, model_s, logits=True, gen=False, want=None, **extra):
@@ -97,11 +160,13 @@ def run_meshes(out_path: str, full: bool = False) -> None:
                 case("auto", mesh, shard_model(model, mesh), logits=False, gen=True)
             results["timings"][preset] = time.perf_counter() - t0
             continue
-        layouts = [(2, 4, 1), (1, 8, 1)] + ([(8, 1, 1), (4, 2, 1), (2, 2, 2)] if preset == "tiny-v4" else [])
-        for dp, ep, tp in layouts:
+        for dp, ep, tp in (EXTRA_MESHES if mode == "meshes-extra" else MESHES)[preset]:
             mesh = ParallelConfig(dp, ep, tp).make_mesh()
             # default EPConfig: forward (12 tokens/device) all_to_all; generate: prefill all_to_all, decode replicate
-            case("auto", mesh, shard_model(model, mesh), gen=(preset == "tiny-v4" and (dp, ep) == (2, 4)))
+            case("auto", mesh, shard_model(model, mesh), gen=gen_here and (dp, ep) == (2, 4))
+        if mode == "meshes-extra":  # the default EPConfig only: the variants below ran in "meshes"
+            results["timings"][preset] = time.perf_counter() - t0
+            continue
         if preset == "tiny-v4":  # the EP variants (gather is the default above) and born-sharded models
             mesh = ParallelConfig(2, 4, 1).make_mesh()
             case("all_to_all/padded", mesh, shard_model(model, mesh, EPConfig("all_to_all", "padded")))
@@ -237,8 +302,8 @@ if __name__ == "__main__":
     # compile time dominates these tiny runs (3x less without XLA's optimisation passes); the
     # single-device references are computed in the same process with the same setting
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    if mode in ("meshes", "generations"):
-        run_meshes(sys.argv[2], full=mode == "generations")
+    if mode in ("meshes", "meshes-extra", "generations"):
+        run_meshes(sys.argv[2], mode)
     elif mode == "fp8":
         run_fp8(sys.argv[2])
     else:

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import ModelConfig, init_random
+from common import small_config
+from model import init_random
 from sampling import generate, sample
 from sampling.generate import _TRACES
 from sampling.sampler import filter_logits
@@ -15,7 +16,9 @@ from sampling.sampler import filter_logits
 
 @pytest.fixture(scope="module")
 def model():
-    return init_random(ModelConfig.preset("tiny-v4"), seed=1)
+    """tiny-v4 cut to one layer of each attention kind (common.small_config): the loop under test is the same
+    for any stack, and its compiles (one per batch and prompt shape) cost less with fewer layers."""
+    return init_random(small_config("tiny-v4"), seed=1)
 
 
 def test_sampler_greedy_topk_topp():

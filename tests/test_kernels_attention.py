@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import rel_err
+from common import rel_err, small_config, small_v41
 from pallas_kernels import attention as attention_mod
 from pallas_kernels import reference as ref
 from pallas_kernels.attention import sparse_attention
@@ -306,11 +306,12 @@ def test_indexer_select_candidates_interpret(n, t):
 
 # ----------------------------------------------------------------------------- model level
 def test_tiny_v4_pallas_matches_reference():
-    """tiny-v4 (SWA, CSA, HCA layers + MTP slot), float32: the Pallas path (interpret on CPU) equals the
-    reference forward; the [V4] CSA layers go through the fused indexer top-k."""
-    from model import ModelConfig, init_random
+    """tiny-v4 cut to one SWA, one CSA and one HCA layer (common.small_config; the forward never runs the MTP
+    slot), float32: the Pallas path (interpret on CPU) equals the reference forward; the [V4] CSA layer goes
+    through the fused indexer top-k."""
+    from model import init_random
 
-    cfg = ModelConfig.preset("tiny-v4")
+    cfg = small_config("tiny-v4")
     tokens = np.random.default_rng(fresh_seed()).integers(2, cfg.vocab_size, (2, 24))
     expect = np.asarray(init_random(cfg, seed=1)(tokens))
     out = np.asarray(init_random(dataclasses.replace(cfg, attention_impl="pallas"), seed=1)(tokens))
@@ -335,11 +336,13 @@ def test_fp4_index_key_cache():
     """index_key_format='fp4' caches the indexer's keys as MXFP4 rows (packed E2M1 + UE8M0 bytes). With
     quant_sim the keys are FP4 values already, so the logits equal the model format's, on the reference path
     (dequantised rows) and on the fused kernel (rows decoded in the tile). (Across the two paths FP4-valued
-    scores tie often, and the two top-k break exact ties differently: each path is compared with itself.)"""
-    from model import ModelConfig, init_random
+    scores tie often, and the two top-k break exact ties differently: each path is compared with itself.)
+    tiny-v41 in four layers (common.small_v41): an index source at r=2 and r=1 (the candidate source) and the
+    Reindex layer, every indexer of the full preset; its Reuse layers only read the sources' top-k."""
+    from model import init_random
     from model.cache import allocate
 
-    base = ModelConfig.preset("tiny-v41")   # (tiny-v4's V4 write path: the generate test below)
+    base = small_v41()   # (tiny-v4's V4 write path: the generate test below)
     tokens = np.random.default_rng(fresh_seed()).integers(3, base.vocab_size - 1, (2, 40))
     cfg = base.replace(quant_sim=True)
     for impl in ("reference", "pallas"):
@@ -356,11 +359,13 @@ def test_fp4_index_key_cache():
 
 
 def test_fp4_index_key_cache_generate():
-    """Decode steps write MXFP4 key rows too: greedy generation with quant_sim equals the model format's."""
-    from model import ModelConfig, init_random
+    """Decode steps write MXFP4 key rows too: greedy generation with quant_sim equals the model format's
+    (tiny-v4 cut to one layer of each attention kind, common.small_config: the CSA layer's indexer writes the
+    key rows; the other layers and the MTP slot only add compile time)."""
+    from model import init_random
     from sampling import generate
 
-    cfg = ModelConfig.preset("tiny-v4").replace(quant_sim=True)
+    cfg = small_config("tiny-v4").replace(quant_sim=True)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [9, 10, 11, 12, 13]]
     out = {f: generate(init_random(cfg.replace(index_key_format=f), seed=2), prompts,
                        max_new_tokens=12).tokens for f in ("model", "fp4")}

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from common import small_config
 from model import ModelConfig, init_random
 from model.cache import allocate, export_prefix, set_token_history
 from sampling import generate
@@ -49,7 +50,9 @@ def test_replay_composes_with_speculative(v41):
 
 
 def test_v4_prefix_reuse_is_exact():
-    model = init_random(ModelConfig.preset("tiny-v4"), seed=0)
+    """tiny-v4 cut to one layer of each attention kind (common.small_config: the CSA and HCA layers' ratios 4 and
+    16, which decide where a prefix may resume, as in the full preset)."""
+    model = init_random(small_config("tiny-v4"), seed=0)
     store = PrefixStore(page_size=16)
     other = BASE[:37] + [9, 9, 9, 9, 9]
     cold = generate(model, [other], max_new_tokens=8)

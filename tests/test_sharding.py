@@ -5,8 +5,10 @@ Checks that need several devices run in subprocesses (tests/sharding_worker.py) 
 `--xla_force_host_platform_device_count=8` (or 2 processes x 4 devices), since the device count is
 fixed when jax is imported and this process has one CPU device. Acceptance: logits (float32,
 relative error < 1e-5) and greedy tokens (identical) on meshes dp=8, dp=2 x ep=4, ep=8 (and
-dp=4 x ep=2, dp=2 x ep=2 x tp=2) equal the single-device results, for every EP variant; the full
-matrix of greedy generations for both generations is marked `slow`.
+dp=4 x ep=2, dp=2 x ep=2 x tp=2) equal the single-device results, for every EP variant. CI runs one
+mesh per distinct sharding path (sharding_worker.MESHES, its worker started at collection by
+tests/conftest.py); the other mesh sizes (EXTRA_MESHES) and the full matrix of greedy generations for
+both generations are marked `slow`.
 """
 
 from __future__ import annotations
@@ -33,22 +35,18 @@ from sharding.mesh import check_batch, parallel_config
 from sharding.placement import expert_load
 from sharding.rules import cache_specs, logical_to_spec, param_logical_axes, param_specs
 
+import sharding_worker  # tests/sharding_worker.py: imports no jax at module level
+
 WORKER = Path(__file__).with_name("sharding_worker.py")
 TOL = 1e-5
 
 
-def _run_worker(*args, timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[1]), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def _worker_results(tmp_path_factory, mode: str, timeout: int) -> dict:
-    out = tmp_path_factory.mktemp(mode) / "results.json"
-    proc = _run_worker(mode, str(out), timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    """The worker's results for `mode`: from its run started at collection (sharding_worker.start_early), else
+    from a run started now."""
+    run = sharding_worker.STARTED.pop(mode, None) or sharding_worker.Run(mode, tmp_path_factory.mktemp(mode))
+    assert run.wait(timeout) == 0, run.log_tail()
+    return json.loads(run.out.read_text())
 
 
 # ----------------------------------------------------------------------------- mesh and validation
@@ -232,16 +230,27 @@ def _cases(results, preset, case=None):
     return [c for c in results["cases"] if c["preset"] == preset and (case is None or c["case"] == case)]
 
 
-@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
-def test_meshes_match_single_device(mesh_results, preset):
-    cases = _cases(mesh_results, preset)
-    meshes = {(c["mesh"]["dp"], c["mesh"]["ep"], c["mesh"]["tp"]) for c in cases}
-    want = {(2, 4, 1), (1, 8, 1)} | ({(8, 1, 1), (4, 2, 1), (2, 2, 2)} if preset == "tiny-v4" else set())
-    assert want <= meshes
+def _check_meshes(cases: list, layouts: list) -> None:
+    """The cases ran on exactly `layouts` and each equals the single device."""
+    assert {(c["mesh"]["dp"], c["mesh"]["ep"], c["mesh"]["tp"]) for c in cases} == set(layouts)
     for c in cases:
         assert c["logits_rel_err"] < _tol(c), c
         if "tokens_equal" in c:
             assert c["tokens_equal"], c
+
+
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_meshes_match_single_device(mesh_results, preset):
+    _check_meshes(_cases(mesh_results, preset), sharding_worker.MESHES[preset])
+
+
+@pytest.mark.slow
+def test_other_mesh_sizes_match_single_device(tmp_path_factory):
+    """sharding_worker.EXTRA_MESHES: the CI meshes' paths at the acceptance list's other sizes (dp=4 x ep=2;
+    V4.1 on ep=8)."""
+    results = _worker_results(tmp_path_factory, "meshes-extra", timeout=900)
+    for preset, layouts in sharding_worker.EXTRA_MESHES.items():
+        _check_meshes(_cases(results, preset), layouts)
 
 
 def test_ep_variants_and_record(mesh_results):
@@ -287,10 +296,9 @@ def test_two_process_mesh_forward(tmp_path):
     """Two local CPU processes x 4 devices form one ep=8 mesh (jax.distributed); each loads only its
     own experts from a safetensors checkpoint and runs a forward (expert exchange across processes):
     logits equal this process's single-device run."""
-    sys.path.insert(0, str(WORKER.parent))
-    from sharding_worker import inputs, small_config
-
+    from common import small_config
     from model.checkpoint import save_safetensors
+    from sharding_worker import inputs
 
     cfg = small_config("tiny-v4")
     model = init_random(cfg, seed=0, dtype="float32")

@@ -20,13 +20,11 @@ from model.cache import allocate
 from sampling import generate
 from sampling.generate import _TRACES
 
-from common import load_golden, rel_err
+from common import load_golden, rel_err, small_v41
 
 V4_SMALL = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
                                                  name="v4-small")
-V41_SMALL = ModelConfig.preset("tiny-v41").replace(
-    num_layers=4, compress_ratios=(0, 2, 1, 1, 0, 0, 0), kv_source_layer_ids=(1, 2), index_source_layer_ids=(1, 2, 3),
-    candidate_source_layer_id=2, engram_layer_ids=(1,), dspark_target_layer_ids=(1, 2, 3), name="v41-small")
+V41_SMALL = small_v41()
 PROMPTS = [list(range(3, 20)), list(range(30, 41))]
 
 

@@ -19,11 +19,11 @@ from model import ModelConfig, init_random
 from model import draft as D
 from sampling import generate
 
+from common import small_v41
+
 V4_SMALL = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
                                                  name="v4-small")
-V41_SMALL = ModelConfig.preset("tiny-v41").replace(
-    num_layers=4, compress_ratios=(0, 2, 1, 1, 0, 0, 0), kv_source_layer_ids=(1, 2), index_source_layer_ids=(1, 2, 3),
-    candidate_source_layer_id=2, engram_layer_ids=(1,), dspark_target_layer_ids=(1, 2, 3), name="v41-small")
+V41_SMALL = small_v41()
 CONFIGS = {"mtp": V4_SMALL, "dspark": V41_SMALL}
 
 

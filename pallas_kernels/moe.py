@@ -1232,7 +1232,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     xq, xq_scale = gemm_input(x)        # act_quant is per row: quantise the M tokens, then gather their rows
     swap = backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab
     # the tile-aligned rows [P, D]; the swap kernels take them transposed, gathered so in one pass
-    xs = None if swap else take_rows(xq, plan.row_token, plan.num_tiles * config.block_m, interpret=bool(interp))
+    live_rows = plan.num_tiles * config.block_m    # the live tiles' rows: the kernels skip the rest
+    xs = None if swap else take_rows(xq, plan.row_token, live_rows, interpret=bool(interp))
     x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
         if not isinstance(config, TritonConfig):
@@ -1259,7 +1260,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         tiles = (plan.tile_expert, plan.tile_rows)
         zt = _swap_gemm("gate/up", xq, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
-                        out_dtype=z_dtype, interpret=interp, rows=(plan.row_token, plan.num_tiles * config.block_m))
+                        out_dtype=z_dtype, interpret=interp, rows=(plan.row_token, live_rows))
         zt = rounded(zt.T).T if act_block else zt
         y = _swap_gemm("down", zt, tiles, (w2,), (s2,), fmt=fmt, names=("block_n_down", "block_k_down"),
                        cfg=config, epilogue=lambda accs: accs[0], out_dtype=cdt, interpret=interp, out_rows=True)
@@ -1280,8 +1281,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
                       (w1, w3), bn=config.block_n, bk=config.block_k, cfg=config, kn=kn,
                       epilogue=lambda accs: _swiglu(*accs, limit), out_dtype=z_dtype, interpret=interp,
                       x_scale_t=None if x_scale is None else x_scale.T, ss=(s1, s3))
-        if fp8_mma:     # the live tiles' rows only (the kernels skip the rest)
-            zs, z_scale_t = act_quant_rows(z, act_block, plan.num_tiles * config.block_m,
+        if fp8_mma:
+            zs, z_scale_t = act_quant_rows(z, act_block, live_rows,
                                            rows=math.gcd(config.block_m, 64), interpret=interp is not None)
         else:
             zs, z_scale_t = rounded(z), None

@@ -31,6 +31,14 @@ def small_config(preset: str):
     return cfg.replace(num_mtp_layers=0, compress_ratios=cfg.compress_ratios[:cfg.num_layers])
 
 
+def small_v4():
+    """tiny-v4 cut to one hash SWA, one CSA and one HCA layer, keeping its MTP layer (the drafting tests)."""
+    from model import ModelConfig
+
+    return ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
+                                                 name="v4-small")
+
+
 def small_v41():
     """tiny-v41 cut to four layers that keep every V4.1 layer kind with an indexer or a published state: SWA;
     Full r=2 + Engram (KV and index source); Full r=1 (candidate source); Reindex with candidates; its three

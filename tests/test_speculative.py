@@ -14,16 +14,15 @@ import pytest
 from flax import nnx
 from scipy import stats as scipy_stats
 
-from model import ModelConfig, init_random
+from model import init_random
 from model import draft as D
 from model.cache import allocate
 from sampling import generate
 from sampling.generate import _TRACES
 
-from common import load_golden, rel_err, small_v41
+from common import load_golden, rel_err, small_v4, small_v41
 
-V4_SMALL = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
-                                                 name="v4-small")
+V4_SMALL = small_v4()
 V41_SMALL = small_v41()
 PROMPTS = [list(range(3, 20)), list(range(30, 41))]
 

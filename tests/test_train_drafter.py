@@ -15,14 +15,13 @@ import pytest
 from flax import nnx
 
 from experiments import train_drafter as TD
-from model import ModelConfig, init_random
+from model import init_random
 from model import draft as D
 from sampling import generate
 
-from common import small_v41
+from common import small_v4, small_v41
 
-V4_SMALL = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
-                                                 name="v4-small")
+V4_SMALL = small_v4()
 V41_SMALL = small_v41()
 CONFIGS = {"mtp": V4_SMALL, "dspark": V41_SMALL}
 

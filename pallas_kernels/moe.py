@@ -542,16 +542,21 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                out_t=False):
     """The grouped GEMM that both Mosaic GPU orientations (row tiles, swap_ab) run.
 
-    grid (tiles t, output blocks j); the last grid axis is CUDA's fastest, so the CTAs of one tile run
-    together and share its activations in L2. CTA (t, j), expert e = tile_expert[t] (-1: nothing to do):
-    the GMEM refs cta_refs(operands, t, j, e) are streamed, nk K steps of `specs`, by TMA into `steps` SMEM
-    slots -- `specialized`: by a memory warpgroup (emit_pipeline_warp_specialized) for `wgs` compute
-    warpgroups; otherwise the one warpgroup (wgs = 1) issues its own copies (emit_pipeline). Each compute
+    Work item (t, j): tile t, output block j of grid (tiles, blocks) = (T, NB), taken in that order (j fastest),
+    so the items of one tile run together and share its activations in L2 -- `specialized`: by one persistent
+    CTA per SM looping over the live tiles' items (num_tiles[0] of T, read in the kernel): a memory warpgroup
+    (emit_pipeline_warp_specialized) streams the next item's first K steps while the `wgs` compute warpgroups
+    finish the last one's epilogue, whose TMA store is awaited only before its SMEM is written again;
+    otherwise a CTA per item, its one warpgroup (wgs = 1) issuing its own copies (emit_pipeline). Item (t, j),
+    expert e = tile_expert[t] (-1: nothing to do): the GMEM refs cta_refs(operands, t, j, e) are streamed, nk
+    K steps of `specs`, by TMA into `steps` SMEM slots. Each compute
     warpgroup runs accs = mma(cta, k_step, tiles, accs) per step on num_accs float32 accumulators of acc_shape
     (wgmma accumulator refs; with register_carry, specialized only, float32 arrays carried from step to step),
     then epilogue(accs) [times the routing weights row_weight[rw_slice(t, wg)] broadcast along rw_axis,
     where plan_arrays holds them] -> SMEM (out_t: transposed) -> TMA store to out[out_block(t, j, wg)].
-    plan_arrays: (tile_expert [T], tile_rows [T]) or (..., row_weight [P]).
+    plan_arrays: (tile_expert [T], tile_rows [T], num_tiles [1]) or (..., row_weight [P]).
+    Persistent CTAs cannot let a wgmma outlive its K step (the next item's copies would refill its slot), so
+    their pipelines release each slot at once (the callers' specs: delay_release=0, wgmma_wait(0)).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     n_plan = len(plan_arrays)
@@ -566,52 +571,59 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
             max_concurrent_steps=steps, compute_context=context)
 
     def body(*refs):
-        (te_gmem, tr_gmem, *rw_gmem), ops, out_gmem = refs[:n_plan], refs[n_plan:-1], refs[-1]
+        (te_gmem, tr_gmem, nt_gmem, *rw_gmem), ops, out_gmem = refs[:n_plan], refs[n_plan:-1], refs[-1]
 
         def scope(allocs, out_smem, rw_smem, bar):
-            t, j = lax.axis_index("t"), lax.axis_index("n")
             wg = lax.axis_index("wg") if specialized else 0
-            cta = _Cta(t, j, te_gmem[t], wg, tr_gmem[t], ops)
             rw_s = rw_smem.at[wg, pl.ds(0, rw_len)]
 
-            def context(run):
-                if rw_gmem:
-                    plgpu.copy_gmem_to_smem(rw_gmem[0].at[rw_slice(t, wg)], rw_s, bar.at[wg])
+            def work(t, j):
+                cta = _Cta(t, j, te_gmem[t], wg, tr_gmem[t], ops)
 
-                def accumulate(*acc_refs):
-                    run(acc_refs)
-                    return tuple(r[...] for r in acc_refs)
+                def context(run):
+                    if rw_gmem:
+                        plgpu.copy_gmem_to_smem(rw_gmem[0].at[rw_slice(t, wg)], rw_s, bar.at[wg])
 
-                if register_carry:
-                    accs = run(tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_accs)))
-                else:
-                    accs = pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, jnp.float32)] * num_accs)
-                out = epilogue(accs)
-                if rw_gmem:   # layout inference gives the weights the WGMMA row / column layout of the broadcast
-                    plgpu.barrier_wait(bar.at[wg])
-                    out = out * lax.broadcast_in_dim(rw_s[...], acc_shape, [rw_axis])
-                out = out.astype(out_dtype)
-                if out_t and not interpret:   # a transposed SMEM view takes the accumulator's transposed
-                    plgpu.transpose_ref(out_smem.at[wg], (1, 0))[...] = plgpu.layout_cast(   # register layout
-                        out, plgpu.Layout.WGMMA_TRANSPOSED)
-                else:                         # (the MGPU interpreter has neither: it transposes the value)
-                    out_smem.at[wg][...] = out.T if out_t else out
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_block(t, j, wg)])
-                plgpu.wait_smem_to_gmem(0)
+                    def accumulate(*acc_refs):
+                        run(acc_refs)
+                        return tuple(r[...] for r in acc_refs)
 
-            def step(idx, *rest):
-                return mma(cta, idx[0], rest[:-1], rest[-1])
+                    if register_carry:
+                        accs = run(tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_accs)))
+                    else:
+                        accs = pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, jnp.float32)] * num_accs)
+                    out = epilogue(accs)
+                    if rw_gmem:   # layout inference gives the weights the WGMMA row / column layout of the broadcast
+                        plgpu.barrier_wait(bar.at[wg])
+                        out = out * lax.broadcast_in_dim(rw_s[...], acc_shape, [rw_axis])
+                    out = out.astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last item's store has read the SMEM
+                    if out_t and not interpret:   # a transposed SMEM view takes the accumulator's transposed
+                        plgpu.transpose_ref(out_smem.at[wg], (1, 0))[...] = plgpu.layout_cast(   # register layout
+                            out, plgpu.Layout.WGMMA_TRANSPOSED)
+                    else:                         # (the MGPU interpreter has neither: it transposes the value)
+                        out_smem.at[wg][...] = out.T if out_t else out
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_block(t, j, wg)])
 
-            @pl.when(cta.e >= 0)
-            def _():
-                streamed = cta_refs(ops, t, j, cta.e)
-                if specialized:
-                    pipeline(step, context)(*streamed, allocations=allocs)
-                else:
-                    context(lambda accs: plgpu.emit_pipeline(
-                        lambda idx, *tiles: mma(cta, idx[0], tiles, accs), grid=(nk,), in_specs=specs,
-                        max_concurrent_steps=steps)(*streamed))
+                def step(idx, *rest):
+                    return mma(cta, idx[0], rest[:-1], rest[-1])
+
+                @pl.when(cta.e >= 0)
+                def _():
+                    streamed = cta_refs(ops, t, j, cta.e)
+                    if specialized:
+                        pipeline(step, context)(*streamed, allocations=allocs)
+                    else:
+                        context(lambda accs: plgpu.emit_pipeline(
+                            lambda idx, *tiles: mma(cta, idx[0], tiles, accs), grid=(nk,), in_specs=specs,
+                            max_concurrent_steps=steps)(*streamed))
+
+            if specialized:   # the live tiles' items, interleaved over the SMs
+                plgpu.nd_loop((nt_gmem[0], grid[1]), collective_axes="sm")(lambda item: work(*item.index))
+            else:
+                work(lax.axis_index("t"), lax.axis_index("n"))
+            plgpu.wait_smem_to_gmem(0)
 
         scratch = (plgpu.SMEM((wgs, *(acc_shape[::-1] if out_t else acc_shape)), out_dtype),
                    plgpu.SMEM((wgs, rw_row), jnp.float32), plgpu.Barrier(num_barriers=wgs))
@@ -624,10 +636,20 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
     if register_carry and not specialized:
         raise ValueError("moe (mgpu): without warp specialisation one warpgroup computes on wgmma accumulators; "
                          "FP8 x FP8 carries its totals in registers and needs a TMA warpgroup")
-    threads = dict(num_threads=wgs + 1, thread_name="wg") if specialized else {}
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=grid,
-                        grid_names=("t", "n"), compiler_params=_mgpu_params(), interpret=interpret,
-                        **threads)(*plan_arrays, *operands)
+    if specialized:   # persistent: a CTA per SM
+        launch = dict(grid=(_num_sms(interpret),), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg")
+    else:
+        launch = dict(grid=grid, grid_names=("t", "n"))
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), compiler_params=_mgpu_params(),
+                        interpret=interpret, **launch)(*plan_arrays, *operands)
+
+
+def _num_sms(interpret) -> int:
+    """Persistent CTAs: one per SM of the GPU (132 on the H100 / H200, also when lowering for CUDA on a CPU);
+    the MGPU interpreter runs three, so that its tests interleave several items per CTA."""
+    if interpret:
+        return 3
+    return getattr(jax.devices()[0], "core_count", 132) if jax.default_backend() == "gpu" else 132
 
 
 def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue, out_dtype, interpret,
@@ -635,7 +657,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     """Row tiles: out [P, N] = epilogue([x_t W_e^T for W in ws]) (* routing weights) for each tile t of block_m
     rows of x [P, K]; ws: weights [E, N, K] ([E, K, N] if kn), wgmma's B through a transposed SMEM view.
     The cfg.compute_wgs compute warpgroups each own block_m / compute_wgs rows of the tile (wgmma's M, a
-    multiple of 64) and keep one wgmma group in flight (delay_release=1); one whose rows are all padding
+    multiple of 64; without warp specialisation one wgmma group stays in flight); one whose rows are all padding
     (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others.
 
     FP8 x FP8 (x_scale_t given): x float8_e4m3fn with its act_quant scales transposed, x_scale_t [K / B, P], ws
@@ -660,7 +682,8 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item + (4 * bm if fp8 else 0),
                      wgs * wm * (bn * jnp.dtype(out_dtype).itemsize + 4))
     steps, delay = _pipeline_depth(fit, nk)
-    delay = 0 if fp8 else delay      # FP8: each step waits for its wgmmas (the promotion reads them)
+    # FP8: each step waits for its wgmmas (the promotion reads them); persistent CTAs too (_ws_kernel)
+    delay = 0 if fp8 or cfg.warp_specialized else delay
     w_block, w_index = ((bk, bn), lambda kk: (kk, 0)) if kn else ((bn, bk), lambda kk: (0, kk))
     specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay)] + \
             ([plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), delay_release=delay)] if fp8 else []) + \
@@ -974,7 +997,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     G = 4 than one [bn, 8] copy per group, fourteenth session) and their scales [G, bn]; FP8 scales are read as
     GMEM scalars. The cfg.compute_wgs
     compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense) stay one
-    step in flight; register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
+    step in flight without warp specialisation (persistent CTAs release each step: _ws_kernel); register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
     warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     k, p = (x.shape[1], rows[0].shape[0]) if rows else x.shape
@@ -989,6 +1012,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
                      wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
     steps, delay = _pipeline_depth(fit, nk)
+    delay = 0 if cfg.warp_specialized else delay   # persistent CTAs (_ws_kernel)
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
     if fmt == "fp4":    # the step's held words (one copy of G groups a row) and their scales [G, bn]
         w_specs = [spec((bn, g * FP4_GROUP // 2), lambda kk: (0, kk)), spec((g, bn), lambda kk: (kk, 0))]
@@ -1020,7 +1044,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
             else:
                 a = _fp4_operand(plgpu, w_t[0].at[rows][...], [w_t[1][q, rows] for q in range(g)])
             plgpu.wgmma(acc, a, x_s)
-        plgpu.wgmma_wait(1 if fmt == "dense" else 0)
+        plgpu.wgmma_wait(delay if fmt == "dense" else 0)
         return accs
 
     def out_block(t, j, wg):     # this warpgroup's weight rows x the tile's tokens, or the transpose
@@ -1257,7 +1281,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if fmt != "dense" and interp is not None:
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
-        tiles = (plan.tile_expert, plan.tile_rows)
+        tiles = (plan.tile_expert, plan.tile_rows, plan.num_tiles.reshape(1))
         zt = _swap_gemm("gate/up", xq, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
                         out_dtype=z_dtype, interpret=interp, rows=(plan.row_token, live_rows))
@@ -1276,7 +1300,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if fmt == "fp8" and not fp8_mma:
             raise ValueError(f"moe_experts: the mgpu FP8 row tiles multiply FP8 x FP8: act_block must be the "
                              f"weights' scale block, got {act_block}")
-        tiles = (plan.tile_expert, plan.tile_rows)
+        tiles = (plan.tile_expert, plan.tile_rows, plan.num_tiles.reshape(1))
         z = _row_gemm("gate/up", xs, tiles + ((plan.row_weight,) if config.route_weight_in_kernel else ()),
                       (w1, w3), bn=config.block_n, bk=config.block_k, cfg=config, kn=kn,
                       epilogue=lambda accs: _swiglu(*accs, limit), out_dtype=z_dtype, interpret=interp,

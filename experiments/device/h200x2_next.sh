@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 65}" in
+case "${1:?part 1 to 66}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -785,6 +785,19 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
         | grep -E "^\| (decode|prefill)|rror" | cut -c1-110
     timeout 50 $M --formats fp8 --act-block 128 --impls mgpu --regime prefill 2>&1 | grep -E "^\| prefill|rror" \
         | cut -c1-110 ;;
-*)  echo "part must be 1 to 65" >&2; exit 2 ;;
+66) # sixteenth session: persistent warp-specialised Mosaic GPU kernels (a CTA per SM looping over the live tiles'
+    # items, the next item's copies overlapping the last one's epilogue): the MoE GPU tests of those paths, then the
+    # bf16 / FP4 / FP8 x FP8 prefill block and layer against 391e651 (_baseline/)
+    export PYTHONUNBUFFERED=1
+    timeout 200 python -m pytest -q -m gpu tests/test_kernels_moe.py \
+        -k "(compiled_matches and (rows or balanced192 or swap_2wg or swap_held)) or (act_quant and (fp8 or fp4 or auto))" \
+        2>&1 | tail -3
+    for tree in . _baseline; do
+        echo "== $tree"
+        M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT/$tree --quick --regime prefill"
+        (cd $tree && timeout 100 $M --formats bf16,fp4 --impls mgpu,layer 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
+         timeout 60 $M --formats fp8 --act-block 128 --impls mgpu,layer 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110)
+    done ;;
+*)  echo "part must be 1 to 66" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -555,8 +555,9 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
     then epilogue(accs) [times the routing weights row_weight[rw_slice(t, wg)] broadcast along rw_axis,
     where plan_arrays holds them] -> SMEM (out_t: transposed) -> TMA store to out[out_block(t, j, wg)].
     plan_arrays: (tile_expert [T], tile_rows [T], num_tiles [1]) or (..., row_weight [P]).
-    Persistent CTAs cannot let a wgmma outlive its K step (the next item's copies would refill its slot), so
-    their pipelines release each slot at once (the callers' specs: delay_release=0, wgmma_wait(0)).
+    A persistent CTA's memory warpgroup starts the next item's copies once the compute warpgroups have drained
+    their wgmmas (a barrier): the pipeline returns with the last step's wgmma in flight (delay_release=1), whose
+    slot the next item refills.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     n_plan = len(plan_arrays)
@@ -573,7 +574,7 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
     def body(*refs):
         (te_gmem, tr_gmem, nt_gmem, *rw_gmem), ops, out_gmem = refs[:n_plan], refs[n_plan:-1], refs[-1]
 
-        def scope(allocs, out_smem, rw_smem, bar):
+        def scope(allocs, out_smem, rw_smem, bar, drained=None):
             wg = lax.axis_index("wg") if specialized else 0
             rw_s = rw_smem.at[wg, pl.ds(0, rw_len)]
 
@@ -592,6 +593,8 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                         accs = run(tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_accs)))
                     else:
                         accs = pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, jnp.float32)] * num_accs)
+                    if specialized:
+                        plgpu.barrier_arrive(drained)
                     out = epilogue(accs)
                     if rw_gmem:   # layout inference gives the weights the WGMMA row / column layout of the broadcast
                         plgpu.barrier_wait(bar.at[wg])
@@ -614,6 +617,10 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                     streamed = cta_refs(ops, t, j, cta.e)
                     if specialized:
                         pipeline(step, context)(*streamed, allocations=allocs)
+
+                        @pl.when(wg == wgs)   # the memory warpgroup: the next item's copies wait for the drain
+                        def _():
+                            plgpu.barrier_wait(drained)
                     else:
                         context(lambda accs: plgpu.emit_pipeline(
                             lambda idx, *tiles: mma(cta, idx[0], tiles, accs), grid=(nk,), in_specs=specs,
@@ -629,7 +636,7 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                    plgpu.SMEM((wgs, rw_row), jnp.float32), plgpu.Barrier(num_barriers=wgs))
         if specialized:
             pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(*cta_refs(ops, 0, 0, 0)), *scratch,
-                          collective_axes="wg")
+                          plgpu.Barrier(num_arrivals=wgs), collective_axes="wg")
         else:
             pl.run_scoped(functools.partial(scope, None), *scratch)
 
@@ -657,7 +664,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     """Row tiles: out [P, N] = epilogue([x_t W_e^T for W in ws]) (* routing weights) for each tile t of block_m
     rows of x [P, K]; ws: weights [E, N, K] ([E, K, N] if kn), wgmma's B through a transposed SMEM view.
     The cfg.compute_wgs compute warpgroups each own block_m / compute_wgs rows of the tile (wgmma's M, a
-    multiple of 64; without warp specialisation one wgmma group stays in flight); one whose rows are all padding
+    multiple of 64) and keep one wgmma group in flight (delay_release=1); one whose rows are all padding
     (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others.
 
     FP8 x FP8 (x_scale_t given): x float8_e4m3fn with its act_quant scales transposed, x_scale_t [K / B, P], ws
@@ -682,8 +689,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item + (4 * bm if fp8 else 0),
                      wgs * wm * (bn * jnp.dtype(out_dtype).itemsize + 4))
     steps, delay = _pipeline_depth(fit, nk)
-    # FP8: each step waits for its wgmmas (the promotion reads them); persistent CTAs too (_ws_kernel)
-    delay = 0 if fp8 or cfg.warp_specialized else delay
+    delay = 0 if fp8 else delay      # FP8: each step waits for its wgmmas (the promotion reads them)
     w_block, w_index = ((bk, bn), lambda kk: (kk, 0)) if kn else ((bn, bk), lambda kk: (0, kk))
     specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay)] + \
             ([plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), delay_release=delay)] if fp8 else []) + \
@@ -997,7 +1003,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     G = 4 than one [bn, 8] copy per group, fourteenth session) and their scales [G, bn]; FP8 scales are read as
     GMEM scalars. The cfg.compute_wgs
     compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense) stay one
-    step in flight without warp specialisation (persistent CTAs release each step: _ws_kernel); register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
+    step in flight; register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
     warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     k, p = (x.shape[1], rows[0].shape[0]) if rows else x.shape
@@ -1012,7 +1018,8 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
                      wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
     steps, delay = _pipeline_depth(fit, nk)
-    delay = 0 if cfg.warp_specialized else delay   # persistent CTAs (_ws_kernel)
+    # register operands: each step waits for its wgmma, so a TMA warpgroup may refill its slots at once
+    delay = 0 if fmt != "dense" and cfg.warp_specialized else delay
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
     if fmt == "fp4":    # the step's held words (one copy of G groups a row) and their scales [G, bn]
         w_specs = [spec((bn, g * FP4_GROUP // 2), lambda kk: (0, kk)), spec((g, bn), lambda kk: (kk, 0))]

@@ -281,11 +281,12 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
             out = [c(64, 256, 64, 4, 1), c(64, 128, 64, 6, 2)]
     elif impl == "mgpu":
         swap = functools.partial(MgpuConfig, swap_ab=True)
+        persist = functools.partial(swap, persistent=True)        # prefill: a persistent CTA per SM
         plain = functools.partial(swap, warp_specialized=False)   # decode: one warpgroup issues its own copies
         if fmt == "fp4":                # swap_ab only; a step is a whole number of 32-column scale groups
-            out = [swap(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64, compute_wgs=2),
-                   swap(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64),
-                   swap(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
+            out = [persist(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64, compute_wgs=2),
+                   persist(block_m=128, block_n=64, block_k=64, block_n_down=64, block_k_down=64),
+                   persist(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
                         compute_wgs=2)] if regime == "prefill" else [
                 plain(block_m=16, block_n=64, block_k=256, block_n_down=64, block_k_down=256, max_concurrent_steps=4),
                 plain(block_m=16, block_n=64, block_k=256, block_n_down=64, block_k_down=256, max_concurrent_steps=3),
@@ -300,17 +301,18 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
             ws = functools.partial(MgpuConfig, block_n=128, block_k=64, block_k_down=64)
             out = [ws(block_m=128, compute_wgs=2, block_n_down=256, max_concurrent_steps=4),
                    ws(block_m=128, compute_wgs=2, block_n_down=128, max_concurrent_steps=4),
-                   ws(block_m=192, compute_wgs=3, block_n_down=128, max_concurrent_steps=3),
+                   ws(block_m=192, compute_wgs=3, block_n_down=128, max_concurrent_steps=3, persistent=True),
                    MgpuConfig(), MgpuConfig(max_concurrent_steps=3), MgpuConfig(block_n_down=128),
                    swap(block_m=128, block_n=64, block_k=64, block_n_down=128, block_k_down=64),
                    swap(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64),
                    swap(block_m=192, block_n=64, block_k=64, block_n_down=64, block_k_down=64)]
         elif regime == "prefill":       # fp8: weights dequantised in registers (swap_ab)
-            out = [swap(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128, compute_wgs=2),
-                   swap(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128),
-                   swap(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64)]
+            out = [persist(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128, compute_wgs=2),
+                   persist(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128),
+                   persist(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64)]
             if act:   # FP8 x FP8 row tiles (act_quant'd activations, the default): a K step is one scale block
-                rows = functools.partial(MgpuConfig, block_m=128, compute_wgs=2, block_k=128, block_k_down=128)
+                rows = functools.partial(MgpuConfig, block_m=128, compute_wgs=2, block_k=128, block_k_down=128,
+                                         persistent=True)
                 out = [rows(block_n=64, block_n_down=128, max_concurrent_steps=6),
                        rows(block_n=128, block_n_down=128, max_concurrent_steps=4)] + out
         elif fmt == "bf16":

@@ -238,11 +238,17 @@ class MgpuConfig:
     # a dedicated TMA warpgroup feeds the compute ones (emit_pipeline_warp_specialized); False (compute_wgs=1
     # only): the compute warpgroup issues its own copies -- faster for the swap_ab decode tiles (tenth session)
     warp_specialized: bool = True
+    # warp-specialised only: one CTA per SM loops over the (tile, block) items, overlapping an item's epilogue with
+    # the next one's first copies (H200, 8K tokens, sixteenth session: FP4 prefill down kernel 1.74 -> 1.27 ms; but
+    # the bf16 128-row gate/up 3.17 -> 4.36, so the defaults take it where it measured faster)
+    persistent: bool = False
 
     def __post_init__(self):
         if not 1 <= self.compute_wgs <= 3:   # H200, tenth session: a 4-warpgroup FP4 decode tile had not finished
             raise ValueError(f"MgpuConfig: compute_wgs must be 1, 2 or 3 (4 did not finish on the H200), "
                              f"got {self.compute_wgs}")
+        if self.persistent and not self.warp_specialized:
+            raise ValueError("MgpuConfig: persistent CTAs need warp specialisation (a TMA warpgroup)")
         if not self.warp_specialized and self.compute_wgs != 1:
             raise ValueError(f"MgpuConfig: without warp specialisation one warpgroup computes, got "
                              f"compute_wgs={self.compute_wgs}")
@@ -279,18 +285,21 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
         # FP8 / FP4 against 6.53 / 8.43 / 11.40 with one); quantised weights are dequantised in registers (swap_ab)
         # unless FP8 activations meet FP8 weights: FP8 x FP8 row tiles, whose two float32 accumulators per
         # weight (partial and promoted total) fit 64 columns (5.23 ms at 8K tokens; 128 columns spill: 7.39)
+        # persistent CTAs (part 66, 8K tokens, balanced, against a CTA per item: FP4 layer 5.377 -> 4.788 ms, bf16
+        # 192-row layer 5.353 -> 4.980, FP8 x FP8 128-row block 4.382 -> 4.208; not the bf16 128-row tiles)
         if fp8_acts:
             return MgpuConfig(block_m=192 if fit192 else 128, block_n=64, block_k=128, block_n_down=128,
                               block_k_down=128, max_concurrent_steps=4 if fit192 else 6,
-                              compute_wgs=3 if fit192 else 2)
+                              compute_wgs=3 if fit192 else 2, persistent=True)
         if fmt in ("fp8", "fp4"):
             bk = 128 if fmt == "fp8" else 64
             big = fit192 and fmt == "fp4"  # [64, 192] float32 accumulators per weight and warpgroup
             return MgpuConfig(block_m=192 if big else 128, block_n=128, block_k=bk, block_n_down=128,
-                              block_k_down=bk, swap_ab=True, compute_wgs=2, max_concurrent_steps=3 if big else 4)
+                              block_k_down=bk, swap_ab=True, compute_wgs=2, max_concurrent_steps=3 if big else 4,
+                              persistent=True)
         if fit192:                       # three compute warpgroups leave 152 registers a thread: 64 columns
             return MgpuConfig(block_m=192, compute_wgs=3, block_n=64, block_k=64, block_n_down=128,
-                              block_k_down=64, max_concurrent_steps=4)
+                              block_k_down=64, max_concurrent_steps=4, persistent=True)
         if rows_per_expert > 64:         # the row tiles' down projection gets 3 slots of 256 columns (SMEM)
             return MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_k=64, block_n_down=256,
                               block_k_down=64, max_concurrent_steps=4)
@@ -538,26 +547,26 @@ class _Cta(NamedTuple):
 
 
 def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_accs, epilogue, rw_axis, rw_slice,
-               out_block, grid, wgs, specialized, nk, steps, out_shape, out_dtype, interpret, register_carry=False,
-               out_t=False):
+               out_block, grid, wgs, specialized, persistent, nk, steps, out_shape, out_dtype, interpret,
+               register_carry=False, out_t=False):
     """The grouped GEMM that both Mosaic GPU orientations (row tiles, swap_ab) run.
 
     Work item (t, j): tile t, output block j of grid (tiles, blocks) = (T, NB), taken in that order (j fastest),
-    so the items of one tile run together and share its activations in L2 -- `specialized`: by one persistent
-    CTA per SM looping over the live tiles' items (num_tiles[0] of T, read in the kernel): a memory warpgroup
-    (emit_pipeline_warp_specialized) streams the next item's first K steps while the `wgs` compute warpgroups
-    finish the last one's epilogue, whose TMA store is awaited only before its SMEM is written again;
-    otherwise a CTA per item, its one warpgroup (wgs = 1) issuing its own copies (emit_pipeline). Item (t, j),
+    so the items of one tile run together and share its activations in L2: a CTA per item, or `persistent`
+    (specialized only) one CTA per SM looping over the live tiles' items (num_tiles[0] of T, read in the
+    kernel), whose memory warpgroup streams the next item's first K steps while the compute warpgroups finish
+    the last one's epilogue (its TMA store is awaited only before its SMEM is written again). Item (t, j),
     expert e = tile_expert[t] (-1: nothing to do): the GMEM refs cta_refs(operands, t, j, e) are streamed, nk
-    K steps of `specs`, by TMA into `steps` SMEM slots. Each compute
+    K steps of `specs`, by TMA into `steps` SMEM slots -- `specialized`: by a memory warpgroup
+    (emit_pipeline_warp_specialized) for `wgs` compute warpgroups; otherwise the one warpgroup (wgs = 1)
+    issues its own copies (emit_pipeline). Each compute
     warpgroup runs accs = mma(cta, k_step, tiles, accs) per step on num_accs float32 accumulators of acc_shape
     (wgmma accumulator refs; with register_carry, specialized only, float32 arrays carried from step to step),
     then epilogue(accs) [times the routing weights row_weight[rw_slice(t, wg)] broadcast along rw_axis,
     where plan_arrays holds them] -> SMEM (out_t: transposed) -> TMA store to out[out_block(t, j, wg)].
     plan_arrays: (tile_expert [T], tile_rows [T], num_tiles [1]) or (..., row_weight [P]).
-    A persistent CTA's memory warpgroup starts the next item's copies once the compute warpgroups have drained
-    their wgmmas (a barrier): the pipeline returns with the last step's wgmma in flight (delay_release=1), whose
-    slot the next item refills.
+    Persistent CTAs cannot let a wgmma outlive its K step (the next item's copies would refill its slot), so
+    their callers' pipelines release each slot at once (delay_release=0, wgmma_wait(0)).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     n_plan = len(plan_arrays)
@@ -574,7 +583,7 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
     def body(*refs):
         (te_gmem, tr_gmem, nt_gmem, *rw_gmem), ops, out_gmem = refs[:n_plan], refs[n_plan:-1], refs[-1]
 
-        def scope(allocs, out_smem, rw_smem, bar, drained=None):
+        def scope(allocs, out_smem, rw_smem, bar):
             wg = lax.axis_index("wg") if specialized else 0
             rw_s = rw_smem.at[wg, pl.ds(0, rw_len)]
 
@@ -593,8 +602,6 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                         accs = run(tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_accs)))
                     else:
                         accs = pl.run_scoped(accumulate, *[plgpu.ACC(acc_shape, jnp.float32)] * num_accs)
-                    if specialized:
-                        plgpu.barrier_arrive(drained)
                     out = epilogue(accs)
                     if rw_gmem:   # layout inference gives the weights the WGMMA row / column layout of the broadcast
                         plgpu.barrier_wait(bar.at[wg])
@@ -617,16 +624,12 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                     streamed = cta_refs(ops, t, j, cta.e)
                     if specialized:
                         pipeline(step, context)(*streamed, allocations=allocs)
-
-                        @pl.when(wg == wgs)   # the memory warpgroup: the next item's copies wait for the drain
-                        def _():
-                            plgpu.barrier_wait(drained)
                     else:
                         context(lambda accs: plgpu.emit_pipeline(
                             lambda idx, *tiles: mma(cta, idx[0], tiles, accs), grid=(nk,), in_specs=specs,
                             max_concurrent_steps=steps)(*streamed))
 
-            if specialized:   # the live tiles' items, interleaved over the SMs
+            if persistent:   # the live tiles' items, interleaved over the SMs
                 plgpu.nd_loop((nt_gmem[0], grid[1]), collective_axes="sm")(lambda item: work(*item.index))
             else:
                 work(lax.axis_index("t"), lax.axis_index("n"))
@@ -636,17 +639,17 @@ def _ws_kernel(*, plan_arrays, operands, specs, cta_refs, mma, acc_shape, num_ac
                    plgpu.SMEM((wgs, rw_row), jnp.float32), plgpu.Barrier(num_barriers=wgs))
         if specialized:
             pl.run_scoped(scope, pipeline(ignore, ignore).get_allocations(*cta_refs(ops, 0, 0, 0)), *scratch,
-                          plgpu.Barrier(num_arrivals=wgs), collective_axes="wg")
+                          collective_axes="wg")
         else:
             pl.run_scoped(functools.partial(scope, None), *scratch)
 
     if register_carry and not specialized:
         raise ValueError("moe (mgpu): without warp specialisation one warpgroup computes on wgmma accumulators; "
                          "FP8 x FP8 carries its totals in registers and needs a TMA warpgroup")
-    if specialized:   # persistent: a CTA per SM
-        launch = dict(grid=(_num_sms(interpret),), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg")
-    else:
-        launch = dict(grid=grid, grid_names=("t", "n"))
+    launch = dict(grid=(_num_sms(interpret),), grid_names=("sm",)) if persistent else dict(grid=grid,
+                                                                                         grid_names=("t", "n"))
+    if specialized:
+        launch.update(num_threads=wgs + 1, thread_name="wg")
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), compiler_params=_mgpu_params(),
                         interpret=interpret, **launch)(*plan_arrays, *operands)
 
@@ -664,7 +667,7 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     """Row tiles: out [P, N] = epilogue([x_t W_e^T for W in ws]) (* routing weights) for each tile t of block_m
     rows of x [P, K]; ws: weights [E, N, K] ([E, K, N] if kn), wgmma's B through a transposed SMEM view.
     The cfg.compute_wgs compute warpgroups each own block_m / compute_wgs rows of the tile (wgmma's M, a
-    multiple of 64) and keep one wgmma group in flight (delay_release=1); one whose rows are all padding
+    multiple of 64) and keep one wgmma group in flight (but persistent ones); one whose rows are all padding
     (past tile_rows[t]) skips its wgmmas, leaving the tensor cores to the others.
 
     FP8 x FP8 (x_scale_t given): x float8_e4m3fn with its act_quant scales transposed, x_scale_t [K / B, P], ws
@@ -689,7 +692,8 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
     fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item + (4 * bm if fp8 else 0),
                      wgs * wm * (bn * jnp.dtype(out_dtype).itemsize + 4))
     steps, delay = _pipeline_depth(fit, nk)
-    delay = 0 if fp8 else delay      # FP8: each step waits for its wgmmas (the promotion reads them)
+    # FP8: each step waits for its wgmmas (the promotion reads them); persistent CTAs too (_ws_kernel)
+    delay = 0 if fp8 or cfg.persistent else delay
     w_block, w_index = ((bk, bn), lambda kk: (kk, 0)) if kn else ((bn, bk), lambda kk: (0, kk))
     specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay)] + \
             ([plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), delay_release=delay)] if fp8 else []) + \
@@ -727,8 +731,8 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
                       acc_shape=(wm, bn), num_accs=nw, epilogue=epilogue, rw_axis=0, register_carry=fp8,
                       rw_slice=lambda t, wg: pl.ds(t * bm + wg * wm, wm),
                       out_block=lambda t, j, wg: (pl.ds(t * bm + wg * wm, wm), pl.ds(j * bn, bn)),
-                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps,
-                      out_shape=(p, n), out_dtype=out_dtype, interpret=interpret)
+                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, persistent=cfg.persistent,
+                      nk=nk, steps=steps, out_shape=(p, n), out_dtype=out_dtype, interpret=interpret)
 
 
 # ---------------------------------------------- Mosaic GPU, swapped operands (weights = wgmma M, tokens = N)
@@ -1003,7 +1007,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     G = 4 than one [bn, 8] copy per group, fourteenth session) and their scales [G, bn]; FP8 scales are read as
     GMEM scalars. The cfg.compute_wgs
     compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense) stay one
-    step in flight; register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
+    step in flight (but in persistent CTAs); register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
     warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     k, p = (x.shape[1], rows[0].shape[0]) if rows else x.shape
@@ -1018,8 +1022,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
                      wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
     steps, delay = _pipeline_depth(fit, nk)
-    # register operands: each step waits for its wgmma, so a TMA warpgroup may refill its slots at once
-    delay = 0 if fmt != "dense" and cfg.warp_specialized else delay
+    delay = 0 if cfg.persistent else delay   # persistent CTAs (_ws_kernel)
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
     if fmt == "fp4":    # the step's held words (one copy of G groups a row) and their scales [G, bn]
         w_specs = [spec((bn, g * FP4_GROUP // 2), lambda kk: (0, kk)), spec((g, bn), lambda kk: (kk, 0))]
@@ -1061,9 +1064,9 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     return _ws_kernel(plan_arrays=plan_arrays, operands=(xt, *(a for o in ops for a in o)),
                       specs=specs, cta_refs=cta_refs, mma=mma, acc_shape=(wb, bm), num_accs=nw, epilogue=epilogue,
                       rw_axis=1, rw_slice=lambda t, wg: pl.ds(t * bm, bm), out_block=out_block,
-                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, nk=nk, steps=steps,
-                      out_shape=(p, n) if out_rows else (n, p), out_dtype=out_dtype, interpret=interpret,
-                      out_t=out_rows)
+                      grid=(p // bm, n // bn), wgs=wgs, specialized=cfg.warp_specialized, persistent=cfg.persistent,
+                      nk=nk, steps=steps, out_shape=(p, n) if out_rows else (n, p), out_dtype=out_dtype,
+                      interpret=interpret, out_t=out_rows)
 
 
 def _row_tiles(a: jax.Array, rows, live, *, transposed: bool, interpret: bool) -> jax.Array:

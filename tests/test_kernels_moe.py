@@ -379,8 +379,8 @@ def test_triton_act_quant_matches_reference(fmt, act_block, kind, m):
     assert rel_err(got, want) < rel_err(plain, want)
 
 
-@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "rows_2wg", "swap_ab", "swap_ab_2wg",
-                                     "swap_ab_act_quant"])
+@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "rows_2wg", "rows_2wg_persistent", "swap_ab",
+                                     "swap_ab_2wg", "swap_ab_2wg_persistent", "swap_ab_act_quant"])
 def test_mgpu_matches_reference(variant):
     """Mosaic GPU kernels in the MGPU interpreter. Its wgmma has neither a transposed SMEM operand nor a
     register operand: the row-tile kernels take the weights as [E, in, out] here (the model's [E, out, in]
@@ -392,21 +392,22 @@ def test_mgpu_matches_reference(variant):
     act = 64 if variant.endswith("act_quant") else 0   # float32 SwiGLU output, rounded to FP8 between kernels
     want = reference(bf(x).astype(jnp.float32), ids, w, bf(w1), bf(w2), bf(w3), act_block=act)
     if variant.startswith("swap_ab"):
-        wgs = 2 if variant == "swap_ab_2wg" else 1    # 2: each compute warpgroup owns 64 of 128 weight rows
+        wgs = 2 if "2wg" in variant else 1    # 2: each compute warpgroup owns 64 of 128 weight rows
         # 2wg: two compute warpgroups of 64 weight rows and a TMA warpgroup; 1: the decode default, one warpgroup
-        # issuing its own copies
+        # issuing its own copies; persistent: three CTAs (the interpreter's "SMs") loop over the items
         cfg = K.MgpuConfig(block_m=16, block_n=64 * wgs, block_k=64, block_n_down=64 * wgs, block_k_down=64,
-                           max_concurrent_steps=2, swap_ab=True, compute_wgs=wgs, warp_specialized=wgs > 1)
+                           max_concurrent_steps=2, swap_ab=True, compute_wgs=wgs, warp_specialized=wgs > 1,
+                           persistent=variant.endswith("persistent"))
         got = kernel(bf(x), ids, w, bf(w1), bf(w2), bf(w3), backend="mgpu", config=cfg, interpret=True,
                      act_block=act)
     else:
         # rows_2wg: two compute warpgroups of 64 rows per 128-row tile; skewed routing leaves some tiles'
         # second warpgroup all padding (it skips its wgmmas). rows_weight_in_combine also runs without a TMA
         # warpgroup.
-        in_combine, wgs = variant == "rows_weight_in_combine", 2 if variant == "rows_2wg" else 1
+        in_combine, wgs = variant == "rows_weight_in_combine", 2 if "2wg" in variant else 1
         cfg = K.MgpuConfig(block_m=64 * wgs, block_n=64, block_k=64, block_n_down=64, block_k_down=64,
                            max_concurrent_steps=2, route_weight_in_kernel=not in_combine, compute_wgs=wgs,
-                           warp_specialized=not in_combine)
+                           warp_specialized=not in_combine, persistent=variant.endswith("persistent"))
         t = lambda a: jnp.swapaxes(bf(a), 1, 2)  # noqa: E731
         got = kernel(bf(x), ids, w, t(w1), t(w2), t(w3), backend="mgpu", config=cfg, interpret=True,
                      weight_layout="in_out")
@@ -425,9 +426,10 @@ def test_mgpu_fp8_rows_match_reference():
     cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=64, block_k=128, block_n_down=64, block_k_down=128,
                        max_concurrent_steps=2)
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
-    got = kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", config=cfg, interpret=True,
-                 weight_layout="in_out", act_block=128)
-    assert rel_err(got, want) < 1e-2
+    for c in (cfg, dataclasses.replace(cfg, persistent=True)):
+        got = kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", config=c, interpret=True,
+                     weight_layout="in_out", act_block=128)
+        assert rel_err(got, want) < 1e-2, c
     with pytest.raises(ValueError, match="act_block must be the weights' scale block"):
         kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", config=cfg, interpret=True,
                weight_layout="in_out", act_block=64)
@@ -488,6 +490,8 @@ def test_errors_are_clear():
         K.MgpuConfig(compute_wgs=4)
     with pytest.raises(ValueError, match="without warp specialisation one warpgroup computes"):
         K.MgpuConfig(compute_wgs=2, warp_specialized=False)
+    with pytest.raises(ValueError, match="persistent CTAs need warp specialisation"):
+        K.MgpuConfig(warp_specialized=False, persistent=True)
     with pytest.raises(ValueError, match="one per 32 input columns"):
         s8 = jnp.zeros((8, 128, 8), jnp.uint8)                         # one scale per 16 columns
         K.moe_experts(x, ids, w, p4, p4, p4, 1.0, scales=(s8, s8, s8))
@@ -623,7 +627,8 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
                                                ("mgpu", "fp8", "swap"), ("mgpu", "fp4", "swap"),
                                                ("mgpu", "fp8", "swap_2wg"), ("mgpu", "fp4", "swap_2wg"),
                                                ("mgpu", "bf16", "balanced192"), ("mgpu", "fp4", "balanced192"),
-                                               ("mgpu", "fp4", "swap_held")])
+                                               ("mgpu", "fp4", "swap_held"), ("mgpu", "bf16", "persistent"),
+                                               ("mgpu", "fp8", "persistent")])
 @pytest.mark.parametrize("kind,m", [("uniform", 64), ("skewed", 1000), ("balanced", 2048)])
 def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
     e, d, i, k = 32, 1024, 512, 6
@@ -643,6 +648,9 @@ def test_gpu_compiled_matches_reference(backend, fmt, tiles, kind, m):
                              warp_specialized=wgs > 1)]   # 1: as the decode defaults, no TMA warpgroup
     elif tiles == "rows_2wg":   # two compute warpgroups of 64 rows (skewed / uniform: some all padding)
         cfgs = [K.MgpuConfig(block_m=128, compute_wgs=2, block_n=128, block_n_down=128)]
+    elif tiles == "persistent":   # prefill tiles in persistent CTAs: bf16 row tiles (2 WGs), FP8 swap_ab (2 WGs)
+        cfgs = [dataclasses.replace(K.default_config(backend, 128 * e, e, "dense" if fmt == "bf16" else fmt),
+                                    persistent=True)]
     elif tiles == "balanced192":   # default_config's 192-row tiles for 192 rows per expert (three compute WGs)
         cfgs = [K.default_config(backend, 192 * e, e, "dense" if fmt == "bf16" else fmt, balanced=True)]
         assert cfgs[0].block_m == 192, cfgs

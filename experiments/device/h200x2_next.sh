@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 67}" in
+case "${1:?part 1 to 68}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -811,6 +811,18 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 50 $M --formats fp8 --act-block 128 --impls mgpu,layer 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
     timeout 170 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 \
         --context 32768 --new-tokens 4096 --step verify --tag s16_persistent 2>&1 | tail -4 ;;
-*)  echo "part must be 1 to 67" >&2; exit 2 ;;
+68) # after 67 (the drain barrier kept one wgmma in flight but gave back part 66's bf16 192-row gain, and the bf16
+    # 128-row gate/up stayed slow in persistent CTAs: 4.46 ms): persistence is MgpuConfig(persistent=), on in the
+    # defaults where part 66 measured it faster (part 66's kernels, wgmma_wait(0)); the bf16 128-row tiles keep a CTA
+    # per item -- GPU tests (incl. persistent bf16 rows / FP8 swap), the prefill block and layer, the model step
+    export PYTHONUNBUFFERED=1
+    timeout 230 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "(compiled_matches and (rows or balanced192 \
+        or swap_2wg or swap_held or persistent)) or (act_quant and (fp8 or fp4 or auto))" 2>&1 | tail -2
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick --regime prefill"
+    timeout 80 $M --formats bf16,fp4 --impls mgpu,layer 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
+    timeout 50 $M --formats fp8 --act-block 128 --impls mgpu,layer 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
+    timeout 150 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 \
+        --context 32768 --new-tokens 4096 --step verify --tag s16_persistent 2>&1 | tail -4 ;;
+*)  echo "part must be 1 to 68" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 68}" in
+case "${1:?part 1 to 69}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -823,6 +823,21 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 50 $M --formats fp8 --act-block 128 --impls mgpu,layer 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
     timeout 150 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill,decode --batch 64 --prefill-batch 2 \
         --context 32768 --new-tokens 4096 --step verify --tag s16_persistent 2>&1 | tail -4 ;;
-*)  echo "part must be 1 to 68" >&2; exit 2 ;;
+69) # after 68: the expert blocks at default_config's balanced 8K tiles (192 rows, persistent: what the layer runs;
+    # --quick runs the sweep's 128-row first entry), then the model's FP4 prefill step against 391e651 (_baseline/)
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --regime prefill --impls mgpu"
+    P='"block_m": 192, "persistent": true, "max_concurrent_steps'
+    timeout 60 $M --formats bf16 --mgpu-configs "[{$P\": 4, \"compute_wgs\": 3, \"block_n\": 64, \"block_k\": 64,
+        \"block_n_down\": 128, \"block_k_down\": 64}]" 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
+    timeout 60 $M --formats fp8 --act-block 128 --mgpu-configs "[{$P\": 4, \"compute_wgs\": 3, \"block_n\": 64,
+        \"block_k\": 128, \"block_n_down\": 128, \"block_k_down\": 128}]" 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
+    timeout 60 $M --formats fp4 --mgpu-configs "[{$P\": 3, \"compute_wgs\": 2, \"swap_ab\": true, \"block_n\": 128,
+        \"block_k\": 64, \"block_n_down\": 128, \"block_k_down\": 64}]" 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
+    S="--preset v4-flash-4l --expert-weights fp4 --phase prefill --prefill-batch 2 --context 32768"
+    timeout 120 $B $S --tag s16_persistent_prefill 2>&1 | tail -2
+    (cd _baseline && JAXINFER_GIT_REVISION=391e651 timeout 120 $B $S --tag s16_baseline_prefill --out "$OUT/base" 2>&1 \
+        | tail -2) ;;
+*)  echo "part must be 1 to 69" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 69}" in
+case "${1:?part 1 to 70}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -838,6 +838,19 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     timeout 120 $B $S --tag s16_persistent_prefill 2>&1 | tail -2
     (cd _baseline && JAXINFER_GIT_REVISION=391e651 timeout 120 $B $S --tag s16_baseline_prefill --out "$OUT/base" 2>&1 \
         | tail -2) ;;
-*)  echo "part must be 1 to 69" >&2; exit 2 ;;
+70) # after 69: the single-warpgroup decode tiles (unchanged but for the epilogue's store wait) -- their GPU tests
+    # and the FP4 block at the defaults -- then the FP4 decode / verify tiles with a TMA warpgroup in persistent CTAs
+    export PYTHONUNBUFFERED=1
+    timeout 120 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "compiled_matches and swap and not 2wg" \
+        2>&1 | tail -2
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --formats fp4 --impls mgpu \
+        --regime decode --decode-tokens 64,256,1024"
+    timeout 60 $M --quick 2>&1 | grep -E "^\| decode|rror" | cut -c1-100
+    D='"swap_ab": true, "persistent": true, "block_k": 256, "block_k_down": 256, "max_concurrent_steps": 4'
+    timeout 120 $M --mgpu-configs "[{$D, \"block_m\": 32, \"block_n\": 64, \"block_n_down\": 64},
+        {$D, \"block_m\": 16, \"block_n\": 64, \"block_n_down\": 64},
+        {$D, \"block_m\": 32, \"block_n\": 128, \"block_n_down\": 128, \"compute_wgs\": 2}]" 2>&1 \
+        | grep -E "^\| decode|rror" | cut -c1-250 ;;
+*)  echo "part must be 1 to 70" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -271,11 +271,15 @@ def default_config(backend: str, num_rows: int, num_experts: int, fmt: str = "de
             # one warpgroup issuing its own copies (FP4 64 tokens: 2.03 ms against 2.25 / 2.11 warp-specialised
             # with 1 / 2 compute warpgroups; FP8 1.84 against 2.06 / 1.93)
             if fmt == "fp4":   # bench_moe, held words, one TMA copy a step (fourteenth session, parts 55-57):
-                t16 = rows_per_expert <= 16   # 64 weight rows, 256-column steps (128-byte TMA rows; 64 tokens:
-                # 1.149 ms against 1.448 with 128 x 128, 1.587 with 128 x 64; 1024 tokens, 32-token tiles: 1.589)
-                return MgpuConfig(block_m=16 if t16 else 32, block_n=64, block_k=256, block_n_down=64,
-                                  block_k_down=256, max_concurrent_steps=4 if t16 else 3, swap_ab=True,
-                                  warp_specialized=False)
+                # 64 weight rows, 256-column steps (128-byte TMA rows; 64 tokens: 1.149 ms against 1.448 with
+                # 128 x 128, 1.587 with 128 x 64)
+                if rows_per_expert <= 16:
+                    return MgpuConfig(block_m=16, block_n=64, block_k=256, block_n_down=64, block_k_down=256,
+                                      max_concurrent_steps=4, swap_ab=True, warp_specialized=False)
+                # verify (32-token tiles): two compute warpgroups of 64 rows in persistent CTAs (part 70, 1024
+                # tokens: 1.324 ms against 1.417 with one warpgroup issuing its own copies; slower at 64 / 256)
+                return MgpuConfig(block_m=32, block_n=128, block_k=256, block_n_down=128, block_k_down=256,
+                                  max_concurrent_steps=4, swap_ab=True, compute_wgs=2, persistent=True)
             return MgpuConfig(block_m=16, block_n=128, block_k=128 if fmt == "fp8" else 64,
                               block_n_down=256 if fmt == "dense" else 128,
                               block_k_down=128 if fmt == "fp8" else 64,

@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 70}" in
+case "${1:?part 1 to 71}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -851,6 +851,14 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
         {$D, \"block_m\": 16, \"block_n\": 64, \"block_n_down\": 64},
         {$D, \"block_m\": 32, \"block_n\": 128, \"block_n_down\": 128, \"compute_wgs\": 2}]" 2>&1 \
         | grep -E "^\| decode|rror" | cut -c1-250 ;;
-*)  echo "part must be 1 to 70" >&2; exit 2 ;;
+71) # after 70: the FP4 verify default is two compute warpgroups in persistent CTAs (32-token tiles, 1024 tokens
+    # 1.324 ms against 1.417) -- the GPU test of FP4 held at default_config's tiles, the block, the model's verify step
+    export PYTHONUNBUFFERED=1
+    timeout 90 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "swap_held" 2>&1 | tail -2
+    timeout 50 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --formats fp4 --impls mgpu \
+        --regime decode --decode-tokens 1024 --quick 2>&1 | grep -E "^\| decode|rror" | cut -c1-100
+    timeout 130 $B --preset v4-flash-4l --expert-weights fp4 --phase decode --batch 64 --context 32768 \
+        --new-tokens 4096 --step verify --tag s16_fp4_verify 2>&1 | tail -2 ;;
+*)  echo "part must be 1 to 71" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -589,6 +589,9 @@ def test_lower_balanced_192_row_tiles(fmt, act):
     assert text.count("mosaic_gpu") >= 2
     name = "dense" if fmt == "bf16" else fmt
     assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0, balanced=True).block_m == 192
+    # persistent CTAs where part 66 measured them faster; the bf16 128-row tiles keep a CTA per item
+    assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0, balanced=True).persistent
+    assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0).persistent == (fmt != "bf16")
     assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0).block_m == 128
     assert K.default_config("mgpu", 24576, E4, name, fp8_acts=act > 0, balanced=True).block_m == 128
 

@@ -509,12 +509,13 @@ def _mgpu_params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
-def _pipeline_depth(max_steps: int, nk: int) -> tuple[int, int]:
+def _pipeline_depth(max_steps: int, nk: int, persistent: bool) -> tuple[int, int]:
     """(max_concurrent_steps, delay_release) for a K loop of nk steps. One wgmma group stays in flight, so
-    its buffers are released one step late (delay 1, which needs >= 2 slots); a single step needs neither."""
+    its buffers are released one step late (delay 1, which needs >= 2 slots); a single step needs neither, and
+    persistent CTAs (_ws_kernel) release each step at once."""
     if nk <= 1:
         return 1, 0
-    return max(2, min(max_steps, nk)), 1
+    return max(2, min(max_steps, nk)), 0 if persistent else 1
 
 
 def _check_mgpu_tiles(p, n, k, bm, wgs, bn, bk, what):
@@ -695,9 +696,8 @@ def _row_gemm(what, x, plan_arrays, ws, *, bn, bk, cfg: MgpuConfig, kn, epilogue
                              f"got {x_scale_t.shape}")
     fit = _fit_steps(cfg.max_concurrent_steps, (bm + nw * bn) * bk * item + (4 * bm if fp8 else 0),
                      wgs * wm * (bn * jnp.dtype(out_dtype).itemsize + 4))
-    steps, delay = _pipeline_depth(fit, nk)
-    # FP8: each step waits for its wgmmas (the promotion reads them); persistent CTAs too (_ws_kernel)
-    delay = 0 if fp8 or cfg.persistent else delay
+    steps, delay = _pipeline_depth(fit, nk, cfg.persistent)
+    delay = 0 if fp8 else delay      # FP8: each step waits for its wgmmas (the promotion reads them)
     w_block, w_index = ((bk, bn), lambda kk: (kk, 0)) if kn else ((bn, bk), lambda kk: (0, kk))
     specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay)] + \
             ([plgpu.BlockSpec((1, bm), lambda kk: (kk, 0), delay_release=delay)] if fp8 else []) + \
@@ -1011,8 +1011,8 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     G = 4 than one [bn, 8] copy per group, fourteenth session) and their scales [G, bn]; FP8 scales are read as
     GMEM scalars. The cfg.compute_wgs
     compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense) stay one
-    step in flight (but in persistent CTAs); register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a
-    warpgroup's step ends waiting for them -- while another warpgroup decodes."""
+    step in flight (but in persistent CTAs); register operands (FP8, FP4 dequantised in registers) must outlive
+    their wgmma, so a warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     k, p = (x.shape[1], rows[0].shape[0]) if rows else x.shape
     n = logical_shape(ws[0], fmt)[1]
@@ -1025,8 +1025,7 @@ def _swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epi
     w_bytes = {"dense": 2 * bn * bk, "fp8": bn * bk, "fp4": bn * (bk // 2 + 2 * g)}[fmt]   # per weight and step
     fit = _fit_steps(cfg.max_concurrent_steps, bk * bm * jnp.dtype(xt.dtype).itemsize + nw * w_bytes,
                      wgs * (wb * bm * jnp.dtype(out_dtype).itemsize + 4 * max(bm, 32)))
-    steps, delay = _pipeline_depth(fit, nk)
-    delay = 0 if cfg.persistent else delay   # persistent CTAs (_ws_kernel)
+    steps, delay = _pipeline_depth(fit, nk, cfg.persistent)
     spec = lambda shape, index: plgpu.BlockSpec(shape, index, delay_release=delay)  # noqa: E731
     if fmt == "fp4":    # the step's held words (one copy of G groups a row) and their scales [G, bn]
         w_specs = [spec((bn, g * FP4_GROUP // 2), lambda kk: (0, kk)), spec((g, bn), lambda kk: (kk, 0))]
@@ -1271,6 +1270,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     swap = backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab
     # the tile-aligned rows [P, D]; the swap kernels take them transposed, gathered so in one pass
     live_rows = plan.num_tiles * config.block_m    # the live tiles' rows: the kernels skip the rest
+    tiles = (plan.tile_expert, plan.tile_rows, plan.num_tiles.reshape(1))   # the Mosaic GPU kernels' plan arrays
     xs = None if swap else take_rows(xq, plan.row_token, live_rows, interpret=bool(interp))
     x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
@@ -1295,7 +1295,6 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if fmt != "dense" and interp is not None:
             raise ValueError(f"moe_experts: the mgpu swap_ab {fmt.upper()} kernels dequantise into a register "
                              "wgmma operand, which the Mosaic GPU interpreter lacks: they run compiled only (GPU)")
-        tiles = (plan.tile_expert, plan.tile_rows, plan.num_tiles.reshape(1))
         zt = _swap_gemm("gate/up", xq, tiles + (plan.row_weight,), (w1, w3), (s1, s3), fmt=fmt,
                         names=("block_n", "block_k"), cfg=config, epilogue=lambda accs: _swiglu(*accs, limit),
                         out_dtype=z_dtype, interpret=interp, rows=(plan.row_token, live_rows))
@@ -1314,7 +1313,6 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         if fmt == "fp8" and not fp8_mma:
             raise ValueError(f"moe_experts: the mgpu FP8 row tiles multiply FP8 x FP8: act_block must be the "
                              f"weights' scale block, got {act_block}")
-        tiles = (plan.tile_expert, plan.tile_rows, plan.num_tiles.reshape(1))
         z = _row_gemm("gate/up", xs, tiles + ((plan.row_weight,) if config.route_weight_in_kernel else ()),
                       (w1, w3), bn=config.block_n, bk=config.block_k, cfg=config, kn=kn,
                       epilogue=lambda accs: _swiglu(*accs, limit), out_dtype=z_dtype, interpret=interp,

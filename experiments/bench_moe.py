@@ -260,12 +260,14 @@ def _layer_fn(fmt: str, seed: int):
 
 
 def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None = None,
-            rows_per_expert: float = 0.0, act: int = 0):
+            rows_per_expert: float = 0.0, act: int = 0, balanced: bool = False):
     """Small sweeps; the first entry is the default tiling where default_config has one for the regime (and
-    the only entry with --quick). FP4 decode tiles hold 16 tokens, 32 past 16 rows per expert (one pass over
-    the weights). `mgpu_json`: a JSON list of MgpuConfig fields that replaces the Mosaic GPU
-    sweep of every case. act: the --act-block (FP8 prefill adds the FP8 x FP8 row tiles)."""
-    from pallas_kernels.moe import MgpuConfig, TritonConfig
+    the only entry with --quick): for the Mosaic GPU kernels default_config itself, given the routing
+    (`balanced`: forced balance, which takes 192-row tiles at 8K tokens). FP4 decode tiles hold 16 tokens, 32
+    past 16 rows per expert (one pass over the weights). `mgpu_json`: a JSON list of MgpuConfig fields that
+    replaces the Mosaic GPU sweep of every case. act: the --act-block (FP8 prefill adds the FP8 x FP8 row
+    tiles)."""
+    from pallas_kernels.moe import MgpuConfig, TritonConfig, default_config
     if impl == "mgpu" and mgpu_json:
         try:
             return [MgpuConfig(**c) for c in json.loads(mgpu_json)]
@@ -344,6 +346,10 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                 out = [c for c in out if c.block_k <= 128 and c.block_k_down <= 128] or out[:1]
     else:
         out = [None]
+    if impl == "mgpu":   # what moe_experts picks for this load comes first
+        default = default_config("mgpu", round(rows_per_expert * E), E, "dense" if fmt == "bf16" else fmt,
+                                 fp8_acts=bool(act) and fmt == "fp8", balanced=balanced)
+        out = [default] + [c for c in out if c != default]
     return out[:1] if quick else out
 
 
@@ -517,7 +523,8 @@ def bench_moe(args) -> list[dict]:
                     continue
                 act = 0 if impl in ("layer", "jax_mgpu") else getattr(args, "act_block", 0)
                 for cfg in configs(impl, regime, fmt, args.quick or getattr(args, "one_config", False),
-                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E, act):
+                                   getattr(args, "mgpu_configs", None), tokens * K_TOP / E, act,
+                                   balanced=kind == "balanced"):
                     rec = dict(base, impl=impl, act_block=act, config=(cfg if isinstance(cfg, dict) or cfg is None
                                                                        else cfg.__dict__))
                     try:

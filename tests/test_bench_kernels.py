@@ -72,5 +72,11 @@ def test_bench_moe_sweeps_start_with_the_default_tiling():
     # FP8 prefill with act_quant'd activations (--act-block 128): the FP8 x FP8 row tiles
     assert configs("mgpu", "prefill", "fp8", False, None, 192, act=128)[0] == \
         default_config("mgpu", 49152, e, "fp8", fp8_acts=True)
+    # forced balance at 8K tokens: the 192-row tiles, then the rest of the sweep without a repeat
+    for fmt, act in (("bf16", 0), ("fp4", 0), ("fp8", 128)):
+        sweep = configs("mgpu", "prefill", fmt, False, None, 192, act=act, balanced=True)
+        assert sweep[0] == default_config("mgpu", 49152, e, "dense" if fmt == "bf16" else fmt,
+                                          fp8_acts=bool(act), balanced=True), fmt
+        assert sweep[0].block_m == 192 and len(set(sweep)) == len(sweep), fmt
     with pytest.raises(SystemExit, match="block_m, block_n"):
         configs("mgpu", "decode", "fp4", False, '[{"blockm": 16}]')

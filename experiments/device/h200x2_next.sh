@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 71}" in
+case "${1:?part 1 to 73}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -859,6 +859,29 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
         --regime decode --decode-tokens 1024 --quick 2>&1 | grep -E "^\| decode|rror" | cut -c1-100
     timeout 130 $B --preset v4-flash-4l --expert-weights fp4 --phase decode --batch 64 --context 32768 \
         --new-tokens 4096 --step verify --tag s16_fp4_verify 2>&1 | tail -2 ;;
-*)  echo "part must be 1 to 71" >&2; exit 2 ;;
+72) # seventeenth session: issue 6's closing table in one run -- XLA ragged_dot, jax's in-tree ragged_dot_mgpu, the
+    # Triton kernels, ours (Mosaic GPU at default_config's tiles for the routing: bench_moe lists them first) and
+    # the whole layer, forced balance, decode 64 / 256 tokens and prefill 8K
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick"
+    timeout 210 $M --regime decode --formats bf16,fp8,fp4 2>&1 | grep -E "^\| decode|rror" | cut -c1-150
+    timeout 200 $M --regime prefill --formats bf16,fp4 2>&1 | grep -E "^\| prefill|rror" | cut -c1-150
+    timeout 150 $M --regime prefill,decode --formats fp8 --act-block 128 --impls xla,triton,mgpu 2>&1 \
+        | grep -E "^\| (prefill|decode)|rror" | cut -c1-150 ;;
+73) # after 72: random routing (the router's spread; the prefill defaults there were made persistent on balanced
+    # evidence only) -- the blocks and layers at the defaults, then the FP4 swap and FP8 x FP8 default tiles with
+    # persistent CTAs off
+    export PYTHONUNBUFFERED=1
+    M="python -m experiments.bench_moe --routing random --iters 10 --out $OUT --regime prefill"
+    timeout 150 $M --quick --formats bf16,fp4 --impls mgpu,layer 2>&1 | grep -E "^\| prefill|rror" | cut -c1-150
+    F='"swap_ab": true, "block_m": 128, "block_n": 128, "block_k": 64, "block_n_down": 128, "block_k_down": 64,
+        "compute_wgs": 2, "max_concurrent_steps": 4'
+    timeout 120 $M --formats fp4 --impls mgpu --mgpu-configs "[{$F, \"persistent\": true}, {$F}]" 2>&1 \
+        | grep -E "^prefill|rror" | cut -c1-110
+    R='"block_m": 128, "block_n": 64, "block_k": 128, "block_n_down": 128, "block_k_down": 128, "compute_wgs": 2,
+        "max_concurrent_steps": 6'
+    timeout 120 $M --formats fp8 --act-block 128 --impls mgpu --mgpu-configs "[{$R, \"persistent\": true}, {$R}]" \
+        2>&1 | grep -E "^prefill|rror" | cut -c1-110 ;;
+*)  echo "part must be 1 to 73" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -49,7 +49,10 @@ class Gate(nnx.Module):
     def __call__(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
         cfg = self.cfg
-        logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        # IEEE float32, as the official gate (torch's fp32 linear, no TF32): XLA runs float32 GEMMs as TF32 on
+        # the GPU by default, whose 10-bit operands flip near-tied top-k choices (tests/test_kernels_moe.py)
+        logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), self.weight[...].astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
         scores = score_function(cfg.scoring_func, logits / cfg.gate_temp)
         if self.tid2eid is not None:
             ids = jnp.take(self.tid2eid[...], tokens, axis=0).astype(jnp.int32)

@@ -736,6 +736,31 @@ def test_gpu_v4_flash_shapes(backend, tokens):
 
 @gpu
 @skip_no_gpu
+def test_gpu_router_picks_the_float32_top_k():
+    """The gate's logits are IEEE float32 on the GPU too (the official gate's; XLA's default there is TF32): at
+    V4-Flash widths its top-6 of 256 equals the host's float64 choice wherever the 6th and 7th scores are not
+    tied within float32 rounding."""
+    from flax import nnx
+
+    from model import ModelConfig
+    from model.moe import Gate
+    cfg = ModelConfig.preset("v4-flash")
+    spec = next(cfg.layer_spec(i) for i in range(cfg.num_layers) if not cfg.layer_spec(i).hash_routed)
+    gate = Gate(cfg, spec, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    h = jnp.asarray(fresh_rng().standard_normal((4096, cfg.hidden_size)), jnp.bfloat16)
+    ids = np.asarray(nnx.jit(lambda g, a: g(a, jnp.zeros(a.shape[0], jnp.int32))[0])(gate, h))
+    logits = np.asarray(h, np.float64) @ np.asarray(gate.weight[...], np.float64).T / cfg.gate_temp
+    scores = np.sqrt(np.logaddexp(0.0, logits)) + np.asarray(gate.bias[...], np.float64)
+    assert cfg.scoring_func == "sqrtsoftplus"
+    order = np.sort(scores, axis=1)[:, ::-1]
+    clear = order[:, spec.n_experts_per_tok - 1] - order[:, spec.n_experts_per_tok] > 1e-5 * np.abs(order[:, 0])
+    want = np.sort(np.argsort(-scores, axis=1)[:, :spec.n_experts_per_tok], axis=1)
+    agree = np.all(np.sort(ids, axis=1) == want, axis=1)
+    assert clear.mean() > 0.9 and agree[clear].all(), (clear.mean(), (~agree[clear]).sum())
+
+
+@gpu
+@skip_no_gpu
 def test_gpu_model_pallas_moe_matches_reference():
     """The whole tiny model with cfg.moe_impl='pallas' against 'reference', compiled. In float32: in bf16
     the two paths' different (equally valid) rounding grows through the layers (5% on random weights,

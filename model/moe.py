@@ -49,10 +49,13 @@ class Gate(nnx.Module):
     def __call__(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
         cfg = self.cfg
-        # IEEE float32, as the official gate (torch's fp32 linear, no TF32): XLA runs float32 GEMMs as TF32 on
-        # the GPU by default, whose 10-bit operands flip near-tied top-k choices (tests/test_kernels_moe.py)
-        logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), self.weight[...].astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST)
+        # IEEE float32 products, as the official gate (torch's fp32 linear, no TF32). XLA's GPU default, TF32, is
+        # exact for bf16 operands (8 mantissa bits fit its 10); float32 ones take HIGHEST, 4x slower (8K tokens,
+        # H200: 0.40 against 0.10 ms; experiments/probes/router_precision.py)
+        w = self.weight[...]
+        wide = jnp.dtype(jnp.float32) in (jnp.dtype(h.dtype), jnp.dtype(w.dtype))
+        logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), w.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST if wide else None)
         scores = score_function(cfg.scoring_func, logits / cfg.gate_temp)
         if self.tid2eid is not None:
             ids = jnp.take(self.tid2eid[...], tokens, axis=0).astype(jnp.int32)

@@ -737,17 +737,18 @@ def test_gpu_v4_flash_shapes(backend, tokens):
 @gpu
 @skip_no_gpu
 def test_gpu_router_picks_the_float32_top_k():
-    """The gate's logits are IEEE float32 on the GPU too (the official gate's; XLA's default there is TF32): at
-    V4-Flash widths its top-6 of 256 equals the host's float64 choice wherever the 6th and 7th scores are not
-    tied within float32 rounding."""
+    """The gate's logits are IEEE float32 on the GPU too (the official gate's): XLA's default there, TF32, is exact
+    for bf16 operands only, so a float32 model's gate asks for HIGHEST. At V4-Flash widths, float32 weights and
+    hidden states, its top-6 of 256 equals the host's float64 choice wherever the 6th and 7th scores are not
+    tied within float32 rounding (experiments/probes/router_precision.py counts what TF32 changes)."""
     from flax import nnx
 
     from model import ModelConfig
     from model.moe import Gate
     cfg = ModelConfig.preset("v4-flash")
     spec = next(cfg.layer_spec(i) for i in range(cfg.num_layers) if not cfg.layer_spec(i).hash_routed)
-    gate = Gate(cfg, spec, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    h = jnp.asarray(fresh_rng().standard_normal((4096, cfg.hidden_size)), jnp.bfloat16)
+    gate = Gate(cfg, spec, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    h = jnp.asarray(fresh_rng().standard_normal((4096, cfg.hidden_size)), jnp.float32)
     ids = np.asarray(nnx.jit(lambda g, a: g(a, jnp.zeros(a.shape[0], jnp.int32))[0])(gate, h))
     logits = np.asarray(h, np.float64) @ np.asarray(gate.weight[...], np.float64).T / cfg.gate_temp
     scores = np.sqrt(np.logaddexp(0.0, logits)) + np.asarray(gate.bias[...], np.float64)

@@ -41,7 +41,7 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
-case "${1:?part 1 to 74}" in
+case "${1:?part 1 to 75}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -892,6 +892,14 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
         --formats bf16,fp4 --regime prefill,decode 2>&1 | grep -E "^\| (prefill|decode)|rror" | cut -c1-110
     timeout 130 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill --prefill-batch 2 --context 32768 \
         --tag s17_router_f32 2>&1 | tail -2 ;;
-*)  echo "part must be 1 to 74" >&2; exit 2 ;;
+75) # after 74 (TF32 changed no expert set with bf16 operands -- it holds them exactly -- and HIGHEST cost 0.30 ms a
+    # layer at 8K tokens): HIGHEST for float32 operands only -- the probe with bf16 and float32 operands, the float32
+    # gate's GPU test, the layer at prefill and decode
+    export PYTHONUNBUFFERED=1
+    timeout 90 python -m experiments.probes.router_precision 2>&1 | tail -5
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "router or model_pallas" 2>&1 | tail -2
+    timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick --impls layer \
+        --formats bf16,fp4 --regime prefill,decode 2>&1 | grep -E "^\| (prefill|decode)|rror" | cut -c1-110 ;;
+*)  echo "part must be 1 to 75" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -740,7 +740,8 @@ def test_gpu_router_picks_the_float32_top_k():
     """The gate's logits are IEEE float32 on the GPU too (the official gate's): XLA's default there, TF32, is exact
     for bf16 operands only, so a float32 model's gate asks for HIGHEST. At V4-Flash widths, float32 weights and
     hidden states, its top-6 of 256 equals the host's float64 choice wherever the 6th and 7th scores are not
-    tied within float32 rounding (experiments/probes/router_precision.py counts what TF32 changes)."""
+    tied within float32 rounding. (H200, experiments/probes/router_precision.py: TF32 changed 12 of 8192 tokens'
+    sets with float32 operands, none with bf16 ones.)"""
     from flax import nnx
 
     from model import ModelConfig

@@ -50,8 +50,9 @@ class Gate(nnx.Module):
         """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
         cfg = self.cfg
         # IEEE float32 products, as the official gate (torch's fp32 linear, no TF32). XLA's GPU default, TF32, is
-        # exact for bf16 operands (8 mantissa bits fit its 10); float32 ones take HIGHEST (8K tokens, H200: 0.35
-        # ms against 0.05 for TF32, which changed 0.15% of the tokens' expert sets; probes/router_precision.py)
+        # exact for bf16 operands (8 mantissa bits fit its 10); float32 ones take HIGHEST: 0.35 ms against 0.05 at
+        # 8K tokens on the H200, where TF32 changed 0.15% of the tokens' expert sets
+        # (experiments/probes/router_precision.py)
         w = self.weight[...]
         wide = jnp.dtype(jnp.float32) in (jnp.dtype(h.dtype), jnp.dtype(w.dtype))
         logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), w.astype(jnp.float32),

@@ -35,6 +35,7 @@ def main():
     rng = np.random.default_rng(0)
     h64, w64 = rng.standard_normal((8192, D)), rng.standard_normal((E, D)) * D ** -0.5
     bias = rng.standard_normal(E) * 0.3
+    on_gpu = jax.default_backend() == "gpu"
     print(f"{jax.devices()[0].device_kind}; {h64.shape[0]} tokens, top-{K} of {E}, D = {D}")
     for dtype in (jnp.bfloat16, jnp.float32):
         h, w = jnp.asarray(h64, dtype), jnp.asarray(w64, dtype)
@@ -42,7 +43,6 @@ def main():
         for name, precision in PRECISIONS.items():
             f = logits_fn(precision)
             flips = int(np.sum(np.any(top_k_sets(np.asarray(f(h, w)), bias) != want, axis=1)))
-            on_gpu = jax.default_backend() == "gpu"
             times = {m: cupti_ms(f, h[:m], w, iterations=20) for m in (8192, 64)} if on_gpu else {}
             timing = "no CUPTI here" if not times else \
                 f"GEMM {np.median(times[8192]):.3f} ms at 8192 tokens, {np.median(times[64]):.4f} ms at 64"

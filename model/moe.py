@@ -49,14 +49,16 @@ class Gate(nnx.Module):
     def __call__(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
         cfg = self.cfg
-        # IEEE float32 products, as the official gate (torch's fp32 linear, no TF32). XLA's GPU default, TF32, is
-        # exact for bf16 operands (8 mantissa bits fit its 10); float32 ones take HIGHEST: 0.35 ms against 0.05 at
-        # 8K tokens on the H200, where TF32 changed 0.15% of the tokens' expert sets
-        # (experiments/probes/router_precision.py)
+        # IEEE float32 logits, as the official gate (torch's fp32 linear of the upcast operands, no TF32): bf16 / f16
+        # operands multiply as they are, their products exact in the float32 accumulator; float32 ones ask for
+        # HIGHEST, as XLA runs float32 GEMMs as TF32 on the GPU (8K tokens, H200: 0.35 ms against 0.05, and TF32
+        # changed 0.15% of the tokens' expert sets; experiments/probes/router_precision.py)
         w = self.weight[...]
-        wide = jnp.dtype(jnp.float32) in (jnp.dtype(h.dtype), jnp.dtype(w.dtype))
-        logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), w.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST if wide else None)
+        if h.dtype == w.dtype and jnp.finfo(h.dtype).nmant <= 11:
+            logits = jnp.einsum("md,ed->me", h, w, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), w.astype(jnp.float32),
+                                precision=jax.lax.Precision.HIGHEST)
         scores = score_function(cfg.scoring_func, logits / cfg.gate_temp)
         if self.tid2eid is not None:
             ids = jnp.take(self.tid2eid[...], tokens, axis=0).astype(jnp.int32)

@@ -736,20 +736,20 @@ def test_gpu_v4_flash_shapes(backend, tokens):
 
 @gpu
 @skip_no_gpu
-def test_gpu_router_picks_the_float32_top_k():
-    """The gate's logits are IEEE float32 on the GPU too (the official gate's): XLA's default there, TF32, is exact
-    for bf16 operands only, so a float32 model's gate asks for HIGHEST. At V4-Flash widths, float32 weights and
-    hidden states, its top-6 of 256 equals the host's float64 choice wherever the 6th and 7th scores are not
-    tied within float32 rounding. (H200, experiments/probes/router_precision.py: TF32 changed 12 of 8192 tokens'
-    sets with float32 operands, none with bf16 ones.)"""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_router_picks_the_float32_top_k(dtype):
+    """The gate's logits are IEEE float32 on the GPU too (the official gate's): bf16 operands multiply exactly into
+    float32, float32 ones ask for HIGHEST (XLA's GPU default is TF32). At V4-Flash widths its top-6 of 256 equals
+    the host's float64 choice wherever the 6th and 7th scores are not tied within float32 rounding. (H200,
+    experiments/probes/router_precision.py: TF32 changed 12 of 8192 tokens' sets with float32 operands.)"""
     from flax import nnx
 
     from model import ModelConfig
     from model.moe import Gate
     cfg = ModelConfig.preset("v4-flash")
     spec = next(cfg.layer_spec(i) for i in range(cfg.num_layers) if not cfg.layer_spec(i).hash_routed)
-    gate = Gate(cfg, spec, rngs=nnx.Rngs(0), dtype=jnp.float32)
-    h = jnp.asarray(fresh_rng().standard_normal((4096, cfg.hidden_size)), jnp.float32)
+    gate = Gate(cfg, spec, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype))
+    h = jnp.asarray(fresh_rng().standard_normal((4096, cfg.hidden_size)), dtype)
     ids = np.asarray(nnx.jit(lambda g, a: g(a, jnp.zeros(a.shape[0], jnp.int32))[0])(gate, h))
     logits = np.asarray(h, np.float64) @ np.asarray(gate.weight[...], np.float64).T / cfg.gate_temp
     scores = np.sqrt(np.logaddexp(0.0, logits)) + np.asarray(gate.bias[...], np.float64)

@@ -1,12 +1,16 @@
-"""Probe: how often does a TF32 router GEMM change V4-Flash's top-6 experts, and what does IEEE float32 cost?
+"""Probe: the gate's logits GEMM and top-k at V4-Flash widths -- which precisions change the top-6, what each costs.
 
-The official gate computes its logits with torch's float32 linear (no TF32). XLA runs a float32 GEMM on the
-GPU as TF32 (10-bit operand mantissas) unless asked for `Precision.HIGHEST`. At V4-Flash widths (D = 4096, 256
-experts, sqrt-softplus scores plus the selection bias, top-6) this counts the tokens whose expert set differs
-from the float64 choice, at each precision, for bf16 operands (the bf16 model's: TF32 holds them exactly) and
-float32 ones (a float32 model's), and times the logits GEMM at prefill (8K tokens) and decode (64 tokens)
-loads (CUPTI, all kernels of the jitted function, the converts included).
-Run: python -m experiments.probes.router_precision   (GPU; on the CPU both precisions are IEEE: no flips)
+The official gate computes its logits with torch's float32 linear of the upcast operands (no TF32). XLA runs a
+float32 GEMM on the GPU as TF32 (10-bit operand mantissas) unless asked for `Precision.HIGHEST`. At V4-Flash
+widths (D = 4096, 256 experts, sqrt-softplus scores plus the selection bias, top-6) this counts the tokens whose
+expert set differs from the float64 choice and times the logits (CUPTI, all kernels of the jitted function, the
+converts included) at prefill (8K tokens) and decode (64 tokens) loads, for
+  bf16 upcast, default   the model's gate until the seventeenth session: bf16 operands converted, TF32 GEMM
+  bf16, f32 accumulation bf16 operands multiplied as they are into float32 (products exact: the model's now)
+  float32, default       a float32 model's operands on TF32
+  float32, highest       the same in IEEE float32 (the model's now)
+and then the top-6 of the scores: lax.top_k (XLA sorts the rows) against six rounds of argmax.
+Run: python -m experiments.probes.router_precision   (GPU; on the CPU every variant is IEEE: no flips)
 """
 
 from __future__ import annotations
@@ -18,12 +22,24 @@ import numpy as np
 from experiments.bench_kernels import cupti_ms
 
 D, E, K = 4096, 256, 6
-PRECISIONS = {"default (TF32 on the GPU)": None, "highest (IEEE float32)": jax.lax.Precision.HIGHEST}
+F32 = jnp.float32
+VARIANTS = {   # name: (operand dtype, logits function)
+    "bf16 upcast, default": (jnp.bfloat16, lambda h, w: jnp.einsum("md,ed->me", h.astype(F32), w.astype(F32))),
+    "bf16, f32 accumulation": (jnp.bfloat16, lambda h, w: jnp.einsum("md,ed->me", h, w, preferred_element_type=F32)),
+    "float32, default": (F32, lambda h, w: jnp.einsum("md,ed->me", h, w)),
+    "float32, highest": (F32, lambda h, w: jnp.einsum("md,ed->me", h, w, precision=jax.lax.Precision.HIGHEST)),
+}
 
 
-def logits_fn(precision):
-    return jax.jit(lambda h, w: jnp.einsum("md,ed->me", h.astype(jnp.float32), w.astype(jnp.float32),
-                                           precision=precision))
+def argmax_top_k(x: jax.Array, k: int) -> jax.Array:
+    """Indices of the k largest entries of each row of finite x, ties to the lower index (lax.top_k's order)."""
+    col = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    ids = []
+    for _ in range(k):
+        i = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        ids.append(i)
+        x = jnp.where(col == i[..., None], -jnp.inf, x)
+    return jnp.stack(ids, axis=-1)
 
 
 def top_k_sets(logits: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -31,23 +47,29 @@ def top_k_sets(logits: np.ndarray, bias: np.ndarray) -> np.ndarray:
     return np.sort(np.argsort(-scores, axis=1)[:, :K], axis=1)
 
 
+def timed(f, *args) -> str:
+    if jax.default_backend() != "gpu":
+        return "no CUPTI here"
+    return " / ".join(f"{np.median(cupti_ms(f, *(a[:m] for a in args[:1]), *args[1:], iterations=20)):.4f}"
+                      for m in (8192, 64)) + " ms (8192 / 64 tokens)"
+
+
 def main():
     rng = np.random.default_rng(0)
     h64, w64 = rng.standard_normal((8192, D)), rng.standard_normal((E, D)) * D ** -0.5
     bias = rng.standard_normal(E) * 0.3
-    on_gpu = jax.default_backend() == "gpu"
     print(f"{jax.devices()[0].device_kind}; {h64.shape[0]} tokens, top-{K} of {E}, D = {D}")
-    for dtype in (jnp.bfloat16, jnp.float32):
+    for name, (dtype, fn) in VARIANTS.items():
         h, w = jnp.asarray(h64, dtype), jnp.asarray(w64, dtype)
         want = top_k_sets(np.asarray(h, np.float64) @ np.asarray(w, np.float64).T, bias)
-        for name, precision in PRECISIONS.items():
-            f = logits_fn(precision)
-            flips = int(np.sum(np.any(top_k_sets(np.asarray(f(h, w)), bias) != want, axis=1)))
-            times = {m: cupti_ms(f, h[:m], w, iterations=20) for m in (8192, 64)} if on_gpu else {}
-            timing = "no CUPTI here" if not times else \
-                f"GEMM {np.median(times[8192]):.3f} ms at 8192 tokens, {np.median(times[64]):.4f} ms at 64"
-            print(f"{jnp.dtype(dtype).name:8s} {name:26s} other expert sets: {flips:5d} "
-                  f"({100 * flips / h.shape[0]:.2f}%); {timing}")
+        f = jax.jit(fn)
+        flips = int(np.sum(np.any(top_k_sets(np.asarray(f(h, w)), bias) != want, axis=1)))
+        print(f"logits {name:24s} other expert sets: {flips:5d} ({100 * flips / h.shape[0]:.2f}%); {timed(f, h, w)}")
+    scores = jnp.asarray(rng.standard_normal((8192, E)), F32)
+    tops = {"lax.top_k": jax.jit(lambda s: jax.lax.top_k(s, K)[1]), "argmax x6": jax.jit(lambda s: argmax_top_k(s, K))}
+    same = np.array_equal(*(np.asarray(f(scores)) for f in tops.values()))
+    for name, f in tops.items():
+        print(f"top-{K} {name:24s} same ids as lax.top_k: {same}; {timed(f, scores)}")
 
 
 if __name__ == "__main__":

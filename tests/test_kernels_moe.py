@@ -459,6 +459,17 @@ def test_moe_layer_pallas_matches_reference(quant_sim):
     assert rel_err(outs["pallas"], outs["reference"]) < (1e-3 if quant_sim else 1e-4)
 
 
+@pytest.mark.parametrize("rows", [40, 1000])
+def test_router_top_k_ids_match_lax_top_k(rows):
+    """The gate's top-k (a row sort up to TOP_K_SORT_ROWS rows, argmax rounds past it) picks lax.top_k's ids in
+    its order, ties to the lower index: scores on a coarse grid tie often."""
+    from model.moe import TOP_K_SORT_ROWS, top_k_ids
+    assert (rows > TOP_K_SORT_ROWS) == (rows == 1000)
+    scores = jnp.asarray(np.round(fresh_rng().standard_normal((rows, 256)) * 4) / 4, jnp.float32)
+    got = jax.jit(top_k_ids, static_argnums=1)(scores, 6)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.lax.top_k(scores, 6)[1]))
+
+
 def test_errors_are_clear():
     x = jnp.zeros((4, 128), jnp.bfloat16)
     ids, w = jnp.zeros((4, 2), jnp.int32), jnp.ones((4, 2), jnp.float32)

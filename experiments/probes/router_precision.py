@@ -9,7 +9,8 @@ converts included) at prefill (8K tokens) and decode (64 tokens) loads, for
   bf16, f32 accumulation bf16 operands multiplied as they are into float32 (products exact: the model's now)
   float32, default       a float32 model's operands on TF32
   float32, highest       the same in IEEE float32 (the model's now)
-and then the top-6 of the scores: lax.top_k (XLA sorts the rows) against six rounds of argmax.
+and then the top-6 of the scores at 64 to 8192 rows: lax.top_k (XLA sorts the rows) against six rounds of
+argmax (model.moe.argmax_rounds; top_k_ids takes them past TOP_K_SORT_ROWS rows).
 Run: python -m experiments.probes.router_precision   (GPU; on the CPU every variant is IEEE: no flips)
 """
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench_kernels import cupti_ms
+from model.moe import argmax_rounds
 
 D, E, K = 4096, 256, 6
 F32 = jnp.float32
@@ -31,27 +33,17 @@ VARIANTS = {   # name: (operand dtype, logits function)
 }
 
 
-def argmax_top_k(x: jax.Array, k: int) -> jax.Array:
-    """Indices of the k largest entries of each row of finite x, ties to the lower index (lax.top_k's order)."""
-    col = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    ids = []
-    for _ in range(k):
-        i = jnp.argmax(x, axis=-1).astype(jnp.int32)
-        ids.append(i)
-        x = jnp.where(col == i[..., None], -jnp.inf, x)
-    return jnp.stack(ids, axis=-1)
-
-
 def top_k_sets(logits: np.ndarray, bias: np.ndarray) -> np.ndarray:
     scores = np.sqrt(np.logaddexp(0.0, logits.astype(np.float64))) + bias
     return np.sort(np.argsort(-scores, axis=1)[:, :K], axis=1)
 
 
-def timed(f, *args) -> str:
+def timed(f, x, *rest, rows=(8192, 64)) -> str:
+    """CUPTI ms of f(x[:m], *rest) for each m of rows."""
     if jax.default_backend() != "gpu":
         return "no CUPTI here"
-    return " / ".join(f"{np.median(cupti_ms(f, *(a[:m] for a in args[:1]), *args[1:], iterations=20)):.4f}"
-                      for m in (8192, 64)) + " ms (8192 / 64 tokens)"
+    return " / ".join(f"{np.median(cupti_ms(f, x[:m], *rest, iterations=20)):.4f}" for m in rows) + \
+        f" ms ({' / '.join(map(str, rows))} tokens)"
 
 
 def main():
@@ -66,10 +58,11 @@ def main():
         flips = int(np.sum(np.any(top_k_sets(np.asarray(f(h, w)), bias) != want, axis=1)))
         print(f"logits {name:24s} other expert sets: {flips:5d} ({100 * flips / h.shape[0]:.2f}%); {timed(f, h, w)}")
     scores = jnp.asarray(rng.standard_normal((8192, E)), F32)
-    tops = {"lax.top_k": jax.jit(lambda s: jax.lax.top_k(s, K)[1]), "argmax x6": jax.jit(lambda s: argmax_top_k(s, K))}
+    tops = {"lax.top_k": jax.jit(lambda s: jax.lax.top_k(s, K)[1]), "argmax x6": jax.jit(lambda s: argmax_rounds(s, K))}
     same = np.array_equal(*(np.asarray(f(scores)) for f in tops.values()))
     for name, f in tops.items():
-        print(f"top-{K} {name:24s} same ids as lax.top_k: {same}; {timed(f, scores)}")
+        print(f"top-{K} {name:24s} same ids as lax.top_k: {same}; "
+              f"{timed(f, scores, rows=(8192, 2048, 1024, 512, 256, 64))}")
 
 
 if __name__ == "__main__":

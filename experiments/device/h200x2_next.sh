@@ -41,6 +41,20 @@ swap_cfg() {
     echo "{\"swap_ab\": true, \"warp_specialized\": false, \"block_m\": $1, \"block_n\": $2, \"block_n_down\": $2,
         \"block_k\": $3, \"block_k_down\": $3, \"max_concurrent_steps\": $4}"
 }
+# The gate's checks (seventeenth session): router_check LINES [TAG] -- the last LINES of
+# experiments/probes/router_precision.py, the router and model GPU tests, the MoE layer (bf16, FP4) at prefill and
+# decode, and with a TAG the 4-layer model's FP4 prefill step 2 x 4096 (part 69's command)
+router_check() {
+    export PYTHONUNBUFFERED=1
+    timeout 100 python -m experiments.probes.router_precision 2>&1 | tail -"$1"
+    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "router or model_pallas" 2>&1 | tail -2
+    timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick --impls layer \
+        --formats bf16,fp4 --regime prefill,decode 2>&1 | grep -E "^\| (prefill|decode)|rror" | cut -c1-110
+    if [ -n "${2:-}" ]; then
+        timeout 130 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill --prefill-batch 2 \
+            --context 32768 --tag "$2" 2>&1 | tail -2
+    fi
+}
 case "${1:?part 1 to 77}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
@@ -885,41 +899,19 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
 74) # after 73: the gate's logits in IEEE float32 (Precision.HIGHEST; XLA runs a float32 GEMM as TF32 on the GPU):
     # how often TF32 changed the top-6 and what float32 costs (probe), the GPU router / model tests, the layer at
     # prefill and decode, the model's FP4 prefill step (part 69's command)
-    export PYTHONUNBUFFERED=1
-    timeout 90 python -m experiments.probes.router_precision 2>&1 | tail -3
-    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "router or model_pallas" 2>&1 | tail -2
-    timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick --impls layer \
-        --formats bf16,fp4 --regime prefill,decode 2>&1 | grep -E "^\| (prefill|decode)|rror" | cut -c1-110
-    timeout 130 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill --prefill-batch 2 --context 32768 \
-        --tag s17_router_f32 2>&1 | tail -2 ;;
+    router_check 3 s17_router_f32 ;;
 75) # after 74 (TF32 changed no expert set with bf16 operands -- it holds them exactly -- and HIGHEST cost 0.30 ms a
     # layer at 8K tokens): HIGHEST for float32 operands only -- the probe with bf16 and float32 operands, the float32
     # gate's GPU test, the layer at prefill and decode
-    export PYTHONUNBUFFERED=1
-    timeout 90 python -m experiments.probes.router_precision 2>&1 | tail -5
-    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "router or model_pallas" 2>&1 | tail -2
-    timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick --impls layer \
-        --formats bf16,fp4 --regime prefill,decode 2>&1 | grep -E "^\| (prefill|decode)|rror" | cut -c1-110 ;;
+    router_check 5 ;;
 76) # after 75: the gate multiplies bf16 operands as they are into float32 (exact products; no convert, bf16 MMA):
     # the probe (logits variants, lax.top_k against six argmax rounds), the router GPU tests (bf16 and float32
-    # gates), the layer at prefill and decode, the model's FP4 prefill step (part 69's command)
-    export PYTHONUNBUFFERED=1
-    timeout 100 python -m experiments.probes.router_precision 2>&1 | tail -7
-    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "router or model_pallas" 2>&1 | tail -2
-    timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick --impls layer \
-        --formats bf16,fp4 --regime prefill,decode 2>&1 | grep -E "^\| (prefill|decode)|rror" | cut -c1-110
-    timeout 130 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill --prefill-batch 2 --context 32768 \
-        --tag s17_router_bf16 2>&1 | tail -2 ;;
+    # gates), the layer at prefill and decode, the model's FP4 prefill step
+    router_check 7 s17_router_bf16 ;;
 77) # after 76 (bf16 logits: 0.026 ms against 0.101 at 8K tokens; six argmax rounds 0.022 against lax.top_k's row sort
     # 0.068, but slower at 64 rows): model.moe.top_k_ids takes the rounds past 512 rows -- the probe's top-k at 64 to
     # 8192 rows, the router and MoE-layer tests, the layer at prefill and decode, the model's FP4 prefill step
-    export PYTHONUNBUFFERED=1
-    timeout 100 python -m experiments.probes.router_precision 2>&1 | tail -2
-    timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "router or model_pallas" 2>&1 | tail -2
-    timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick --impls layer \
-        --formats bf16,fp4 --regime prefill,decode 2>&1 | grep -E "^\| (prefill|decode)|rror" | cut -c1-110
-    timeout 130 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill --prefill-batch 2 --context 32768 \
-        --tag s17_router_topk 2>&1 | tail -2 ;;
+    router_check 2 s17_router_topk ;;
 *)  echo "part must be 1 to 77" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

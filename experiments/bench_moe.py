@@ -294,10 +294,8 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                 plain(block_m=16, block_n=64, block_k=256, block_n_down=64, block_k_down=256, max_concurrent_steps=3),
                 plain(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
                 plain(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6)]
-            if regime == "decode" and rows_per_expert > 16:   # the default (part 70), then as -074354 measured them
-                out = [persist(block_m=32, block_n=128, block_k=256, block_n_down=128, block_k_down=256,
-                               max_concurrent_steps=4, compute_wgs=2),
-                       dataclasses.replace(out[0], block_m=32, max_concurrent_steps=3),
+            if regime == "decode" and rows_per_expert > 16:   # after the default (below), as -074354 measured them
+                out = [dataclasses.replace(out[0], block_m=32, max_concurrent_steps=3),
                        dataclasses.replace(out[0], block_m=32, max_concurrent_steps=2),
                        dataclasses.replace(out[2], block_m=32, max_concurrent_steps=3),
                        dataclasses.replace(out[3], block_m=32, max_concurrent_steps=5)]

@@ -55,7 +55,7 @@ router_check() {
             --context 32768 --tag "$2" 2>&1 | tail -2
     fi
 }
-case "${1:?part 1 to 77}" in
+case "${1:?part 1 to 82}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -912,6 +912,69 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     # 0.068, but slower at 64 rows): model.moe.top_k_ids takes the rounds past 512 rows -- the probe's top-k at 64 to
     # 8192 rows, the router and MoE-layer tests, the layer at prefill and decode, the model's FP4 prefill step
     router_check 2 s17_router_topk ;;
-*)  echo "part must be 1 to 77" >&2; exit 2 ;;
+78) # eighteenth session: what the vendor's library reaches at the experts' forced-balance shapes (batched cuBLAS
+    # GEMMs, bf16 and per-tensor FP8: experiments/probes/vendor_gemm_ceiling.py), then the FP4 prefill tilings not
+    # swept persistent yet (192-token tiles: the default, 4 slots, 128-column down steps, 128-column steps)
+    export PYTHONUNBUFFERED=1
+    timeout 200 python -m experiments.probes.vendor_gemm_ceiling 2>&1 | grep -v Warning
+    F='"swap_ab": true, "persistent": true, "compute_wgs": 2, "block_m": 192, "block_n": 128, "block_n_down": 128'
+    timeout 250 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --regime prefill \
+        --formats fp4 --impls mgpu --mgpu-configs "[{$F, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 3},
+        {$F, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 4},
+        {$F, \"block_k\": 64, \"block_k_down\": 128, \"max_concurrent_steps\": 3},
+        {$F, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 2}]" 2>&1 \
+        | grep -E "^prefill|rror" | cut -c1-150 ;;
+79) # after 78 (XLA's batched FP8 GEMM went to Triton, 243 TFLOP/s): the vendor peers at the experts' shapes --
+    # XLA's FP8 with Triton GEMMs off (cuBLAS), PyTorch's grouped GEMMs (bf16, FP8 row-wise) -- then the FP4 swap
+    # kernels decoding a wgmma's 64 columns at a time against the same tilings at the commit in _baseline (same
+    # call): prefill at 192-token tiles with 64- and 128-column steps, decode 64 / 256 and verify 1024 at defaults
+    export PYTHONUNBUFFERED=1
+    timeout 90 python -m experiments.probes.vendor_gemm_ceiling --torch 2>&1 | grep -v Warning
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 90 python -m experiments.probes.vendor_gemm_ceiling \
+        --dtypes fp8 2>&1 | grep -v Warning
+    F='"swap_ab": true, "persistent": true, "compute_wgs": 2, "block_m": 192, "block_n": 128, "block_n_down": 128'
+    C="[{$F, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 3},
+        {$F, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 2},
+        {$F, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 3}]"
+    for tree in _baseline .; do
+        echo "== $tree"
+        (cd $tree && timeout 150 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT \
+            --regime prefill --formats fp4 --impls mgpu --mgpu-configs "$C" 2>&1 | grep -E "^prefill|rror" | cut -c1-100
+         timeout 100 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick \
+            --regime decode --decode-tokens 64,256,1024 --formats fp4 --impls mgpu 2>&1 | grep -E "^decode|rror" \
+            | cut -c1-100)
+    done ;;
+80) # after 79: the FP4 GPU tests on the chunked decode
+    timeout 300 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "fp4 or model_pallas" 2>&1 | tail -3 ;;
+81) # after 80 (decoding 64 columns at a time: no gain at prefill, decode 1.09 -> 1.40 ms: dropped; 128-column steps
+    # at 192-token tiles: FP4 prefill block 4.157 -> 3.751 ms, now the default): the same steps at 128-token tiles
+    # under random routing, then the FP4 prefill layer and the 4-layer model's FP4 prefill 2 x 4096 at the defaults
+    # against the commit in _baseline (same call)
+    export PYTHONUNBUFFERED=1
+    F='"swap_ab": true, "persistent": true, "compute_wgs": 2, "block_m": 128, "block_n": 128, "block_n_down": 128'
+    timeout 120 python -m experiments.bench_moe --routing random --iters 10 --out $OUT --regime prefill \
+        --formats fp4 --impls mgpu --mgpu-configs "[{$F, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 4},
+        {$F, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 4},
+        {$F, \"block_k\": 64, \"block_k_down\": 128, \"max_concurrent_steps\": 4}]" 2>&1 \
+        | grep -E "^prefill|rror" | cut -c1-100
+    for tree in _baseline .; do
+        tag=$([ $tree = . ] && echo s18_fp4_bk128 || echo s18_fp4_bk128_baseline)
+        echo "== $tree"
+        (cd $tree && timeout 80 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --quick \
+            --impls layer --formats fp4 --regime prefill 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110
+         timeout 130 $B --preset v4-flash-4l --expert-weights fp4 --phase prefill --prefill-batch 2 --context 32768 \
+            --tag $tag 2>&1 | tail -2)
+    done ;;
+82) # after 81 (128-column FP4 steps also at 128-token tiles, random routing: 4.737 ms against 5.010; the default now
+    # for every FP4 prefill tile): the FP4 GPU tests, then the FP4 prefill blocks and layers under both routings at
+    # the defaults against the commit in _baseline (same call)
+    export PYTHONUNBUFFERED=1
+    timeout 280 python -m pytest -q -m gpu tests/test_kernels_moe.py -k "fp4 or model_pallas" 2>&1 | tail -2
+    for tree in _baseline .; do
+        echo "== $tree"
+        (cd $tree && timeout 120 python -m experiments.bench_moe --routing balanced,random --iters 10 --out $OUT \
+            --quick --impls mgpu,layer --formats fp4 --regime prefill 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110)
+    done ;;
+*)  echo "part must be 1 to 82" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

@@ -55,7 +55,7 @@ router_check() {
             --context 32768 --tag "$2" 2>&1 | tail -2
     fi
 }
-case "${1:?part 1 to 82}" in
+case "${1:?part 1 to 83}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -975,6 +975,10 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
         (cd $tree && timeout 120 python -m experiments.bench_moe --routing balanced,random --iters 10 --out $OUT \
             --quick --impls mgpu,layer --formats fp4 --regime prefill 2>&1 | grep -E "^\| prefill|rror" | cut -c1-110)
     done ;;
-*)  echo "part must be 1 to 82" >&2; exit 2 ;;
+83) # eighteenth session's closing table: PyTorch's grouped GEMMs at the experts' shapes, then part 72 (every issue 6
+    # target with XLA, jax's in-tree kernel, Triton and the roofline) at the final kernels
+    timeout 90 python -m experiments.probes.vendor_gemm_ceiling --torch 2>&1 | grep -v Warning
+    bash "$0" 72 && mv "$OUT/results.tgz" "$OUT/part72.tgz" ;;
+*)  echo "part must be 1 to 83" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

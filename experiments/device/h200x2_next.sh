@@ -55,7 +55,7 @@ router_check() {
             --context 32768 --tag "$2" 2>&1 | tail -2
     fi
 }
-case "${1:?part 1 to 83}" in
+case "${1:?part 1 to 84}" in
 1)  # issue 11: the EP / DP table with the gather transport, its block-level timing, realistic mode
     timeout 330 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep-gather \
         --quiet | tail -1
@@ -979,6 +979,13 @@ print(json.dumps([d.asdict(c), d.asdict(d.replace(c, fp4_step_box=True)),
     # target with XLA, jax's in-tree kernel, Triton and the roofline) at the final kernels
     timeout 90 python -m experiments.probes.vendor_gemm_ceiling --torch 2>&1 | grep -v Warning
     bash "$0" 72 && mv "$OUT/results.tgz" "$OUT/part72.tgz" ;;
-*)  echo "part must be 1 to 83" >&2; exit 2 ;;
+84) # after 83: the bf16 prefill row tiles (192 rows, three compute warpgroups) at 128-column steps, as FP4 took them
+    F='"persistent": true, "compute_wgs": 3, "block_m": 192, "block_n": 64, "block_n_down": 128'
+    timeout 200 python -m experiments.bench_moe --routing balanced --iters 10 --out $OUT --regime prefill \
+        --formats bf16 --impls mgpu --mgpu-configs "[{$F, \"block_k\": 64, \"block_k_down\": 64, \"max_concurrent_steps\": 4},
+        {$F, \"block_k\": 128, \"block_k_down\": 128, \"max_concurrent_steps\": 4},
+        {$F, \"block_k\": 64, \"block_k_down\": 128, \"max_concurrent_steps\": 4}]" 2>&1 \
+        | grep -E "^prefill|rror" | cut -c1-100 ;;
+*)  echo "part must be 1 to 84" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar czf results.tgz --remove-files -- * && ls -l)

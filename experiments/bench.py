@@ -392,7 +392,7 @@ class Setup:
     repeats_prefill: int = 10
     repeats_decode: int = 60
     real_prefill: bool = False
-    kernel_steps: int = 0  # > 0: that many extra steps under CUPTI, per-kernel times recorded (kernel_breakdown)
+    kernel_steps: int = 0  # > 0: that many extra steps under CUPTI, attributed per component (kernel_profile)
     assumed_accepted: float = DEEPINFER_ACCEPTED
     checkpoint: str | None = None
     progress: Progress = dataclasses.field(default_factory=Progress)
@@ -779,7 +779,8 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
             prog.update(label, i + 1, total, [t * 1e3 for t in times])
         out["finite_outputs"] = bool(res[1])
         if setup.kernel_steps:
-            out["kernels"], cache = kernel_breakdown(fn, state, cache, sets, setup.kernel_steps)
+            out["profile"], cache = kernel_profile(fn, state, cache, sets, setup.kernel_steps,
+                                                   statistics.median(times) * 1e3)
     else:  # the whole speculative iteration
         dc = allocate_draft(setup.model, p.batch, max_len, spec_room)
         dc_shardings = None
@@ -829,52 +830,35 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
     return out
 
 
-def kernel_breakdown(fn, state, cache, sets: list, steps: int) -> tuple[dict, Any]:
-    """`steps` more calls of a prefill / verify step under CUPTI, the cache threaded as in the timing loop ->
-    ({kernel_ms_per_step, top: [name, ms per step, calls per step] for every kernel, slowest first} or {error},
-    cache). The sum of kernel times against the wall-clock step says how much of a step is host time or idle
-    gaps; the top kernels say which part of the model takes the rest.
+def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float) -> tuple[dict, Any]:
+    """`steps` more calls of a compiled prefill / verify step under CUPTI, the cache threaded as in the timing
+    loop -> (experiments.step_profile's breakdown: per component and kernel kind, the host / launch gap against
+    the wall-clock median `wall_ms`, the kernels ranked; or {error}, cache)."""
+    from .step_profile import profile_step
 
-    CUPTI is driven through jax's Mosaic GPU extension directly (private: `_cupti_init` /
-    `_cupti_get_timings`, what `mosaic.gpu.profiler.measure` wraps): `measure` runs its function twice on the
-    same arguments (a warm-up), which a step that donates its cache cannot do."""
-    import jax
+    box = {"cache": cache, "i": 0}
 
-    per_kernel: dict[str, list[float]] = {}
-    totals = []
-    try:
-        if jax.default_backend() != "gpu":
-            raise RuntimeError(f"CUPTI needs a GPU (backend: {jax.default_backend()})")
-        from jax._src.lib import mosaic_gpu as mgpu_lib
+    def run_once():
+        res, box["cache"] = fn(state, box["cache"], sets[box["i"] % 2])
+        box["i"] += 1
+        return res, box["cache"]
 
-        if mgpu_lib is None:
-            raise RuntimeError("CUPTI is reached through jax's Mosaic GPU library, absent here")
-        ext = mgpu_lib._mosaic_gpu_ext
-        for i in range(steps):
-            ext._cupti_init()
-            try:
-                res, cache = fn(state, cache, sets[i % 2])
-                jax.block_until_ready((res, cache))
-            finally:
-                kernels = ext._cupti_get_timings(True) or []
-            totals.append(sum(ms for _, ms in kernels))
-            for name, ms in kernels:
-                per_kernel.setdefault(name, []).append(ms)
-    except Exception as e:  # noqa: BLE001 - no CUPTI (CPU) or another profiler failure: the timing stands
-        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}, cache
-    ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))
-    return {"steps": steps, "kernel_ms_per_step": round(float(np.median(totals)), 4),
-            "top": [[name[:80], round(sum(ms) / steps, 4), round(len(ms) / steps, 2)] for name, ms in ranked]}, cache
+    prof = profile_step(fn.as_text(), run_once, steps, wall_ms)
+    return prof, box["cache"]
 
 
 # ----------------------------------------------------------------------------------------------- roofline
 
 def roofline_of(cfg, dtype: str, p: Point, rec: dict) -> tuple[dict, float, dict]:
     """Roofline of the step (per device), achieved fraction = floor / median, and throughput figures."""
-    from .roofline import roofline
+    from .hardware import H200_DATASHEET
+    from .roofline import roofline, uniform_mma
 
-    res = roofline(cfg, p.phase, p.batch, p.context, p.rows, weight_format(cfg), "bf16", p.mesh,
-                   forced_balance=p.mode == "deepinfer", drafter=p.kind == "spec")
+    def floors(ceilings=None):
+        return roofline(cfg, p.phase, p.batch, p.context, p.rows, weight_format(cfg), "bf16", p.mesh,
+                        forced_balance=p.mode == "deepinfer", drafter=p.kind == "spec", ceilings=ceilings)
+
+    res, sheet = floors(), floors(H200_DATASHEET)
     t = res["totals"]
     med_s = rec["step_ms"]["median"] / 1e3
     ndev = int(np.prod(p.mesh))
@@ -884,11 +868,16 @@ def roofline_of(cfg, dtype: str, p: Point, rec: dict) -> tuple[dict, float, dict
             "weight_format": res["weight_dtype"], "kv_format": res["kv_dtype"],
             "forced_balance": res["forced_balance"], "drafter": res["drafter"],
             "ceilings": {k: v for k, v in res["ceilings"].items()},
-            "by_component_ms": {k: round(c["floor_s"] * 1e3, 4) for k, c in res["components"].items()}}
+            "by_component_ms": {k: round(c["floor_s"] * 1e3, 4) for k, c in res["components"].items()},
+            "datasheet": {"floor_ms": sheet["totals"]["floor_s"] * 1e3,
+                          "fraction": sheet["totals"]["floor_s"] / med_s,
+                          "ceilings": dict(sheet["ceilings"]),
+                          "by_component_ms": {k: round(c["floor_s"] * 1e3, 4)
+                                              for k, c in sheet["components"].items()}}}
     frac = t["floor_s"] / med_s
     extra: dict[str, Any] = {"achieved_TBps": t["bytes"] / med_s / 1e12,
                              "achieved_TFLOPps": t["flops"] / med_s / 1e12}
-    peak = res["ceilings"]["bf16_flops"]
+    peak = res["ceilings"][uniform_mma(res["weight_dtype"]) + "_flops"]
     if p.phase == "prefill":
         tok = p.batch * p.new_tokens
         extra.update(tokens_per_step=tok, tokens_per_s=tok / med_s, tokens_per_s_per_device=tok / med_s / ndev,
@@ -914,7 +903,8 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
            f"`{env['command']}` — git {env['git_revision']}{' (dirty)' if env['git_dirty'] else ''}, "
            f"{env['device']} x{env['device_count']} ({env['backend']}), jax {env['jax']}, flax {env['flax']}.", "",
            "Step time: median of the timed steps (wall clock, `jax.block_until_ready` per step) after warm-up; "
-           "compile excluded. Roofline: experiments/roofline.py floor per device (H200 measured ceilings); "
+           "compile excluded. Roofline: experiments/roofline.py floor per device (H200 best measured ceilings: "
+           "HBM 4.4 TB/s, bf16 790, FP8 1525 TFLOP/s; the datasheet's in the records); "
            "% roofline = floor / median. deepinfer tokens/s = requests x 3.25 / step; realistic = requests x "
            "measured (1 + accepted) / step; prefill = new tokens / step.", "",
            "| phase | mode | step | model | dtype | impl (attn/moe) | mesh | batch | context | rows/seq | median ms "
@@ -923,10 +913,7 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
            "|" + "---|" * 21]
     for r in recs:
         mesh = "x".join(str(r["mesh"][a]) for a in ("dp", "ep", "tp"))
-        dtype = r["dtype"] + (" + fp8 dense" if r.get("dense_weights") == "fp8" else "") + (
-            " + fp4 experts" if r.get("expert_weights") == "fp4" else "") + (
-            " + bf16 head" if r.get("head_dtype") == "bfloat16" else "") + (
-            " + fp4 index keys" if r.get("index_key_format") == "fp4" else "")
+        dtype = weight_label(r)
         head = (f"| {r['phase']} | {r['mode']} | {r['step']} | {r['config']} | {dtype} | "
                 f"{r['attention_impl']}/{r['moe_impl']} | {mesh} | {r['batch']} | {r['context']} | {r['new_tokens']} |")
         if r["status"] != "ok":
@@ -942,20 +929,50 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
                    f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | {acc_s} | "
                    f"{r['roofline']['floor_ms']:.3f} | {100 * r['roofline_fraction']:.1f}% | {mfu} | "
                    f"{r['warmup']}/{r['repeats']} | ok |")
-    timed = [r for r in recs if r.get("status") == "ok" and "kernel_ms_per_step" in r.get("kernels", {})]
-    if timed:
-        out += ["", "Kernel time per step (`--kernel-times`: CUPTI, summed over the step's kernels) and the top "
-                "kernels, ms per step (calls):", ""]
-        for r in timed:
-            k = r["kernels"]
-            gap = r["step_ms"]["median"] - k["kernel_ms_per_step"]
-            tops = "; ".join(f"{n} {ms:.3f} ({c:g})" for n, ms, c in k["top"][:6])
-            out.append(f"- {r['phase']} B{r['batch']} x {r['new_tokens']} at {r['context']}: kernels "
-                       f"{k['kernel_ms_per_step']:.3f} of {r['step_ms']['median']:.3f} ms (gap {gap:.3f}); {tops}")
+    for r in recs:
+        if r.get("status") == "ok" and "components" in r.get("profile", {}):
+            out += [""] + breakdown_table(r)
     notes = sorted({n for r in recs for n in r.get("notes", [])})
     if notes:
         out += [""] + [f"Note: {n}." for n in notes]
     return "\n".join(out) + "\n"
+
+
+GLUE_KINDS = ("transpose", "concatenate", "convert", "sort", "copy", "cache write", "scatter / gather", "reduce",
+              "elementwise / other")
+
+
+def breakdown_table(r: dict) -> list[str]:
+    """A profiled record (`--kernel-times`) as markdown: each component's kernel time against its floor at both
+    ceilings, its glue (XLA's own non-GEMM kernels), the host / launch gap, and the largest glue kernels."""
+    prof, roof = r["profile"], r["roofline"]
+    wall = r["step_ms"]["median"]
+    floors, sheet = roof.get("by_component_ms", {}), roof.get("datasheet", {}).get("by_component_ms", {})
+    out = [f"Where the time goes: {r['phase']} B{r['batch']} x {r['new_tokens']} at {r['context']} "
+           f"({r['config']}, {weight_label(r)}), CUPTI over {prof['steps']} steps; floors per component at the "
+           "best measured / datasheet ceilings:", "",
+           "| component | ms | % of step | floor ms | x floor | datasheet floor ms | glue ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, c in prof["components"].items():
+        fl, ds = floors.get(name), sheet.get(name)
+        glue = sum(v for k, v in c["by_kind"].items() if k in GLUE_KINDS)
+        ratio = f"{c['ms'] / fl:.2f}" if fl else ""
+        out.append(f"| {name} | {c['ms']:.3f} | {100 * c['ms'] / wall:.1f}% | {fl if fl is not None else ''} | "
+                   f"{ratio} | {ds if ds is not None else ''} | {glue:.3f} |")
+    out.append(f"| host / launch gap | {prof['gap_ms']:.3f} | {100 * prof['gap_ms'] / wall:.1f}% | 0 | | 0 | |")
+    out.append(f"| **step** | **{wall:.3f}** | 100% | **{roof['floor_ms']:.3f}** | **{wall / roof['floor_ms']:.2f}** | "
+               f"{roof.get('datasheet', {}).get('floor_ms', 0):.3f} | |")
+    glue = [t for t in prof["top"] if t[2] in GLUE_KINDS][:8]
+    if glue:
+        out += ["", "Largest glue kernels (ms per step, % of step): " + "; ".join(
+            f"{k} [{comp}, {kind}] {ms:.3f} ({100 * ms / wall:.1f}%)" for k, comp, kind, ms, *_ in glue)]
+    return out
+
+
+def weight_label(r: dict) -> str:
+    return r["dtype"] + (" + fp8 dense" if r.get("dense_weights") == "fp8" else "") + (
+        " + fp4 experts" if r.get("expert_weights") == "fp4" else "") + (
+        " + bf16 head" if r.get("head_dtype") == "bfloat16" else "") + (
+        " + fp4 index keys" if r.get("index_key_format") == "fp4" else "")
 
 
 def write_results(env: dict, recs: list[dict], stem: str, out_dir: Path | None = None, title: str = "bench"

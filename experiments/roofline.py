@@ -61,17 +61,15 @@ Model of the FLOPs
     query with keys = min(W, p + 1) + min(topk, visible(p)) (CSA / Full / Reindex / Reuse) or
     + visible(p) (HCA); indexer scores 2 * HI * DI per key per query over all visible keys (candidates
     only on V4.1 Reindex layers); mHC coefficient GEMM, collapse and expand; Engram wkv.
-  * Compute time = sum over components of FLOPs / peak of that GEMM: FP8 peak for tensors stored in
-    FP8/FP4 when `weight_dtype` is not "bf16" (FP4 experts run FP8 MMA: Hopper has no FP4 tensor
-    cores), BF16 peak for BF16 tensors, the attention core (FlashMLA dequantises FP8 KV to BF16 on
-    Hopper) and fp32 extras (mHC, compressor pooling: counted at the BF16 peak, a floor); indexer
-    scores at the FP8 peak when the KV is FP8/packed, else BF16.
+  * Compute time = sum over components of FLOPs / peak of that GEMM (`gemm_peak`): the FP8 peak for tensors
+    held FP8 / FP4 (FP4 experts run FP8 MMA: Hopper has no FP4 tensor cores) and for Engram rows, the BF16
+    peak for BF16 tensors, the attention core (FlashMLA dequantises FP8 KV to BF16 on Hopper) and fp32 extras
+    (mHC, compressor pooling: counted at the BF16 peak, a floor); indexer scores at the FP8 peak when the KV
+    is FP8/packed, else BF16.
 
-Ceilings (BENCHMARKS.md section 1, measured on our H200): HBM read 3.40 TB/s (datasheet 4.8);
-fp8 GEMM 1116 TFLOP/s; bf16 GEMM: the table gives 635 (wall clock, one call) to 816 (CUPTI kernel
-time) TFLOP/s and jax's hopper_matmul_mgpu 791; we use 700 TFLOP/s, between the wall-clock and the
-kernel-time figures (what a long run of back-to-back GEMMs sustains; experiments/bench_moe.py uses 816
-for kernel-time comparisons, which lowers compute floors by 14%). `--bf16-tflops` etc. override them.
+Ceilings: experiments/hardware.py (BENCHMARKS.md section 1): the best measured on our H200 (HBM 4.4 TB/s,
+bf16 790, FP8 1525 TFLOP/s) by default, `--datasheet` for the vendor's (4.8 TB/s, 989 / 1979);
+`--bf16-tflops` etc. override them.
 
 Mesh (dp, ep, tp): attention runs data-parallel over dp*ep devices (batch / (dp*ep) sequences per
 device; `batch` is the global number of sequences), experts are sharded over ep (E / ep per device;
@@ -88,34 +86,22 @@ import json
 import sys
 from collections import defaultdict
 
+from experiments.hardware import H200_DATASHEET, H200_MEASURED
+
 # ----------------------------------------------------------------------------------------------- ceilings
 
-H200_MEASURED = {
-    "name": "H200 measured (BENCHMARKS.md 1)",
-    "hbm_Bps": 3.40e12,             # jnp.sum over 4 GiB bf16
-    "bf16_flops": 700e12,           # between 635 (wall clock) and 816 (CUPTI), see the module docstring
-    "fp8_flops": 1116e12,           # lax.dot_general e4m3, bf16 out, 8192^3
-    "hbm_capacity_bytes": 139 * 2 ** 30,  # what jax reports on the H200 we use
-}
-H200_DATASHEET = {
-    "name": "H200 datasheet",
-    "hbm_Bps": 4.8e12,
-    "bf16_flops": 989e12,
-    "fp8_flops": 1979e12,
-    "hbm_capacity_bytes": 141e9,
-}
-
 PHASES = ("prefill", "decode")
-# Weight formats: name -> (the release's FP8 "dense" tensors held as, routed experts held as, MMA of their
-# GEMMs). The first three are the release and an ideal engine for it; the others what this engine runs
-# (bench.weight_format: cfg.dense_weights / cfg.expert_weights), which dequantises to bf16 before its MMA.
+# Weight formats: name -> (the release's FP8 "dense" tensors held as, routed experts held as). The first three
+# are the release's names, the others this engine's (bench.weight_format: cfg.dense_weights / cfg.expert_weights).
+# A floor charges each GEMM at the peak of the MMA its weights' format allows (gemm_peak): FP8 / FP4 weights
+# with FP8 activations run FP8 MMA (Hopper has no FP4 MMA), BF16 weights the BF16 MMA.
 WEIGHT_FORMATS = {
-    "bf16": ("bf16", "bf16", "bf16"),
-    "fp8": ("fp8", "fp8", "fp8"),
-    "fp4-experts": ("fp8", "fp4", "fp8"),
-    "bf16-fp4-experts": ("bf16", "fp4", "bf16"),
-    "fp8-dense": ("fp8", "bf16", "bf16"),
-    "fp8-fp4-experts": ("fp8", "fp4", "bf16"),
+    "bf16": ("bf16", "bf16"),
+    "fp8": ("fp8", "fp8"),
+    "fp4-experts": ("fp8", "fp4"),
+    "bf16-fp4-experts": ("bf16", "fp4"),
+    "fp8-dense": ("fp8", "bf16"),
+    "fp8-fp4-experts": ("fp8", "fp4"),
 }
 WEIGHT_DTYPES = tuple(WEIGHT_FORMATS)
 KV_DTYPES = ("bf16", "fp8", "packed")
@@ -148,17 +134,26 @@ def bytes_per_param(cfg, cls: str, weight_dtype: str) -> float:
         return fixed[cls]
     if cls not in ("dense", "expert"):
         raise ValueError(f"unknown tensor class {cls!r}")
-    dense, expert, _ = WEIGHT_FORMATS[weight_dtype]
+    dense, expert = WEIGHT_FORMATS[weight_dtype]
     held = dense if cls == "dense" else expert
     return {"bf16": 2.0, "fp8": 1.0 + 1.0 / cfg.fp8_block ** 2, "fp4": 0.5 + 1.0 / 32}[held]
 
 
 def gemm_peak(cls: str, weight_dtype: str, ceilings: dict) -> float:
-    """The GEMM peak for a tensor class in a weight format: the format's MMA (WEIGHT_FORMATS) for the
-    release's FP8 / FP4 tensors and Engram rows, the BF16 peak for everything else."""
-    if cls in ("dense", "expert", "table") and WEIGHT_FORMATS[weight_dtype][2] == "fp8":
+    """The GEMM peak for a tensor class in a weight format: the FP8 peak where the class is held FP8 / FP4 (and for
+    Engram rows, FP8 in every format), the BF16 peak for everything else."""
+    if cls == "table":
         return ceilings["fp8_flops"]
+    if cls in ("dense", "expert"):
+        dense, expert = WEIGHT_FORMATS[weight_dtype]
+        if (dense if cls == "dense" else expert) in ("fp8", "fp4"):
+            return ceilings["fp8_flops"]
     return ceilings["bf16_flops"]
+
+
+def uniform_mma(weight_dtype: str) -> str:
+    """The MMA of a format's quantised tensors: "fp8" when any class is held FP8 / FP4, else "bf16"."""
+    return "fp8" if any(f in ("fp8", "fp4") for f in WEIGHT_FORMATS[weight_dtype]) else "bf16"
 
 
 def kv_entry_bytes(cfg, kv_dtype: str) -> dict:
@@ -599,7 +594,7 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
     totals["arithmetic_intensity"] = totals["flops"] / totals["bytes"]
     # the FLOP rate a kernel would need to hit the memory floor, and the bandwidth to hit the compute floor
     totals["flops_at_uniform_peak_s"] = totals["flops"] / (
-        ceilings[WEIGHT_FORMATS[weight_dtype][2] + "_flops"])
+        ceilings[uniform_mma(weight_dtype) + "_flops"])
 
     # ---- memory per device
     kv_np_dtype, packed = _memory_estimate_args(kv_dtype)
@@ -679,7 +674,7 @@ def markdown(res: dict, accepted: float | None = None) -> str:
         tail.append(f"Decode at {acc:g} accepted tokens per step: {seqs * acc / t['floor_s']:,.0f} tokens/s per device "
                     f"(sequences x accepted / floor).")
     else:
-        pk = WEIGHT_FORMATS[res["weight_dtype"]][2]  # the format's MMA
+        pk = uniform_mma(res["weight_dtype"])  # the format's MMA
         tail.append(f"All FLOPs at the {pk} peak: {t['flops_at_uniform_peak_s'] * 1e3:.3f} ms; MFU of a step at the floor "
                     f"{t['flops'] / t['floor_s'] / res['ceilings'][pk + '_flops'] * 100:.0f}% of the {pk} peak.")
     if exp:

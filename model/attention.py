@@ -113,7 +113,8 @@ class Attention(nnx.Module):
         o = apply_rope(o, positions[..., None], self.freqs, inverse=True)
         o = o.reshape(*o.shape[:-2], self.o_groups, -1)
         w_a = self.wo_a.dense_weight().reshape(self.o_groups, self.o_lora_rank, -1)
-        u = jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
+        with jax.named_scope("proj"):
+            u = jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
         return self.wo_b(u.reshape(*u.shape[:-2], -1))
 
     def __call__(self, h: jax.Array, step: Step, cache: LayerCache, shared: Shared
@@ -136,26 +137,30 @@ class Attention(nnx.Module):
         if self.spec.compress_ratio > 0:
             if self.compressor is not None:
                 if step.write_global:  # (replay over a cached prefix reads the stores, never rewrites them)
-                    cache = self.compress(h, step, cache)
+                    with jax.named_scope("compressor"):
+                        cache = self.compress(h, step, cache)
                 shared = shared.replace(kv=cache.comp.entries,
                                         keys=cache.index.entries if cache.index is not None else None)
             entries = shared.kv
             visible = visible_entries(pos, entries.shape[1], self.spec.compress_ratio)
             if self.indexer is not None:
-                iq, iw = self.indexer.queries(h, c_q, pos)
-                if self.impl != "reference":
-                    topk, cand = self._topk_kernel(iq, iw, shared.keys, pos, shared.candidates)
-                else:
-                    topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates)
+                with jax.named_scope("indexer"):
+                    iq, iw = self.indexer.queries(h, c_q, pos)
+                    if self.impl != "reference":
+                        topk, cand = self._topk_kernel(iq, iw, shared.keys, pos, shared.candidates)
+                    else:
+                        topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates)
                 shared = shared.replace(topk=topk, candidates=cand)
             if self.spec.topk_source is not None:
                 visible = visible & ref.indices_to_mask(shared.topk, entries.shape[1])
             keys.append(entries)
             masks.append(visible)
-        if self.impl != "reference":
-            return self.output(self._attention_kernel(q, step, keys, ring_pos, own_pos, shared), pos), cache, shared
-        o = ref.sink_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(masks, axis=2),
-                               self.attn_sink[...], self.head_dim ** -0.5)
+        with jax.named_scope("attn_core"):
+            if self.impl != "reference":
+                o = self._attention_kernel(q, step, keys, ring_pos, own_pos, shared)
+            else:
+                o = ref.sink_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(masks, axis=2),
+                                       self.attn_sink[...], self.head_dim ** -0.5)
         return self.output(o, pos), cache, shared
 
     # ------------------------------------------------------------ attention_impl "pallas" / "mgpu"

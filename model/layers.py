@@ -60,6 +60,10 @@ class Linear(nnx.Module):
         return ref.dequant_fp8_blocks(self.weight[...], self.scale[...]).astype(self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        with jax.named_scope("proj"):
+            return self._project(x)
+
+    def _project(self, x: jax.Array) -> jax.Array:
         w = self.dense_weight()
         if self.act_block:
             x = ref.fp8_fake_quant(x, self.act_block)

@@ -177,12 +177,15 @@ class MoE(nnx.Module):
 
     def __call__(self, h: jax.Array, tokens: jax.Array) -> jax.Array:
         """h [B, T, D], tokens [B, T] -> [B, T, D]."""
-        ids, w = self.route(h, tokens)
+        with jax.named_scope("router"):
+            ids, w = self.route(h, tokens)
         x = h.reshape(-1, h.shape[-1])
         # sharding.expert_parallel.attach sets a static ExpertParallel (experts over the `ep` mesh axis).
         experts = getattr(self, "expert_parallel", None) or functools.partial(routed_experts, self.impl)
         w1, w2, w3, scales = self.experts.stored()
-        routed = experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1), w1, w2, w3, self.limit,
-                         scales=scales, act_block=self.act_block)
-        out = routed + self.shared_experts(x).astype(jnp.float32)
+        with jax.named_scope("experts"):
+            routed = experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1), w1, w2, w3, self.limit,
+                             scales=scales, act_block=self.act_block)
+        with jax.named_scope("shared_expert"):
+            out = routed + self.shared_experts(x).astype(jnp.float32)
         return out.astype(h.dtype).reshape(h.shape)

@@ -66,12 +66,20 @@ class Block(nnx.Module):
 
         x [B, S, n, D]; `pre_prev` [B, S, n] is the previous sublayer's pre vector (V4.1 single-pass
         mHC collapses with it). -> (x, this block's FFN pre vector)."""
-        pre, post, comb = self._coefficients(self.hc_attn, x)
-        x = expand(x, attend(self.attn_norm(collapse(x, pre_prev if self.single_pass else pre))), post, comb)
-        pre_attn = pre
-        pre, post, comb = self._coefficients(self.hc_ffn, x)
-        f = self.ffn(self.ffn_norm(collapse(x, pre_attn if self.single_pass else pre)), tokens)
-        return expand(x, f, post, comb), pre
+        with jax.named_scope("mhc"):
+            pre, post, comb = self._coefficients(self.hc_attn, x)
+            h = collapse(x, pre_prev if self.single_pass else pre)
+        with jax.named_scope("attention"):
+            a = attend(self.attn_norm(h))
+        with jax.named_scope("mhc"):
+            x = expand(x, a, post, comb)
+            pre_attn = pre
+            pre, post, comb = self._coefficients(self.hc_ffn, x)
+            h = collapse(x, pre_attn if self.single_pass else pre)
+        with jax.named_scope("moe"):
+            f = self.ffn(self.ffn_norm(h), tokens)
+        with jax.named_scope("mhc"):
+            return expand(x, f, post, comb), pre
 
     def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache, shared: Shared,
                  pre_prev: jax.Array | None) -> tuple[jax.Array, LayerCache, Shared, jax.Array]:
@@ -307,8 +315,10 @@ class Transformer(nnx.Module):
         step = Step.make(cache.lengths, n_new, tokens.shape[1], floor, write_global)
         ids = None
         if self.hasher is not None:
-            ids, cache = self.engram_ids(tokens, step, cache)
-        x = self.embed_streams(tokens)
+            with jax.named_scope("engram"):
+                ids, cache = self.engram_ids(tokens, step, cache)
+        with jax.named_scope("embed"):
+            x = self.embed_streams(tokens)
         pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)  # one-hot: streams start equal
         shared = Shared()
         layers, main_hidden, topk = [], [], {}
@@ -320,7 +330,8 @@ class Transformer(nnx.Module):
                 step, (x, pre, tokens), shared, main_hidden = self._narrow(step, replay_tail, (x, pre, tokens),
                                                                            shared, main_hidden)
             if block.engram is not None:
-                x = block.engram(x, ids[:, :, self.hasher.layer_index(i)])
+                with jax.named_scope("engram"):
+                    x = block.engram(x, ids[:, :, self.hasher.layer_index(i)])
             if i in cfg.dspark_target_layer_ids:
                 main_hidden.append(jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype))
             x, layer_cache, shared, pre = block(x, step, tokens, layer_cache, shared, pre)
@@ -338,7 +349,8 @@ class Transformer(nnx.Module):
             last = jnp.maximum(step.n_new - 1, 0)[:, None]
             rows = jnp.take_along_axis(x, last[:, :, None, None], axis=1)
             rows_pre = jnp.take_along_axis(pre, last[:, :, None], axis=1)
-        return self.logits(self.final_hidden(rows, rows_pre)), cache, extras
+        with jax.named_scope("head"):
+            return self.logits(self.final_hidden(rows, rows_pre)), cache, extras
 
     @staticmethod
     def _narrow(step: Step, tail: int, rows: tuple, shared: Shared, taps: list):

@@ -1265,15 +1265,16 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     def gemm_input(a):   # -> (a as the kernels read it, FP8 x FP8: its act_quant scales [rows, K / B])
         return ref.act_quant(a, act_block) if fp8_mma else (rounded(a), None)
 
-    plan = route_plan(expert_ids, weights, e, config.block_m)
-    post = None
-    xq, xq_scale = gemm_input(x)        # act_quant is per row: quantise the M tokens, then gather their rows
-    swap = backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab
-    # the tile-aligned rows [P, D]; the swap kernels take them transposed, gathered so in one pass
-    live_rows = plan.num_tiles * config.block_m    # the live tiles' rows: the kernels skip the rest
-    tiles = (plan.tile_expert, plan.tile_rows, plan.num_tiles.reshape(1))   # the Mosaic GPU kernels' plan arrays
-    xs = None if swap else take_rows(xq, plan.row_token, live_rows, interpret=bool(interp))
-    x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
+    with jax.named_scope("dispatch"):
+        plan = route_plan(expert_ids, weights, e, config.block_m)
+        post = None
+        xq, xq_scale = gemm_input(x)    # act_quant is per row: quantise the M tokens, then gather their rows
+        swap = backend == "mgpu" and isinstance(config, MgpuConfig) and config.swap_ab
+        # the tile-aligned rows [P, D]; the swap kernels take them transposed, gathered so in one pass
+        live_rows = plan.num_tiles * config.block_m    # the live tiles' rows: the kernels skip the rest
+        tiles = (plan.tile_expert, plan.tile_rows, plan.num_tiles.reshape(1))   # the Mosaic GPU kernels' plan arrays
+        xs = None if swap else take_rows(xq, plan.row_token, live_rows, interpret=bool(interp))
+        x_scale = None if xq_scale is None else jnp.take(xq_scale, plan.row_token, axis=0)
     if backend == "triton":
         if not isinstance(config, TritonConfig):
             raise ValueError(f"moe_experts: backend 'triton' needs a TritonConfig, got {type(config).__name__}")
@@ -1330,8 +1331,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
             post = weights.astype(jnp.float32)
     else:
         raise ValueError(f"moe_experts: unknown backend {backend!r}")
-    rows = jnp.take(y, plan.dest.reshape(-1), axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-    rows = rows.reshape(m, k, d)
-    if post is not None:
-        rows = rows * post[:, :, None]
-    return jnp.sum(rows, axis=1)
+    with jax.named_scope("combine"):
+        rows = jnp.take(y, plan.dest.reshape(-1), axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+        rows = rows.reshape(m, k, d)
+        if post is not None:
+            rows = rows * post[:, :, None]
+        return jnp.sum(rows, axis=1)

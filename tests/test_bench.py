@@ -75,8 +75,8 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     assert pre["tokens_per_s"] == pytest.approx(pre["batch"] * pre["new_tokens"] / (pre["step_ms"]["median"] / 1e3))
     assert "mfu" in pre and pre["roofline"]["forced_balance"]
     # --kernel-times: CUPTI per-kernel times on a GPU; here the reason it could not, and the timing stands
-    assert "CUPTI" in dec["kernels"]["error"] and "CUPTI" in pre["kernels"]["error"]
-    assert "kernels" not in got[("decode", "realistic")]
+    assert "CUPTI" in dec["profile"]["error"] and "CUPTI" in pre["profile"]["error"]
+    assert "profile" not in got[("decode", "realistic")]
     real = got[("decode", "realistic")]
     assert real["step"] == "spec" and real["routing"].startswith("router") and real["prefix"] == "distinct"
     acc = real["acceptance"]
@@ -88,19 +88,28 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
 
 
 def test_markdown_kernel_breakdown():
-    """What --kernel-times adds to the table on a GPU: kernel time against the step, and the top kernels."""
+    """What --kernel-times adds to the table on a GPU: each component against its floor, the gap, the glue."""
     from experiments.bench import markdown
 
     env = {"date_utc": "now", "command": "c", "git_revision": "r", "git_dirty": False, "device": "H200",
            "device_count": 1, "backend": "gpu", "jax": "j", "flax": "f"}
+    profile = {"steps": 2, "wall_ms": 38.5, "kernel_ms_per_step": 30.5, "gap_ms": 8.0,
+               "components": {"moe_experts": {"ms": 20.0, "by_kind": {"pallas": 19.0, "transpose": 1.0}},
+                              "head": {"ms": 10.5, "by_kind": {"gemm": 10.5}}},
+               "kinds": {"pallas": 19.0, "gemm": 10.5, "transpose": 1.0},
+               "top": [["moe_gate_up", "moe_experts", "pallas", 19.0, 4.0, ""],
+                       ["input_transpose_fusion", "moe_experts", "transpose", 1.0, 4.0, ""]]}
     rec = {"phase": "prefill", "mode": "deepinfer", "step": "prefill", "config": "m", "dtype": "bfloat16",
            "attention_impl": "pallas", "moe_impl": "pallas", "mesh": {"dp": 1, "ep": 1, "tp": 1}, "batch": 1,
            "context": 0, "new_tokens": 4096, "status": "ok", "step_ms": {"median": 38.5, "p10": 38.0, "p90": 39.0},
            "compile_s": {"prefill": 17.0}, "tokens_per_s": 1.0, "tokens_per_s_per_device": 1.0,
-           "roofline": {"floor_ms": 15.8}, "roofline_fraction": 0.41, "warmup": 3, "repeats": 10,
-           "kernels": {"steps": 2, "kernel_ms_per_step": 30.5, "top": [["moe_gate_up_dense", 9.1, 4.0]]}}
+           "roofline": {"floor_ms": 15.8, "by_component_ms": {"moe_experts": 10.0, "head": 0.5},
+                        "datasheet": {"floor_ms": 12.0, "by_component_ms": {"moe_experts": 8.0, "head": 0.4}}},
+           "roofline_fraction": 0.41, "warmup": 3, "repeats": 10, "profile": profile}
     text = markdown(env, [rec])
-    assert "kernels 30.500 of 38.500 ms (gap 8.000); moe_gate_up_dense 9.100 (4)" in text
+    assert "| moe_experts | 20.000 | 51.9% | 10.0 | 2.00 | 8.0 | 1.000 |" in text
+    assert "| host / launch gap | 8.000 | 20.8% |" in text
+    assert "input_transpose_fusion [moe_experts, transpose] 1.000 (2.6%)" in text
 
 
 def test_sweep_two_points_then_resume(tmp_path, jax_cache):

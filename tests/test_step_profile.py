@@ -1,0 +1,79 @@
+"""experiments/step_profile: kernels attributed to the model's components by the compiled program's op names."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from experiments import step_profile as sp
+
+SYNTHETIC_HLO = """
+HloModule jit_step, is_scheduled=true
+
+%fused_computation.1 (p: bf16[8,16]) -> bf16[16,8] {
+  %p = bf16[8,16]{1,0} parameter(0)
+  ROOT %transpose.2 = bf16[16,8]{1,0} transpose(%p), dimensions={1,0}, metadata={op_name="jit(step)/moe/experts/dispatch/transpose"}
+}
+
+%command_buffer (a: bf16[8,16], b: bf16[16,16]) -> bf16[8,16] {
+  %a = bf16[8,16]{1,0} parameter(0)
+  %b = bf16[16,16]{1,0} parameter(1)
+  %custom-call.7 = bf16[8,16]{1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/attention/proj/dot_general"}
+  ROOT %custom-call.9 = bf16[8,16]{1,0} custom-call(%custom-call.7), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/moe/experts/pallas_call"}
+}
+
+ENTRY %main (x: bf16[8,16], w: bf16[16,16]) -> bf16[16,8] {
+  %x = bf16[8,16]{1,0} parameter(0)
+  %w = bf16[16,16]{1,0} parameter(1)
+  %call.3 = bf16[8,16]{1,0} call(%x, %w), to_apply=%command_buffer
+  %loop_transpose_fusion.4 = bf16[16,8]{1,0} fusion(%call.3), kind=kLoop, calls=%fused_computation.1
+  ROOT %custom-call.11 = bf16[16,8]{1,0} custom-call(%loop_transpose_fusion.4), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/head/proj/dot_general"}
+}
+"""
+
+
+def test_synthetic_program_attribution():
+    info, order = sp.parse_hlo(SYNTHETIC_HLO)
+    assert order == ["custom_call_7", "custom_call_9", "custom_call_11"]
+    kernels = [("nvjet_sm90_tst_128x128", 1.0), ("body_mosaic_gpu_kernel", 3.0),
+               ("loop_transpose_fusion_4", 0.5), ("sm90_xmma_gemm_bf16", 2.0), ("splitKreduce_kernel", 0.25)]
+    rows = sp.attribute(kernels, info, order)
+    got = [(r["component"], r["kind"]) for r in rows]
+    assert got == [("attn_proj", "gemm"), ("moe_experts", "pallas"), ("router", "transpose"), ("head", "gemm"),
+                   ("head", "gemm")]
+    res = sp.summarise([rows, rows], wall_ms=8.0)
+    assert res["kernel_ms_per_step"] == pytest.approx(6.75) and res["gap_ms"] == pytest.approx(1.25)
+    assert res["components"]["head"]["ms"] == pytest.approx(2.25)
+    assert res["kinds"]["transpose"] == pytest.approx(0.5)
+
+
+def test_counts_that_disagree_fall_back_to_kernel_names():
+    info, order = sp.parse_hlo(SYNTHETIC_HLO)
+    rows = sp.attribute([("sparse_mqa_sink", 1.0), ("indexer_scores", 1.0)], info, order)
+    assert [r["component"] for r in rows] == ["attn_core", "indexer"]
+
+
+def test_tiny_model_fusions_carry_components():
+    """On the CPU program of a tiny model almost every fusion's op names reach a component of the model."""
+    from model import ModelConfig, init_random
+    from model.cache import allocate
+
+    cfg = ModelConfig.preset("tiny-v4")
+    graphdef, state = nnx.split(init_random(cfg, seed=0, dtype="bfloat16"))
+
+    def step(state, cache, tokens):
+        n_new = jnp.full(cache.lengths.shape, tokens.shape[1], jnp.int32)
+        logits, cache, _ = nnx.merge(graphdef, state).step(tokens, cache, n_new)
+        return logits, cache
+
+    cache = jax.eval_shape(lambda: allocate(cfg, 2, 64))
+    text = jax.jit(step).lower(state, cache, jax.ShapeDtypeStruct((2, 4), jnp.int32)).compile().as_text()
+    info, _ = sp.parse_hlo(text)
+    fusions = [i for i in info.values() if i["op"] == "fusion"]
+    comps = [sp.component_of(i["op_name"]) for i in fusions]
+    assert len(fusions) > 50
+    assert comps.count("other") / len(comps) < 0.15, sorted(set(i["op_name"] for i in fusions if
+                                                                 sp.component_of(i["op_name"]) == "other"))[:10]
+    for name in ("moe_experts", "router", "shared_expert", "attn_proj", "attn_core", "indexer", "compressor", "mhc",
+                 "head"):
+        assert name in comps, name

@@ -77,3 +77,16 @@ def test_tiny_model_fusions_carry_components():
     for name in ("moe_experts", "router", "shared_expert", "attn_proj", "attn_core", "indexer", "compressor", "mhc",
                  "head"):
         assert name in comps, name
+
+
+def test_bare_kernel_lists_attribute_by_name():
+    """Records with only kernel names: our kernels by their names, library GEMMs and XLA's kernels by kind."""
+    kernels = {"steps": 3, "top": [["body_mosaic_gpu_kernel", 7.9, 8.0], ["sm90_xmma_gemm_f32f32", 2.4, 1.0],
+                                   ["loop_convert_fusion_3", 1.3, 4.0], ["sparse_mqa_sink", 0.4, 2.0],
+                                   ["moe_take_rows", 0.1, 4.0], ["wrapped_transpose", 0.3, 8.0]]}
+    res = sp.from_kernel_names(kernels, wall_ms=14.0)
+    assert res["components"]["moe_experts"]["ms"] == pytest.approx(7.9)
+    assert res["components"]["router"]["ms"] == pytest.approx(0.1)
+    assert res["components"]["attn_core"]["ms"] == pytest.approx(0.4)
+    assert res["components"]["other"]["by_kind"] == {"gemm": 2.4, "convert": 1.3, "transpose": 0.3}
+    assert res["gap_ms"] == pytest.approx(14.0 - 12.4)

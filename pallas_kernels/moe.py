@@ -64,6 +64,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import formats
 from . import reference as ref
 from .common import FP4_FOLD, e2m1_pair, e8m0, fp4_tile, interpret_flag, on_hopper
 
@@ -187,17 +188,15 @@ def expert_bytes(d: int, i: int, fmt: str, fp8_block: int = 128, dense_itemsize:
 
 
 def quantize_experts_fp8(w: np.ndarray, block: int = 128):
-    """float [E, out, in] -> (float8_e4m3fn [E, out, in], uint8 UE8M0 [E, out/B, in/B]) via model.quant_io."""
-    from model import quant_io
-    qs = [quant_io.quantize_fp8_blocks(np.asarray(we, np.float32), block) for we in np.asarray(w)]
+    """float [E, out, in] -> (float8_e4m3fn [E, out, in], uint8 UE8M0 [E, out/B, in/B]) (formats, numpy)."""
+    qs = [formats.quantize_fp8_blocks(np.asarray(we, np.float32), block) for we in np.asarray(w)]
     return (jnp.asarray(np.stack([q for q, _ in qs])),
             jnp.asarray(np.stack([s for _, s in qs]).view(np.uint8)))
 
 
 def quantize_experts_fp4(w: np.ndarray):
-    """float [E, out, in] -> (int8 packed [E, out, in/2], uint8 UE8M0 [E, out, in/32]) via model.quant_io."""
-    from model import quant_io
-    qs = [quant_io.quantize_fp4(np.asarray(we, np.float32)) for we in np.asarray(w)]
+    """float [E, out, in] -> (int8 packed [E, out, in/2], uint8 UE8M0 [E, out, in/32]) (formats, numpy)."""
+    qs = [formats.quantize_fp4(np.asarray(we, np.float32)) for we in np.asarray(w)]
     return (jnp.asarray(np.stack([q for q, _ in qs])),
             jnp.asarray(np.stack([s for _, s in qs]).view(np.uint8)))
 

@@ -207,7 +207,7 @@ def act_quant(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
 def fp8_values(q: jax.Array) -> jax.Array:
     """FP8 -> float32 where the FP8 array was just made in the same program. The optimization barrier keeps XLA
     from folding the f32 -> fp8 -> f32 convert pair away: on the GPU its excess-precision simplification
-    removes it, silently skipping the rounding (measured on the H200, experiments/probes/triton_fp8_dot.py)."""
+    removes it, silently skipping the rounding (seen on the H200; docs/kernels.md)."""
     return jax.lax.optimization_barrier(q).astype(jnp.float32)
 
 

@@ -1,4 +1,4 @@
-"""Pallas attention + indexer kernels against their pure-jnp references (issue 5).
+"""Pallas attention + indexer kernels against their pure-jnp references.
 
 CPU: kernels run in Pallas interpret mode on fresh random inputs (seed in each failure message), small
 head dims so it stays fast, plus one Dh=512 case; the CUDA lowering of every kernel is checked at the
@@ -602,7 +602,7 @@ def test_gpu_model_real_width_layer():
     tokens = np.random.default_rng(fresh_seed()).integers(2, cfg.vocab_size, (2, 300))
     expect = np.asarray(init_random(cfg, seed=1, dtype="float32")(tokens))
     out = np.asarray(init_random(dataclasses.replace(cfg, attention_impl="pallas"), seed=1, dtype="float32")(tokens))
-    # float32 GEMMs run as TF32 on the GPU, in XLA and in Triton's dots: measured 8.6e-3 apart on the H200
-    # (eighth session). Under default_matmul_precision("highest") both would be exact float32, but Triton's
-    # IEEE float32 dots took this test past 150 s there.
+    # float32 GEMMs run as TF32 on the GPU, in XLA and in Triton's dots: measured 8.6e-3 apart on the H200.
+    # Under default_matmul_precision("highest") both would be exact float32, but Triton's IEEE float32 dots took
+    # this test past 150 s there.
     assert rel_err(out, expect) < 2e-2

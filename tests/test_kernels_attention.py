@@ -175,6 +175,25 @@ def test_default_config_follows_the_h200_sweep():
         assert attention_mod.smem_bytes(512, c["block_h"], c["block_n"], c["num_stages"], 4) <= attention_mod.SMEM_LIMIT
 
 
+def test_attention_tuning_matches_docs():
+    """docs/kernels.md's attention and indexer tuning tables show the configs the code uses."""
+    from pathlib import Path
+
+    from pallas_kernels import indexer as indexer_mod
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    a, ix = attention_mod, indexer_mod
+    rows = [f"| {name} | {c['block_h']} | {c['block_n']} | {c['num_warps']} | {c['num_stages']} |"
+            for name, c in (("WIDE_CONFIG", a.WIDE_CONFIG), ("NARROW_CONFIG", a.NARROW_CONFIG))]
+    rows += [f"| DECODE_MAX_ROWS | {a.DECODE_MAX_ROWS} |", f"| MGPU_MIN_ROWS | {a.MGPU_MIN_ROWS} |"]
+    rows += [f"| {name} | {c['rows_per_block']} | {c['block_n']} | {c['tiles']} | {c['num_warps']} | "
+             f"{c['num_stages']} |" for name, c in (("ONE_ROW_CONFIG", ix.ONE_ROW_CONFIG),
+                                                    ("DECODE_CONFIG", ix.DECODE_CONFIG),
+                                                    ("PREFILL_CONFIG", ix.PREFILL_CONFIG))]
+    lines = docs.splitlines()
+    for row in rows:
+        assert any(line.startswith(row) for line in lines), f"docs/kernels.md lacks the row {row!r}"
+
+
 def test_sparse_attention_rejects_bad_shapes():
     args, kw = attention_inputs(0, b=1, s=2, h=16, d=32, ring=8, n=8, k=4, window=4, ratio=4, starts=[9])
     q, q_pos, self_kv, self_pos, sink = args

@@ -610,6 +610,29 @@ def test_tuning_table_entries_are_valid():
         K.choose_backend("int8", jnp.bfloat16, 4.0)
 
 
+def _markdown_tilings():
+    from pallas_kernels.moe import tuning as T
+    rows = ["| backend | formats | rows per expert <= | routing | tiling (fields off the defaults) | why | records |",
+            "|---|---|---|---|---|---|---|"]
+    for t in T.TILINGS:
+        default = type(t.config)()
+        fields = [f"{f.name}={getattr(t.config, f.name)}" for f in dataclasses.fields(t.config)
+                  if getattr(t.config, f.name) != getattr(default, f.name)]
+        rows.append(f"| {t.backend} | {', '.join(t.formats)} | {t.max_rows:g} | {t.routing} | "
+                    f"{' '.join(fields) or '(defaults)'} | {t.why} | {', '.join(t.records) or '(none)'} |")
+    rows += ["", "| formats | rows per expert <= | backend | why | records |", "|---|---|---|---|---|"]
+    rows += [f"| {', '.join(b.formats)} | {b.max_rows:g} | {b.backend} | {b.why} | {', '.join(b.records)} |"
+             for b in T.BACKENDS]
+    return "\n".join(rows)
+
+
+def test_tuning_table_matches_docs():
+    """docs/kernels.md shows the tuning table rendered from the data (on a mismatch, paste the rendering)."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    rendered = _markdown_tilings()
+    assert rendered in docs, "docs/kernels.md's MoE tuning tables differ from the data; rendered:\n" + rendered
+
+
 # ------------------------------------------------------------------ lowering for CUDA at V4-Flash shapes
 
 

@@ -1,0 +1,106 @@
+"""FP8 linears from the stored bytes: y = x W^T with W held as the release ships it (E4M3 [N, K] and one UE8M0
+scale per B x B block, B = 128 V4 / 32 V4.1), never dequantised into HBM.
+
+A dense linear is the MoE block's down GEMM with one expert, and a grouped one (the attention's grouped output
+projection: G groups, each its own [N, K] weight over its own inputs) with G experts; so both run on the MoE
+package's single-weight grouped GEMMs over a plan whose tiles are the groups' rows in order (no routing, no
+gather):
+  act_block == 0 -- bf16 activations; Triton dequantises each FP8 tile in registers by its block scale on the
+                    partial product (decode / verify: one pass over the weights per tile of rows).
+  act_block == B -- the official FP8 GEMM: activations act_quant'd per B values (reference.act_quant), FP8 x FP8
+                    MMA with both scales on each block's float32 partial; on Triton at decode loads, on the
+                    Mosaic GPU row tiles (per-block promotion into register-carried totals) at prefill loads.
+Tilings and backends are the MoE tuning table's (moe/tuning.py) at rows per group = M.
+
+The reference (`fp8_linear_reference`) dequantises the weight and multiplies in float32: the kernels match it to
+float32 summation order (act_block == 0), or match it on act_quant-rounded inputs (act_block == B).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import reference as ref
+from .common import interpret_flag
+from .moe import triton_gemm
+from .moe.configs import MgpuConfig, TritonConfig
+from .moe.layouts import as_e8m0_bytes
+from .moe.mgpu_rows import row_gemm
+from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, choose_backend, default_config
+
+
+def fp8_linear_reference(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int = 0) -> jax.Array:
+    """x [G, M, K] (float), w float8_e4m3fn [G, N, K], scale UE8M0 [G, N/B, K/B] -> [G, M, N] float32: the weight
+    dequantised, the input act_quant-rounded first when act_block > 0."""
+    wd = jax.vmap(ref.dequant_fp8_blocks)(w, scale)
+    if act_block:
+        x = ref.fp8_fake_quant(x, act_block)
+    return jnp.einsum("gmk,gnk->gmn", x.astype(jnp.float32), wd, precision=jax.lax.Precision.HIGHEST)
+
+
+def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int = 0, backend: str = "auto",
+               config: TritonConfig | MgpuConfig | None = None, out_dtype=jnp.bfloat16, interpret=None,
+               weight_layout: str = "out_in") -> jax.Array:
+    """y [G, M, N] = x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] (weight_layout "in_out": [G, K, N], which the
+    Mosaic GPU CPU interpreter needs) with UE8M0 block scales [G, N/B, K/B] (uint8 exponent bytes or
+    float8_e8m0fnu). act_block: 0 (bf16 activations) or the weights' block B (act_quant, FP8 x FP8).
+    backend: "auto" (the MoE tuning table's) | "triton" | "mgpu" (FP8 x FP8 only). Output in out_dtype, accumulated
+    in float32."""
+    if x.ndim != 3 or w.ndim != 3 or scale.ndim != 3:
+        raise ValueError(f"fp8_linear: x [G, M, K], w [G, N, K] and scale [G, N/B, K/B], got {x.shape}, {w.shape}, "
+                         f"{scale.shape}")
+    if w.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"fp8_linear: w must be float8_e4m3fn, got {w.dtype}")
+    if weight_layout not in ("out_in", "in_out"):
+        raise ValueError(f"fp8_linear: weight_layout must be 'out_in' or 'in_out', got {weight_layout!r}")
+    kn = weight_layout == "in_out"
+    g, m, k = x.shape
+    n = w.shape[2] if kn else w.shape[1]
+    if w.shape[0] != g or (w.shape[1] if kn else w.shape[2]) != k:
+        raise ValueError(f"fp8_linear: x {x.shape} does not match w {w.shape} ({weight_layout})")
+    scale = as_e8m0_bytes(scale)
+    block = ref.fp8_block_size((g, n, k), scale.shape)
+    if n % block or k % block:
+        raise ValueError(f"fp8_linear: [{n}, {k}] is not a whole number of {block} x {block} scale blocks")
+    if act_block not in (0, block):
+        raise ValueError(f"fp8_linear: act_block must be 0 or the weights' scale block {block}, got {act_block}")
+    if backend == "auto":
+        backend = choose_backend("fp8", jnp.bfloat16, m, fp8_acts=act_block > 0)
+        if backend == "mgpu" and not act_block:
+            backend = "triton"   # bf16 activations on FP8 weights: the swap tiles are the MoE's, not wired here
+    if backend not in ("triton", "mgpu"):
+        raise ValueError(f"fp8_linear: backend must be 'auto', 'triton' or 'mgpu', got {backend!r}")
+    if backend == "mgpu" and not act_block:
+        raise ValueError("fp8_linear: the mgpu row tiles multiply FP8 x FP8: give act_block (the scale block)")
+    if kn and backend != "mgpu":
+        raise ValueError("fp8_linear: weight_layout 'in_out' runs on the mgpu row tiles only")
+    if config is None:
+        config = default_config(backend, g * m, g, "fp8", fp8_acts=act_block > 0)
+    if backend == "mgpu" and (not isinstance(config, MgpuConfig) or config.swap_ab):
+        raise ValueError("fp8_linear: backend 'mgpu' takes an MgpuConfig of row tiles (swap_ab=False)")
+    if backend == "triton" and not isinstance(config, TritonConfig):
+        raise ValueError(f"fp8_linear: backend 'triton' needs a TritonConfig, got {type(config).__name__}")
+    interp = interpret_flag(backend, interpret)
+
+    bm = config.block_m
+    tiles_per_group = -(-m // bm)
+    rows = tiles_per_group * bm
+    xp = jnp.pad(x, ((0, 0), (0, rows - m), (0, 0))).reshape(g * rows, k) if rows != m else x.reshape(g * m, k)
+    tile_expert = jnp.repeat(jnp.arange(g, dtype=jnp.int32), tiles_per_group)
+    fp8_mma = act_block > 0 and (backend == "mgpu" or m <= TRITON_FP8_MMA_MAX_ROWS)
+    if fp8_mma:
+        xq, xs = ref.act_quant(xp, act_block)
+    else:
+        xq, xs = (ref.fp8_fake_quant(xp, act_block) if act_block else xp).astype(jnp.bfloat16), None
+    if backend == "triton":
+        y = triton_gemm.down((xq,), tile_expert, w, scale, fmt="fp8", cfg=config, out_dtype=out_dtype,
+                             interpret=interp, z_scale=xs)
+    else:
+        last = m - (tiles_per_group - 1) * bm
+        tile_rows = jnp.tile(jnp.array([bm] * (tiles_per_group - 1) + [last], jnp.int32), g)
+        plan = (tile_expert, tile_rows, jnp.full((1,), g * tiles_per_group, jnp.int32))
+        y = row_gemm("fp8 linear", xq, plan, (w,), bn=config.block_n_down, bk=config.block_k_down, cfg=config,
+                     kn=kn, epilogue=lambda accs: accs[0], out_dtype=out_dtype, interpret=interp,
+                     x_scale_t=xs.T, ss=(scale,))
+    return y.reshape(g, rows, n)[:, :m]

@@ -1,0 +1,75 @@
+"""pallas_kernels.fp8_linear: FP8 linears from the stored bytes against the dequantising reference, on seeded random
+inputs (interpret mode on CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference as ref
+from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_reference
+from pallas_kernels.moe import MgpuConfig, TritonConfig
+
+
+def _weights(rng, g, n, k, block):
+    w = rng.standard_normal((g, n, k)).astype(np.float32) * k ** -0.5
+    w = w * np.exp2(rng.integers(-3, 4, (g, n // block, 1, k // block, 1))).repeat(block, 2).repeat(block, 4).reshape(
+        g, n, k)   # block scales that differ
+    q, s = jax.vmap(lambda a: ref.quantize_fp8_blocks(a, block))(jnp.asarray(w))
+    return q, s
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("seed,g,m,block", [(0, 1, 5, 128), (1, 1, 33, 128), (2, 3, 17, 128), (3, 2, 9, 32)])
+def test_triton_bf16_activations(seed, g, m, block):
+    """bf16 activations, FP8 weights dequantised in registers: the float32 linear of the dequantised weight."""
+    rng = np.random.default_rng(seed)
+    k, n = 2 * block * 2, 2 * block
+    w, s = _weights(rng, g, n, k, block)
+    x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
+    got = fp8_linear(x, w, s, backend="triton", out_dtype=jnp.float32,
+                     config=TritonConfig(block_m=16, block_n_down=min(64, block), block_k_down=min(64, block)))
+    assert got.shape == (g, m, n) and got.dtype == jnp.float32
+    assert _rel(got, fp8_linear_reference(x, w, s)) < 2e-6
+
+
+@pytest.mark.parametrize("seed,m", [(4, 7), (5, 40)])
+def test_triton_fp8_activations(seed, m):
+    """act_block = B: the official FP8 GEMM (act_quant, FP8 x FP8 MMA, both scales on each block's partial)."""
+    rng = np.random.default_rng(seed)
+    w, s = _weights(rng, 1, 256, 512, 128)
+    x = jnp.asarray(rng.standard_normal((1, m, 512)) * 3, jnp.bfloat16)
+    got = fp8_linear(x, w, s, act_block=128, backend="triton", out_dtype=jnp.float32,
+                     config=TritonConfig(block_m=16, block_n_down=64, block_k_down=128))
+    assert _rel(got, fp8_linear_reference(x, w, s, act_block=128)) < 2e-6
+    assert _rel(got, fp8_linear_reference(x, w, s)) > 1e-3     # the activations were rounded
+
+
+def test_mgpu_row_tiles_fp8_x_fp8():
+    """Prefill: the Mosaic GPU row tiles multiply FP8 x FP8 (interpreted with [G, K, N] weights on CPU)."""
+    rng = np.random.default_rng(6)
+    g, m, n, k = 2, 150, 256, 256
+    w, s = _weights(rng, g, n, k, 128)
+    x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
+    cfg = MgpuConfig(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128, compute_wgs=2)
+    got = fp8_linear(x, jnp.swapaxes(w, 1, 2), s, act_block=128, backend="mgpu", config=cfg, out_dtype=jnp.float32,
+                     weight_layout="in_out")
+    assert _rel(got, fp8_linear_reference(x, w, s, act_block=128)) < 2e-6
+
+
+def test_bad_inputs_raise():
+    rng = np.random.default_rng(7)
+    w, s = _weights(rng, 1, 128, 256, 128)
+    x = jnp.ones((1, 4, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(x, w.astype(jnp.bfloat16), s)
+    with pytest.raises(ValueError, match="act_block must be 0 or the weights' scale block 128"):
+        fp8_linear(x, w, s, act_block=64)
+    with pytest.raises(ValueError, match="does not match"):
+        fp8_linear(jnp.ones((1, 4, 128), jnp.bfloat16), w, s)
+    with pytest.raises(ValueError, match="FP8 x FP8"):
+        fp8_linear(x, w, s, backend="mgpu")

@@ -24,8 +24,8 @@
 # Multi-GPU [x2] (NCCL_NVLS_ENABLE=0):
 #   multi-gpu-sweep       V4 4 layers, FP4 experts on 1 GPU, ep=2 and dp=2: verify 8 / 64 / 256, prefill 2 x 4096
 #                         (experiments/sweeps/h200x2_ep.yaml; resumable: run again to finish the points left)
-#   multi-gpu-43l-verify  the 43-layer V4-Flash in the release format at ep=2: verify 64 / 256 x 4
-#   multi-gpu-43l-prefill the same, prefill 2 x 4096
+#   multi-gpu-43l-b64     the 43-layer V4-Flash in the release format at ep=2: verify 64 x 4
+#   multi-gpu-43l-b256    the same: verify 256 x 4 and prefill 2 x 4096
 #   multi-gpu-ep2         ep=2 verify 256 x 4 per component, realistic mode at ep=2, the EP transport's share of
 #                         one MoE layer (experiments.bench_ep)
 #   multi-gpu             all four (four device commands)
@@ -39,6 +39,7 @@
 #                         XLA with Triton GEMMs off, PyTorch grouped GEMMs)
 #   kernels               the four above (four device commands)
 #   gpu-tests             the GPU tests (pytest -m gpu)
+# Each command runs under its own time bound (their sum per suite stays under 10 minutes).
 # Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound.
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
@@ -73,7 +74,7 @@ wheels() {  # the carried wheels (.whl) into /tmp/site, on PYTHONPATH
 suites=()
 for s in "$@"; do
     case "$s" in
-    multi-gpu) suites+=(multi-gpu-sweep multi-gpu-43l-verify multi-gpu-43l-prefill multi-gpu-ep2) ;;
+    multi-gpu) suites+=(multi-gpu-sweep multi-gpu-43l-b64 multi-gpu-43l-b256 multi-gpu-ep2) ;;
     kernels) suites+=(kernels-attention kernels-moe kernels-moe-random vendor-gemm) ;;
     *) suites+=("$s") ;;
     esac
@@ -113,8 +114,8 @@ for suite in "${suites[@]}"; do
         bench 240 v4_release_realistic $V4 $RELEASE --mode realistic --phase decode --batch 64 --context 32768 ;;
     peer-ours)
         for fmt in "$RELEASE" ""; do
-            bench 240 peer $V4 $fmt --phase prefill --prefill-batch 1 --context 0
-            bench 240 peer $V4 $fmt --phase decode --batch 64 --context 1024
+            bench 140 peer $V4 $fmt --phase prefill --prefill-batch 1 --context 0
+            bench 140 peer $V4 $fmt --phase decode --batch 64 --context 1024
         done ;;
     peer-hf)
         (wheels && limit 240 python -m experiments.peer_hf --phase prefill --batch 1 --new-tokens 4096 &&
@@ -123,12 +124,11 @@ for suite in "${suites[@]}"; do
     multi-gpu-sweep)
         limit 590 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep --quiet \
             2>&1 | tail -20 ;;
-    multi-gpu-43l-verify)
-        bench 590 h200x2_43l_release $V4_43 $RELEASE --mesh 1,2,1 --phase decode --batch 64,256 --context 32768 \
-            --time-budget 400 ;;
-    multi-gpu-43l-prefill)
-        bench 590 h200x2_43l_release $V4_43 $RELEASE --mesh 1,2,1 --phase prefill --prefill-batch 2 \
-            --context 32768 ;;
+    multi-gpu-43l-b64)
+        bench 590 h200x2_43l_release $V4_43 $RELEASE --mesh 1,2,1 --phase decode --batch 64 --context 32768 ;;
+    multi-gpu-43l-b256)
+        bench 590 h200x2_43l_release $V4_43 $RELEASE --mesh 1,2,1 --phase decode,prefill --batch 256 \
+            --prefill-batch 2 --context 32768 ;;
     multi-gpu-ep2)
         bench 230 h200x2_ep2_kernels $V4 --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 256 \
             --context 32768 --kernel-times 3

@@ -1,6 +1,6 @@
 """The rack-scale terms of experiments/roofline.py: hardware profiles, bytes sent between GPUs against a hand
 count, redundant experts, the floors' overlap rules, the calibrated estimate against bench records it did not
-calibrate on."""
+calibrate on, and the published configurations (every floor below its published time)."""
 
 from __future__ import annotations
 
@@ -226,7 +226,7 @@ def test_measured_from_program_attribution():
     assert m["gap"] == pytest.approx(2e-3)
 
 
-# ------------------------------------------------------------------ the command line
+# ------------------------------------------------------------------ the command line and the published table
 
 def test_issue_command_writes_floor_and_estimate(tmp_path, capsys):
     out = tmp_path / "gb300.json"
@@ -240,3 +240,15 @@ def test_issue_command_writes_floor_and_estimate(tmp_path, capsys):
     assert rec["floor_ms"] == pytest.approx(rec["totals"]["floor_s"] * 1e3)
     assert rec["ceilings"]["name"].startswith("GB300") and rec["redundant_experts"] == 64
 
+
+def test_published_floors_are_lower_bounds():
+    from experiments import roofline_published
+
+    tab = roofline_published.table()
+    rows = [r for r in tab["rows"] + tab["scaling"] if r["published_ms"]]
+    assert len(rows) >= 9
+    for r in rows:
+        assert r["floor_ms"] < r["published_ms"], r
+    assert all(r["fits"] for r in tab["rows"])
+    text = roofline_published.markdown(tab)
+    assert "31.19" in text and "| 64 |" in text

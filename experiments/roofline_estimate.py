@@ -124,15 +124,19 @@ def measured(rec: dict) -> dict:
     wall_ms = rec["step_ms"]["median"]
     prof = rec.get("profile") or {}
     if "components" in prof:
-        comm_ms = sum(r[3] for r in prof.get("top", []) if _is_collective(r[0]))
+        def group(component):
+            return "head" if component == "embed" else component
+
         groups_ms: dict[str, float] = {}
         for c, v in prof["components"].items():
-            groups_ms["head" if c == "embed" else c] = groups_ms.get("head" if c == "embed" else c, 0.0) + v["ms"]
+            groups_ms[group(c)] = groups_ms.get(group(c), 0.0) + v["ms"]
+        comm_ms = 0.0
+        for name, component, _, ms, *_ in prof.get("top", []):   # collectives out of the component that traced them
+            if _is_collective(name):
+                comm_ms += ms
+                groups_ms[group(component)] -= ms
         kernel_ms = prof["kernel_ms_per_step"]
-        # the collectives sit inside the component whose scope traced them, mostly the MoE's
         other = groups_ms.pop("other", 0.0)
-        if "moe_experts" in groups_ms:
-            groups_ms["moe_experts"] = max(groups_ms["moe_experts"] - comm_ms, 0.0)
         by_component = True
     elif "kernels" in rec:
         kern = rec["kernels"]
@@ -172,7 +176,7 @@ def _kernel_calibration(records: tuple) -> dict:
             times[g] = times.get(g, 0.0) + m["groups"].get(g, 0.0) + m["unattributed"] * f / total
         gap += m["gap"]
         passes += res["totals"]["layers_run"]
-        used.append({"record": name, "index": index, "step_ms": rec["step_ms"]["median"],
+        used.append({"record": name, "index": index, "phase": rec["phase"], "step_ms": rec["step_ms"]["median"],
                      "floor_ms": res["totals"]["floor_s"] * 1e3, "measured_s": m, "floor_by_group_s": fl})
     if len(kinds) > 1:
         raise ValueError("calibration records mix kernel-name and program-op-name attributions")
@@ -235,9 +239,8 @@ def calibrate(phase: str, expert_fmt: str, records: tuple | None = None,
         records = CALIBRATION[(phase, expert_fmt)]
     kernels = _kernel_calibration(tuple(records))
     for r in kernels["records"]:
-        rec = load_record(r["record"], r["index"])
-        if rec["phase"] != phase:
-            raise ValueError(f"{r['record']} #{r['index']} is a {rec['phase']} record, not {phase}")
+        if r["phase"] != phase:
+            raise ValueError(f"{r['record']} #{r['index']} is a {r['phase']} record, not {phase}")
     mesh = _mesh_calibration(tuple(mesh_records))
     return {"phase": phase, "expert_format": expert_fmt, "groups": kernels["groups"],
             "gap_per_layer_s": kernels["gap_per_layer_s"], "by_component": kernels["by_component"],

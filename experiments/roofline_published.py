@@ -47,7 +47,7 @@ ROWS = (
     ("DeepInfer decode, DP64/EP64, 256 req/GPU", DEEPINFER + " --batch 16384", 31.19, STEP, LMSYS),
     ("SGLang, same configuration", DEEPINFER + " --batch 16384", 28.88, STEP, LMSYS),
     ("DeepInfer decode, with the drafter's cost", DEEPINFER + " --batch 16384 --drafter", 31.19, STEP, LMSYS),
-    ("DeepInfer, the issue's command (bf16 weights and KV)",
+    ("DeepInfer, the default formats (bf16 weights and KV)",
      "--preset v41-flash --hardware gb300 --mesh 1,64,1 --phase decode --batch 16384 --context 131072 --num-draft 3 "
      "--redundant-experts 64 --forced-balance", 31.19, STEP, LMSYS),
     ("DeepInfer decode, 8 req/GPU (engines level)", DEEPINFER + " --batch 512", None, STEP, LMSYS),

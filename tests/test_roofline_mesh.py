@@ -228,7 +228,7 @@ def test_measured_from_program_attribution():
 
 # ------------------------------------------------------------------ the command line and the published table
 
-def test_issue_command_writes_floor_and_estimate(tmp_path, capsys):
+def test_rack_scale_command_writes_floor_and_estimate(tmp_path, capsys):
     out = tmp_path / "gb300.json"
     rl.main(["--preset", "v41-flash", "--hardware", "gb300", "--mesh", "1,64,1", "--phase", "decode", "--batch",
              "16384", "--context", "131072", "--num-draft", "3", "--redundant-experts", "64", "--forced-balance",

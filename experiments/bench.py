@@ -1,5 +1,5 @@
 """End-to-end step benchmark: prefill and decode of the whole model in DeepInfer's benchmark mode and in
-realistic mode (issue 10 item 2; BENCHMARKS.md sections 3-5).
+realistic mode (BENCHMARKS.md sections 3-5).
 
     python -m experiments.bench --quick                                   # CPU smoke run (tiny-v4)
     python -m experiments.bench --preset v4-flash-4l --dtype bfloat16 --moe-impl pallas \\

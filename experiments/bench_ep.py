@@ -1,5 +1,5 @@
-"""Expert-parallel MoE on a mesh: the whole routed-expert block against its transport alone (issue 11: the
-all-to-all or reduce time per step, measured separately; replicate-and-reduce against all-to-all dispatch).
+"""Expert-parallel MoE on a mesh: the whole routed-expert block against its transport alone (the all-to-all or
+reduce time per step, measured separately; replicate-and-reduce against all-to-all dispatch).
 
     NCCL_NVLS_ENABLE=0 python -m experiments.bench_ep --mesh 1,2,1 --tokens 64,256,2048,8192 \\
         --strategy all_to_all,replicate --expert-weights fp4 --impl pallas

@@ -1,4 +1,4 @@
-"""Time the Pallas kernels against the XLA reference path and the closest built-ins (issue 5).
+"""Time the Pallas kernels against the XLA reference path and the closest built-ins.
 
     python -m experiments.bench_kernels                      # every family at the real shapes (H200)
     python -m experiments.bench_kernels --quick              # smoke run: small shapes, few repeats
@@ -560,7 +560,7 @@ def _indexer_family(opts: Opts, name: str, cases, mode: str) -> list[dict]:
                                     quant=quant, sweep=opts.sweep and not quant and (opts.quick or b in (1, 64, 256)))
         rs = run_variants(name, case, shape, line, variants, shared, sets, indexer_check(sets, ratio=ratio, k=k), opts,
                           baselines=("xla_reference", "xla_bf16"))
-        for r in rs:  # the issue's metric: HBM bandwidth on index-key bytes
+        for r in rs:  # the indexer target's metric: HBM bandwidth on index-key bytes
             if "timing" in r:
                 r["key_GBps"] = round(key_bytes / (per_call_us(r["timing"]) * 1e-6) / 1e9, 1)
                 r["key_frac_hbm_read"] = round(r["key_GBps"] * 1e9 / HBM_READ, 3)
@@ -632,7 +632,7 @@ def markdown(env: dict, recs: list[dict]) -> str:
                    f"{r['note'][:80]} |")
     out += ["", "vs XLA: speed-up over the model's dense reference path / over the pure-jnp gather formulation "
             "(attention), over reference.indexer_topk / the bf16 XLA path (indexer). Indexer GB/s and % HBM are on "
-            "index-key bytes (the issue's metric); attention GB/s on the bytes the kernel must read."]
+            "index-key bytes (the indexer target's metric); attention GB/s on the bytes the kernel must read."]
     return "\n".join(out) + "\n"
 
 

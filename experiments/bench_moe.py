@@ -18,7 +18,7 @@ UE8M0 128x128 block scales) and FP4 (E2M1 packed + UE8M0 per 32). Implementation
   layer      the model's whole MoE layer (model.moe.MoE: router, routed experts through the Pallas kernels at
              their default tiles, shared expert, combine; bf16 and FP4 experts, its own random weights),
              balanced = the model's forced balance, random = its router's own top-6; the floor is the sum
-             of the router's, the routed experts' and the shared expert's GEMM floors (issue 6: <= 1.25x)
+             of the router's, the routed experts' and the shared expert's GEMM floors (the target: <= 1.25x)
 Timing: CUPTI kernel time (jax.experimental.mosaic.gpu.profiler), median of --iters (>= 10; 10 for calls
 slower than 50 ms) iterations after warm-up calls (compile timed separately); the wall clock per call
 (median of 10) is recorded too.
@@ -294,7 +294,7 @@ def configs(impl: str, regime: str, fmt: str, quick: bool, mgpu_json: str | None
                 plain(block_m=16, block_n=64, block_k=256, block_n_down=64, block_k_down=256, max_concurrent_steps=3),
                 plain(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4),
                 plain(block_m=16, block_n=128, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=6)]
-            if regime == "decode" and rows_per_expert > 16:   # after the default (below), as -074354 measured them
+            if regime == "decode" and rows_per_expert > 16:   # the same tiles at 32 tokens, after the default
                 out = [dataclasses.replace(out[0], block_m=32, max_concurrent_steps=3),
                        dataclasses.replace(out[0], block_m=32, max_concurrent_steps=2),
                        dataclasses.replace(out[2], block_m=32, max_concurrent_steps=3),

@@ -1,6 +1,6 @@
 """Compile time of the prefill and decode (verify) steps for any config, the full 43-layer V4-Flash
 included, with abstract weights and caches: `model.transformer.abstract_model` and `jax.eval_shape` of
-the cache hold shapes only, so nothing is allocated and any backend can compile any size (issue 10).
+the cache hold shapes only, so nothing is allocated and any backend can compile any size.
 
     python -m experiments.compile_time --preset v4-flash --prefill-batch 1 --decode-batch 64 \\
         --context 126976 --new-tokens 4096

@@ -1,6 +1,6 @@
 """The peer: HF transformers' `DeepseekV4ForCausalLM` (PyTorch eager) on the same device and workload
-shapes as experiments/bench.py, so the ratio to the peer is measured in the same run (issue 10 item 5;
-BENCHMARKS.md section 2).
+shapes as experiments/bench.py, so the ratio to the peer is measured in the same run
+(BENCHMARKS.md section 2).
 
     python -m experiments.peer_hf --quick                                         # CPU smoke run (tiny-v4)
     python -m experiments.peer_hf --preset v4-flash --layers 2 --phase prefill --batch 1 --new-tokens 4096

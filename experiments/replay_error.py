@@ -37,7 +37,7 @@ and of its reference interleaved, medians of wall time and of process CPU time):
   new prefix) vs the same path with an empty store (`control`).
 On a CPU these are CPU figures (XLA:CPU runs the MoE's `ragged_dot` about as slowly as a dense product
 with every expert, ~12x a dot of the routed rows at mid's shapes, so per-row MoE work is inflated);
-GPU figures come from the benchmark issue.
+the same script runs on a GPU.
 
 Results: experiments/results/replay_error_<date>[_quick].json (env + one record per config, length and
 mode) and .md (the table).

@@ -1,18 +1,22 @@
-"""Roofline accounting for one forward step: bytes and FLOPs by component, the floor on the H200 ceilings,
-and per-device memory (BENCHMARKS.md sections 1 and 4; MODEL_SPEC 2.4-2.8, 2.10, 2.13, 3.1-3.3;
-V41_NOTES 3.1).
+"""Roofline accounting for one forward step on any GPU and mesh: bytes, FLOPs and bytes sent between GPUs by
+component, the floors on a hardware profile, a calibrated estimate, and per-device memory (BENCHMARKS.md
+sections 1 and 4; MODEL_SPEC 2.4-2.8, 2.10, 2.13, 3.1-3.3; V41_NOTES 3.1).
 
   python -m experiments.roofline --preset v4-flash --phase decode --batch 64 --context 131072 \\
       --num-draft 3 --weights fp4-experts [--json out.json]
   python -m experiments.roofline --preset v4-flash --layers 4 --phase prefill --batch 2 --new-tokens 4096 \\
       --context 126976 --weights bf16
-  python -m experiments.roofline --preset v41-flash --phase decode --batch 64 --context 131072 --num-draft 3
+  python -m experiments.roofline --preset v41-flash --hardware gb300 --mesh 1,64,1 --phase decode \\
+      --batch 16384 --context 131072 --num-draft 3 --redundant-experts 64 --forced-balance --json out.json
 
-API: `roofline(cfg, phase, batch, context, new_tokens, weight_dtype, kv_dtype, mesh, forced_balance, ceilings)`
-returns a dict (JSON-ready) with per-device `components` (bytes split into weights / KV read / KV write /
-other, FLOPs, time at each ceiling), `totals` (floor = max(bytes / HBM, sum of FLOPs / GEMM peak), bound),
-`memory` (weights + cache per device) and `params`. `scale_layers(cfg, n)` builds the same model with n
-layers keeping the layer pattern (`--layers n`).
+API: `roofline(cfg, phase, batch, context, new_tokens, weight_dtype, kv_dtype, mesh, forced_balance, ceilings,
+drafter, transport, dispatch_dtype, redundant_experts)` returns a dict (JSON-ready) with per-device
+`components` (bytes split into weights / KV read / KV write / other, FLOPs, time at each ceiling), `totals`
+(the memory, compute and communication floors, `floor_s` and `floor_serial_s`, the bound and the component that
+sets it), `communication` (bytes sent per device, over NVLink and beyond), `placement` (expert slots and
+balance), `replication`, `memory` (weights + cache per device) and `params`; `with_estimate(res)` adds the
+calibrated estimate and the record's `floor_ms` / `estimate_ms`. `scale_layers(cfg, n)` builds the same model
+with n layers keeping the layer pattern (`--layers n`).
 
 What a step is
   * prefill: `batch` sequences each append `new_tokens` rows after `context` cached positions; logits
@@ -28,7 +32,8 @@ Model of the bytes (a floor: what a perfect kernel must move through HBM)
     "fp8" = FP8 E4M3 + UE8M0 block scales (128x128 V4, 32x32 V4.1) for wq_a, wq_b, wkv, wo_a, wo_b,
     indexer wq_b, shared and routed experts, Engram wkv, MTP/DSpark projections; "fp4-experts" = the
     same with routed experts in packed E2M1 + UE8M0 per 32 (0.53 B/param). This engine's formats (its XLA
-    and Pallas matmuls dequantise FP8 / FP4 weights to bf16 and multiply in bf16, so they run the BF16 peak):
+    and Pallas matmuls dequantise FP8 / FP4 weights to bf16 and multiply in bf16; the floor still charges
+    the MMA the format allows, below):
     "bf16-fp4-experts" (`expert_weights="fp4"`: dense tensors bf16, routed experts FP4), "fp8-dense"
     (`dense_weights="fp8"`: the FP8 tensors as released, routed experts bf16) and "fp8-fp4-experts" (both:
     the release's bytes, bf16 MMA). Which tensors are FP8 is one rule, model.quant_io.release_fp8
@@ -53,7 +58,7 @@ Model of the bytes (a floor: what a perfect kernel must move through HBM)
   * Draft-stage weights count in the per-device memory when the step verifies drafts (or with
     `drafter=True`); the MTP / DSpark stages share the backbone's embedding and head.
   * Activations are assumed to stay on chip / be fused (not counted); so are indexer scores (a fused
-    top-k) and the EP all-to-all (NVLink, not HBM).
+    top-k) and the rows sent to other devices (counted apart, below).
 
 Model of the FLOPs
   * 2 * params per row for every GEMM (rows: all new rows; head: last row per sequence in prefill,
@@ -61,21 +66,34 @@ Model of the FLOPs
     query with keys = min(W, p + 1) + min(topk, visible(p)) (CSA / Full / Reindex / Reuse) or
     + visible(p) (HCA); indexer scores 2 * HI * DI per key per query over all visible keys (candidates
     only on V4.1 Reindex layers); mHC coefficient GEMM, collapse and expand; Engram wkv.
-  * Compute time = sum over components of FLOPs / peak of that GEMM (`gemm_peak`): the FP8 peak for tensors
-    held FP8 / FP4 (FP4 experts run FP8 MMA: Hopper has no FP4 tensor cores) and for Engram rows, the BF16
-    peak for BF16 tensors, the attention core (FlashMLA dequantises FP8 KV to BF16 on Hopper) and fp32 extras
-    (mHC, compressor pooling: counted at the BF16 peak, a floor); indexer scores at the FP8 peak when the KV
-    is FP8/packed, else BF16.
+  * Compute time = sum over components of FLOPs / peak of that GEMM (`gemm_peak`): the FP4 peak for tensors
+    held FP4 where the GPU has FP4 MMA (Blackwell), the FP8 peak for tensors held FP8 / FP4 (FP4 experts run
+    FP8 MMA on Hopper, which has no FP4 tensor cores) and for Engram rows, the BF16 peak for BF16 tensors,
+    the attention core (FlashMLA dequantises FP8 KV to BF16 on Hopper) and fp32 extras (mHC, compressor
+    pooling: counted at the BF16 peak, a floor); indexer scores at the FP8 peak when the KV is FP8/packed,
+    else BF16.
 
-Ceilings: experiments/hardware.py (BENCHMARKS.md section 1): the best measured on our H200 (HBM 4.4 TB/s,
-bf16 790, FP8 1525 TFLOP/s) by default, `--datasheet` for the vendor's (4.8 TB/s, 989 / 1979);
-`--bf16-tflops` etc. override them.
+Ceilings: a hardware profile of experiments/hardware.py, `--hardware NAME` (h200: the best measured on our
+H200, HBM 4.4 TB/s, bf16 790, FP8 1525 TFLOP/s, the default; h200-datasheet, h100, b200, b300, gb200, gb300:
+the vendors'); `--bf16-tflops` etc. override one figure.
 
 Mesh (dp, ep, tp): attention runs data-parallel over dp*ep devices (batch / (dp*ep) sequences per
-device; `batch` is the global number of sequences), experts are sharded over ep (E / ep per device;
-each EP group serves batch / dp sequences), tp splits heads (wq_b, wo_a, wo_b, attention core,
-indexer heads and wq_b), the shared expert, the routed experts' intermediate dim and the head's vocab;
-the single MQA KV head is replicated over tp (every tp rank reads all KV). Everything is per device.
+device; `batch` is the global number of sequences), so every device of a tp group holds and reads its own
+copy of the non-expert weights (`replication`); experts are sharded over ep ((E + R) / ep slots per device
+with R redundant experts; each EP group serves batch / dp sequences), tp splits heads (wq_b, wo_a, wo_b,
+attention core, indexer heads and wq_b), the shared expert, the routed experts' intermediate dim and the
+head's vocab; the single MQA KV head is replicated over tp (every tp rank reads all KV). Everything is per
+device; the busiest device's routed rows (roofline_mesh.expert_placement) set the experts' FLOPs.
+
+Communication (experiments/roofline_mesh.py): the routed rows' dispatch and combine (`--transport all_to_all`,
+tokens x top-k x hidden in `--dispatch-dtype`), or this engine's gather / reduce-scatter and replicate
+transports, and the tp all-reduces; within an NVLink domain over NVLink, beyond it over the scale-out network.
+
+Floors and overlap: memory and compute overlap within a kernel (their max); communication can overlap them
+when micro-batches alternate (two-batch overlap), so `floor_s` = max(memory, compute, communication), the
+lower bound, and `floor_serial_s` = max(memory, compute) + communication, a step whose layers wait for their
+exchanges. The estimate (experiments/roofline_estimate.py) adds its terms: this engine runs them one after
+another.
 """
 
 from __future__ import annotations
@@ -86,7 +104,8 @@ import json
 import sys
 from collections import defaultdict
 
-from experiments.hardware import H200_DATASHEET, H200_MEASURED
+from experiments import roofline_mesh
+from experiments.hardware import H200_MEASURED, PROFILES, profile
 
 # ----------------------------------------------------------------------------------------------- ceilings
 
@@ -140,13 +159,17 @@ def bytes_per_param(cfg, cls: str, weight_dtype: str) -> float:
 
 
 def gemm_peak(cls: str, weight_dtype: str, ceilings: dict) -> float:
-    """The GEMM peak for a tensor class in a weight format: the FP8 peak where the class is held FP8 / FP4 (and for
-    Engram rows, FP8 in every format), the BF16 peak for everything else."""
+    """The GEMM peak for a tensor class in a weight format: the FP4 peak where the class is held FP4 and the
+    hardware has FP4 MMA (FP4 activations, as SGLang's W4A4 MegaMoE runs them), else the FP8 peak where it is
+    held FP8 / FP4 (and for Engram rows, FP8 in every format), the BF16 peak for everything else."""
     if cls == "table":
         return ceilings["fp8_flops"]
     if cls in ("dense", "expert"):
         dense, expert = WEIGHT_FORMATS[weight_dtype]
-        if (dense if cls == "dense" else expert) in ("fp8", "fp4"):
+        held = dense if cls == "dense" else expert
+        if held == "fp4" and ceilings.get("fp4_flops"):
+            return ceilings["fp4_flops"]
+        if held in ("fp8", "fp4"):
             return ceilings["fp8_flops"]
     return ceilings["bf16_flops"]
 
@@ -243,8 +266,8 @@ def scale_layers(cfg, num_layers: int):
 # ----------------------------------------------------------------------------------------------- accounting
 
 class _Acc:
-    """Per-device accumulator: components -> parts -> {bytes by kind, flops, compute seconds}; resident
-    weights (memory) and parameter counts."""
+    """Per-device accumulator: components -> parts -> {bytes by kind, flops (GEMM flops apart), compute seconds};
+    bytes sent to other devices by (group, part); resident weights (memory) and parameter counts."""
 
     def __init__(self, cfg, weight_dtype, ceilings, tp):
         self.cfg, self.wd, self.ceil, self.tp = cfg, weight_dtype, ceilings, tp
@@ -254,9 +277,13 @@ class _Acc:
         self.active = 0.0                       # parameters used per token (MODEL_SPEC-style "active")
         self.group = None                       # when set ("drafter"), every add goes to that component
         self.count_resident = True
+        self.sent = defaultdict(float)          # (group, part) -> bytes this device sends (roofline_mesh)
+        self.layers_run = 0                     # blocks (layer passes) the step runs
+        self.foreign_rows = 0.0                 # (row, choice) pairs of other devices handed to this one's experts
+        self.placements = {}                    # experts per layer -> roofline_mesh.expert_placement
 
     def add(self, component, part, *, weight_bytes=0.0, kv_read_bytes=0.0, kv_write_bytes=0.0, other_bytes=0.0,
-            flops=0.0, peak=None):
+            flops=0.0, peak=None, gemm=False):
         if self.group:
             component, part = self.group, f"{component}.{part}"
         d = self.comp[component][part]
@@ -265,8 +292,15 @@ class _Acc:
         d["kv_write_bytes"] += kv_write_bytes
         d["other_bytes"] += other_bytes
         d["flops"] += flops
+        if gemm:
+            d["gemm_flops"] += flops
         if flops:
             d["compute_s"] += flops / (peak or self.ceil["bf16_flops"])
+
+    def send(self, traffic: dict):
+        """Bytes this device sends to others, {(group, part): bytes} (roofline_mesh)."""
+        for (group, part), nbytes in traffic.items():
+            self.sent[(group, f"{self.group}.{part}" if self.group else part)] += nbytes
 
     def tensor(self, component, part, params, cls, rows=0.0, *, shard=1, touched=True, active=True,
                resident=True, flops_per_param_row=2.0):
@@ -277,8 +311,10 @@ class _Acc:
             self.params[component if not self.group else self.group] += params
             if active:
                 self.active += params
+        # a matrix applied to rows is a GEMM; norms (4 FLOPs per parameter and row) are not
         self.add(component, part, weight_bytes=params * bpp / shard if touched else 0.0,
-                 flops=flops_per_param_row * params * rows / shard, peak=gemm_peak(cls, self.wd, self.ceil))
+                 flops=flops_per_param_row * params * rows / shard, peak=gemm_peak(cls, self.wd, self.ceil),
+                 gemm=flops_per_param_row == 2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +331,9 @@ class _Step:
     forced_balance: bool
     kv: dict                # entry bytes
     kv_dtype: str
+    transport: str = "all_to_all"     # roofline_mesh.TRANSPORTS
+    dispatch_dtype: str = "fp8"       # roofline_mesh.DISPATCH_DTYPES
+    redundant: int = 0                # redundant expert slots per MoE layer
 
 
 def _visible(p, r):
@@ -321,6 +360,8 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
     """One block (attention + MoE + mHC) for `step`; `window_extra` adds keys per query (DSpark block keys)."""
     import numpy as np
 
+    acc.layers_run += 1
+
     D, H, Dh, qr = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
     G, orank, W = cfg.o_groups, cfg.o_lora_rank, cfg.sliding_window
     HI, DI, K = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
@@ -343,6 +384,8 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
     acc.tensor("attn_proj", "wo_b", D * G * orank, matrix_class("attn.wo_b"), rows, shard=tp)
     acc.tensor("attn_proj", "norms_sink", qr + Dh, "bf16", rows, flops_per_param_row=4.0)
     acc.tensor("attn_proj", "attn_sink", H, "fp32", 0)
+    if tp > 1:  # wo_b's partial sums over the heads' slices
+        acc.send({("tp", "attn_all_reduce"): roofline_mesh.all_reduce_bytes(rows * D * 2.0, tp)})
 
     # ---- attention core: window + compressed candidates (MODEL_SPEC 2.4-2.6, 3.3)
     r = spec.compress_ratio
@@ -439,14 +482,21 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
         acc.tensor("router", "tid2eid", cfg.vocab_size * k, "int", 0, touched=False, active=False)
         acc.add("router", "tid2eid_rows", other_bytes=rows * k * 4)
     picks = step.seq_group * T * k                      # routed rows of one EP group
-    hit = min(E, picks) if step.forced_balance else E * (1.0 - (1.0 - 1.0 / E) ** picks)
+    place = roofline_mesh.expert_placement(E, step.redundant, step.ep, picks, step.forced_balance)
+    acc.placements.setdefault(E, place)
     ebytes = 3 * D * I * bytes_per_param(cfg, "expert", acc.wd)
-    acc.add("moe_experts", "routed", weight_bytes=hit / step.ep * ebytes / tp,
-            flops=6.0 * D * I * picks / step.ep / tp, peak=gemm_peak("expert", acc.wd, acc.ceil))
-    acc.comp["moe_experts"]["routed"]["experts_touched_per_device"] += hit / step.ep if not acc.group else 0.0
+    # the mean device's touched slots; the busiest device's routed rows (imbalance) set the expert FLOPs
+    acc.add("moe_experts", "routed", weight_bytes=place["touched_per_device"] * ebytes / tp,
+            flops=6.0 * D * I * picks / step.ep / tp * place["imbalance"], peak=gemm_peak("expert", acc.wd, acc.ceil),
+            gemm=True)
+    acc.comp["moe_experts"]["routed"]["experts_touched_per_device"] += (
+        place["touched_per_device"] if not acc.group else 0.0)
+    acc.send(roofline_mesh.moe_traffic(rows, D, k, step.ep, tp, step.transport, step.dispatch_dtype,
+                                       place["imbalance"]))
+    acc.foreign_rows += roofline_mesh.foreign_row_choices(rows, k, step.ep, step.transport)
     if acc.count_resident:
         key = acc.group or "moe_experts"
-        acc.resident[key] += E / step.ep * ebytes / tp
+        acc.resident[key] += place["slots_per_device"] * ebytes / tp
         acc.params[key] += E * 3 * D * I
         acc.active += k * 3 * D * I
     acc.tensor("shared_expert", "w1_w3_w2", 3 * D * I, matrix_class("ffn.shared_experts.w1"), rows, shard=tp)
@@ -459,6 +509,8 @@ def _head(acc: _Acc, cfg, step: _Step, head_rows: float, *, hc_head: bool, share
         acc.tensor("head", "hc_head_fn", n * n * D + n + 1, "fp32", head_rows)
     acc.tensor("head", "norm", D, "bf16", head_rows, flops_per_param_row=4.0)
     acc.tensor("head", "head", V * D, matrix_class("head"), head_rows, shard=tp, resident=not shared)
+    if tp > 1:  # the vocabulary slices' logits
+        acc.send({("tp", "head_all_gather"): roofline_mesh.all_gather_bytes(head_rows * V * 2.0, tp)})
 
 
 def _embed(acc: _Acc, cfg, step: _Step, rows: float):
@@ -515,14 +567,18 @@ def _drafter(acc: _Acc, cfg, step: _Step, num_draft: int):
 
 def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_tokens: int = 1,
              weight_dtype: str = "bf16", kv_dtype: str = "bf16", mesh=(1, 1, 1), forced_balance: bool = False,
-             ceilings: dict | None = None, drafter: bool = False) -> dict:
-    """Bytes and FLOPs of one step by component, per device, and the floor on `ceilings`.
+             ceilings: dict | None = None, drafter: bool = False, transport: str = "all_to_all",
+             dispatch_dtype: str = "fp8", redundant_experts: int = 0) -> dict:
+    """Bytes, FLOPs and bytes sent of one step by component, per device, and the floors on `ceilings`.
 
     cfg: a ModelConfig. phase: "prefill" | "decode". batch: global sequences. context: cached positions per
     sequence before the step. new_tokens: prefill chunk per sequence, or 1 + num_draft rows in decode.
-    weight_dtype: one of WEIGHT_FORMATS ("bf16", "fp8", "fp4-experts", ...). kv_dtype: "bf16" | "fp8" | "packed". mesh: (dp, ep, tp).
-    forced_balance: routing forced to perfect balance (else uniform random). drafter: add the drafter's
-    cost (decode, new_tokens - 1 drafts). Returns a JSON-ready dict (see the module docstring).
+    weight_dtype: one of WEIGHT_FORMATS ("bf16", "fp8", "fp4-experts", ...). kv_dtype: "bf16" | "fp8" | "packed".
+    mesh: (dp, ep, tp). forced_balance: routing forced to perfect balance (else uniform random). ceilings: a
+    hardware profile (experiments/hardware.py; default the H200 as measured). drafter: add the drafter's cost
+    (decode, new_tokens - 1 drafts). transport / dispatch_dtype: how routed rows move between devices
+    (roofline_mesh.TRANSPORTS / DISPATCH_DTYPES). redundant_experts: extra expert slots per MoE layer (the
+    drafter's too). Returns a JSON-ready dict (see the module docstring).
     """
     from model.cache import memory_estimate
 
@@ -536,16 +592,25 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
         raise ValueError(f"mesh (dp, ep, tp) must be positive, got {mesh}")
     if batch < 1 or new_tokens < 1 or context < 0:
         raise ValueError(f"need batch >= 1, new_tokens >= 1, context >= 0 (got {batch}, {new_tokens}, {context})")
+    if transport not in roofline_mesh.TRANSPORTS:
+        raise ValueError(f"transport must be one of {roofline_mesh.TRANSPORTS}, got {transport!r}")
+    if dispatch_dtype not in roofline_mesh.DISPATCH_DTYPES:
+        raise ValueError(f"dispatch_dtype must be one of {tuple(roofline_mesh.DISPATCH_DTYPES)}, "
+                         f"got {dispatch_dtype!r}")
+    if redundant_experts < 0:
+        raise ValueError(f"redundant_experts must be >= 0, got {redundant_experts}")
     for name, E in (("backbone", cfg.n_routed_experts), ("drafter", cfg.dspark_n_routed_experts)):
-        if E and E % ep:
-            raise ValueError(f"ep={ep} does not divide the {name}'s {E} experts")
+        if E and (E + redundant_experts) % ep:
+            extra = f" + {redundant_experts} redundant" if redundant_experts else ""
+            raise ValueError(f"ep={ep} does not divide the {name}'s {E}{extra} expert slots")
     notes = []
     if batch % (dp * ep):
         notes.append(f"batch {batch} is not a multiple of dp*ep = {dp * ep}: fractional sequences per device")
 
     step = _Step(phase=phase, batch=batch, seq_dev=batch / (dp * ep), seq_group=batch / dp, T=int(new_tokens),
                  ctx=int(context), dp=dp, ep=ep, tp=tp, forced_balance=bool(forced_balance),
-                 kv=kv_entry_bytes(cfg, kv_dtype), kv_dtype=kv_dtype)
+                 kv=kv_entry_bytes(cfg, kv_dtype), kv_dtype=kv_dtype, transport=transport,
+                 dispatch_dtype=dispatch_dtype, redundant=int(redundant_experts))
     acc = _Acc(cfg, weight_dtype, ceilings, tp)
     rows = step.seq_dev * step.T
     _embed(acc, cfg, step, rows)
@@ -558,11 +623,11 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
     if drafter and phase == "decode" and cfg.num_mtp_layers and new_tokens > 1:
         _drafter(acc, cfg, step, new_tokens - 1)
     else:
-        saved = acc.comp
-        acc.comp = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+        saved = acc.comp, acc.sent, acc.layers_run, acc.foreign_rows
+        acc.comp, acc.sent = defaultdict(lambda: defaultdict(lambda: defaultdict(float))), defaultdict(float)
         if cfg.num_mtp_layers:
             _drafter(acc, cfg, dataclasses.replace(step, T=1), 1)
-        acc.comp = saved
+        acc.comp, acc.sent, acc.layers_run, acc.foreign_rows = saved
 
     # ---- totals
     hbm = ceilings["hbm_Bps"]
@@ -573,7 +638,7 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
         parts = {}
         tot = defaultdict(float)
         for part, d in acc.comp[name].items():
-            rec = {k: float(d.get(k, 0.0)) for k in BYTE_KINDS + ("flops", "compute_s")}
+            rec = {k: float(d.get(k, 0.0)) for k in BYTE_KINDS + ("flops", "gemm_flops", "compute_s")}
             rec["bytes"] = sum(rec[k] for k in BYTE_KINDS)
             if "experts_touched_per_device" in d:
                 rec["experts_touched_per_device"] = float(d["experts_touched_per_device"])
@@ -587,8 +652,16 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
         components[name] = tot
     totals = {k: sum(c[k] for c in components.values()) for k in BYTE_KINDS + ("bytes", "flops", "compute_s")}
     totals["memory_s"] = totals["bytes"] / hbm
-    totals["floor_s"] = max(totals["memory_s"], totals["compute_s"])
-    totals["bound"] = "memory" if totals["memory_s"] >= totals["compute_s"] else "compute"
+    comm = roofline_mesh.link_time(acc.sent, (dp, ep, tp), ceilings)
+    comm["parts"] = {f"{group}.{part}": b for (group, part), b in sorted(acc.sent.items())}
+    comm["foreign_row_choices"] = acc.foreign_rows
+    totals["comm_s"] = comm["comm_s"]
+    terms = {"memory": totals["memory_s"], "compute": totals["compute_s"], "communication": comm["comm_s"]}
+    totals["bound"] = max(terms, key=terms.get)
+    totals["floor_s"] = max(terms.values())                                   # every term overlapped
+    totals["floor_serial_s"] = max(totals["memory_s"], totals["compute_s"]) + comm["comm_s"]
+    totals["floor_component"] = _floor_component(components, comm, totals["bound"])
+    totals["layers_run"] = acc.layers_run
     totals["rows_per_device"] = rows
     totals["rows_per_s_at_floor"] = rows / totals["floor_s"]
     totals["arithmetic_intensity"] = totals["flops"] / totals["bytes"]
@@ -627,68 +700,63 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
         notes.append("decoder-side bounded replay (V41_NOTES 3.2) not modelled: every layer runs on all rows")
     if cfg.engram_layer_ids and cfg.engram_placement == "device":
         notes.append("Engram tables counted in HBM, column-sharded over all dp*ep*tp devices")
+    # data-parallel attention: every device of a tp group holds and reads the same non-expert weights
+    dense_read = totals["weight_bytes"] - components.get("moe_experts", {}).get("weight_bytes", 0.0)
+    replication = {
+        "dense_weight_bytes_per_device": dense_read,
+        "replicas": dp * ep,
+        "share_of_step_bytes": dense_read / totals["bytes"] if totals["bytes"] else 0.0,
+        "expert_replicas": dp,
+    }
     return {
         "config": cfg.name, "generation": cfg.generation, "layers": cfg.num_layers, "phase": phase,
         "batch": batch, "context": context, "new_tokens": new_tokens, "weight_dtype": weight_dtype,
         "kv_dtype": kv_dtype, "mesh": {"dp": dp, "ep": ep, "tp": tp}, "forced_balance": bool(forced_balance),
-        "drafter": bool(drafter), "ceilings": ceilings, "kv_entry_bytes": step.kv,
-        "components": components, "totals": totals, "memory": memory, "params": params, "notes": notes,
+        "drafter": bool(drafter), "transport": transport, "dispatch_dtype": dispatch_dtype,
+        "redundant_experts": int(redundant_experts), "ceilings": ceilings, "kv_entry_bytes": step.kv,
+        "components": components, "totals": totals, "communication": comm, "overlap": OVERLAP_RULES,
+        "placement": {str(E): p for E, p in acc.placements.items()}, "replication": replication,
+        "memory": memory, "params": params, "notes": notes,
     }
 
 
-# ----------------------------------------------------------------------------------------------- report
+OVERLAP_RULES = {
+    "memory/compute": "overlap (max): a kernel streams its operands while it multiplies",
+    "communication": "overlappable (max in floor_s) when another micro-batch computes while one's rows travel "
+                     "(two-batch overlap); serial (added, floor_serial_s) when each layer waits for its exchange",
+    "estimate": "serial: this engine runs its collectives between kernels, so estimate = sum of the terms",
+}
 
-def _fmt_bytes(b):
-    return f"{b / 1e9:.3f}"
+
+def _floor_component(components: dict, comm: dict, bound: str) -> str:
+    """The component that contributes most to the binding term (communication: the largest exchange)."""
+    if bound == "communication":
+        return max(comm["parts"], key=comm["parts"].get)
+    key = "memory_s" if bound == "memory" else "compute_s"
+    return max(components, key=lambda n: components[n][key])
 
 
-def markdown(res: dict, accepted: float | None = None) -> str:
-    t, mem = res["totals"], res["memory"]
-    mesh = res["mesh"]
-    head = (f"### Roofline: {res['config']} ({res['layers']} layers), {res['phase']}, batch {res['batch']} x "
-            f"{res['new_tokens']} rows, context {res['context']}, weights {res['weight_dtype']}, KV "
-            f"{res['kv_dtype']}, mesh dp{mesh['dp']}/ep{mesh['ep']}/tp{mesh['tp']}, "
-            f"{'forced-balance' if res['forced_balance'] else 'uniform random'} routing"
-            f"{', with drafter' if res['drafter'] else ''}\n\n"
-            f"Per device. Ceilings: {res['ceilings']['name']}: HBM {res['ceilings']['hbm_Bps'] / 1e12:.2f} TB/s, "
-            f"bf16 {res['ceilings']['bf16_flops'] / 1e12:.0f} / fp8 {res['ceilings']['fp8_flops'] / 1e12:.0f} TFLOP/s.\n\n")
-    lines = ["| component | weights GB | KV read GB | KV write GB | other GB | total GB | TFLOP | memory ms | compute ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, c in res["components"].items():
-        lines.append(f"| {name} | {_fmt_bytes(c['weight_bytes'])} | {_fmt_bytes(c['kv_read_bytes'])} | "
-                     f"{_fmt_bytes(c['kv_write_bytes'])} | {_fmt_bytes(c['other_bytes'])} | {_fmt_bytes(c['bytes'])} | "
-                     f"{c['flops'] / 1e12:.3f} | {c['memory_s'] * 1e3:.3f} | {c['compute_s'] * 1e3:.3f} |")
-    lines.append(f"| **total** | {_fmt_bytes(t['weight_bytes'])} | {_fmt_bytes(t['kv_read_bytes'])} | "
-                 f"{_fmt_bytes(t['kv_write_bytes'])} | {_fmt_bytes(t['other_bytes'])} | **{_fmt_bytes(t['bytes'])}** | "
-                 f"**{t['flops'] / 1e12:.3f}** | **{t['memory_s'] * 1e3:.3f}** | **{t['compute_s'] * 1e3:.3f}** |")
-    exp = res["components"].get("moe_experts", {}).get("parts", {}).get("routed", {})
-    tail = [
-        "",
-        f"**Floor {t['floor_s'] * 1e3:.3f} ms per step ({t['bound']}-bound)**: memory {t['memory_s'] * 1e3:.3f} ms, "
-        f"compute {t['compute_s'] * 1e3:.3f} ms; arithmetic intensity {t['arithmetic_intensity']:.0f} FLOP/B.",
-        f"Rows per device per step {t['rows_per_device']:g}: {t['rows_per_s_at_floor']:,.0f} rows/s at the floor.",
-    ]
-    if res["phase"] == "decode":
-        acc = accepted if accepted is not None else (3.25 if res["new_tokens"] == 4 else float(res["new_tokens"]))
-        seqs = t["rows_per_device"] / res["new_tokens"]
-        tail.append(f"Decode at {acc:g} accepted tokens per step: {seqs * acc / t['floor_s']:,.0f} tokens/s per device "
-                    f"(sequences x accepted / floor).")
+# ----------------------------------------------------------------------------------------------- record
+
+def with_estimate(res: dict) -> dict:
+    """`res` with its calibrated estimate (experiments/roofline_estimate.py) and the record's headline figures
+    `floor_ms` / `estimate_ms` (None, with a note, where no record calibrates the step's phase and format)."""
+    from experiments import roofline_estimate
+
+    fmt = WEIGHT_FORMATS[res["weight_dtype"]][1]
+    try:
+        cal = roofline_estimate.calibrate(res["phase"], fmt)
+        est = roofline_estimate.estimate(res, cal)
+    except ValueError as e:
+        res["notes"].append(f"no estimate: {e}")
+        est = None
     else:
-        pk = uniform_mma(res["weight_dtype"])  # the format's MMA
-        tail.append(f"All FLOPs at the {pk} peak: {t['flops_at_uniform_peak_s'] * 1e3:.3f} ms; MFU of a step at the floor "
-                    f"{t['flops'] / t['floor_s'] / res['ceilings'][pk + '_flops'] * 100:.0f}% of the {pk} peak.")
-    if exp:
-        tail.append(f"Routed experts touched per device per layer: {exp.get('experts_touched_per_device', 0) / max(res['layers'], 1):.1f}.")
-    tail.append(f"Memory per device: weights {mem['weights_bytes'] / 1e9:.1f} GB (drafter {mem['draft_weights_bytes'] / 1e9:.1f}"
-                f"{'' if mem['draft_weights_included'] else ' not included'}) + "
-                f"cache {mem['cache_bytes'] / 1e9:.1f} GB ({mem['cache_bytes_per_sequence'] / 1e6:.1f} MB/sequence at "
-                f"{mem['cache_max_len']} positions) = {mem['total_bytes'] / 1e9:.1f} GB of "
-                f"{mem['capacity_bytes'] / 1e9:.1f} GB: {'fits' if mem['fits'] else 'DOES NOT FIT'}.")
-    tail.append(f"Parameters: {res['params']['backbone'] / 1e9:.2f} B backbone, {res['params']['active_per_token'] / 1e9:.2f} B "
-                f"active per token (head included, embedding excluded).")
-    for n in res["notes"]:
-        tail.append(f"Note: {n}.")
-    return head + "\n".join(lines + tail) + "\n"
+        est["calibration"] = {k: cal[k] for k in ("groups", "comm", "foreign_byte_equivalent", "gap_per_layer_s")}
+        est["calibration"]["records"] = [f"{r['record']}#{r['index']}" for r in cal["records"] + cal["mesh_records"]]
+    res["estimate"] = est
+    res["floor_ms"] = res["totals"]["floor_s"] * 1e3
+    res["estimate_ms"] = est["estimate_s"] * 1e3 if est else None
+    return res
 
 
 def _git_revision() -> str | None:
@@ -720,35 +788,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", action="store_true", help="add the drafter's cost to a decode step")
     p.add_argument("--accepted", type=float, help="accepted tokens per decode step for tokens/s (default 3.25 "
                    "with 3 drafts, else 1 + num_draft)")
-    p.add_argument("--datasheet", action="store_true", help="use the H200 datasheet ceilings")
+    p.add_argument("--hardware", choices=tuple(PROFILES), default="h200",
+                   help="hardware profile (experiments/hardware.py; default the H200 as measured here)")
+    p.add_argument("--transport", choices=roofline_mesh.TRANSPORTS, default="all_to_all",
+                   help="how routed rows move between devices (experiments/roofline_mesh.py; default all_to_all)")
+    p.add_argument("--dispatch-dtype", choices=tuple(roofline_mesh.DISPATCH_DTYPES), default="fp8",
+                   help="all_to_all: dtype of the dispatched rows (default fp8 with 128-value scales)")
+    p.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+                   help="extra expert slots per MoE layer (replicas of the most loaded experts)")
     p.add_argument("--hbm-tbps", type=float)
     p.add_argument("--bf16-tflops", type=float)
     p.add_argument("--fp8-tflops", type=float)
+    p.add_argument("--fp4-tflops", type=float)
     p.add_argument("--json", help="write the record to this file")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def roofline_of_args(args: argparse.Namespace) -> dict:
+    """The roofline of parsed command-line arguments (parse_args)."""
     from model import ModelConfig
 
     cfg = ModelConfig.from_hf(args.config) if args.config else ModelConfig.preset(args.preset)
     if args.layers:
         cfg = scale_layers(cfg, args.layers)
-    ceil = dict(H200_DATASHEET if args.datasheet else H200_MEASURED)
-    for key, val, scale in (("hbm_Bps", args.hbm_tbps, 1e12), ("bf16_flops", args.bf16_tflops, 1e12),
-                            ("fp8_flops", args.fp8_tflops, 1e12)):
+    ceil = profile(args.hardware)
+    for key, val in (("hbm_Bps", args.hbm_tbps), ("bf16_flops", args.bf16_tflops), ("fp8_flops", args.fp8_tflops),
+                     ("fp4_flops", args.fp4_tflops)):
         if val:
-            ceil[key] = val * scale
-            ceil["name"] += " (overridden)"
+            ceil[key] = val * 1e12
+            ceil["sources"][key] = "overridden on the command line"
+            ceil["name"] += f" ({key} overridden)"
     try:
         mesh = tuple(int(x) for x in args.mesh.split(","))
         assert len(mesh) == 3
     except (ValueError, AssertionError):
         raise SystemExit(f"--mesh must be dp,ep,tp, got {args.mesh!r}")
     new = args.new_tokens if args.phase == "prefill" else 1 + args.num_draft
-    res = roofline(cfg, args.phase, args.batch, args.context, new, args.weights, args.kv_dtype, mesh,
-                   args.forced_balance, ceil, drafter=args.drafter)
+    return roofline(cfg, args.phase, args.batch, args.context, new, args.weights, args.kv_dtype, mesh,
+                    args.forced_balance, ceil, drafter=args.drafter, transport=args.transport,
+                    dispatch_dtype=args.dispatch_dtype, redundant_experts=args.redundant_experts)
+
+
+def main(argv=None) -> dict:
+    from experiments.roofline_report import markdown
+
+    args = parse_args(argv)
+    res = with_estimate(roofline_of_args(args))
     res["command"] = "python -m experiments.roofline " + " ".join(sys.argv[1:] if argv is None else argv)
     res["revision"] = _git_revision()
     print(markdown(res, args.accepted))

@@ -1,5 +1,5 @@
-"""Sweeps of experiments/bench.py over meshes, batch sizes, context lengths, draft counts and bounded replay
-(issue 10 item 3), resumable, with one results file and plots.
+"""Sweeps of experiments/bench.py over meshes, batch sizes, context lengths, draft counts and bounded replay,
+resumable, with one results file and plots.
 
     python -m experiments.sweep --spec experiments/sweeps/h200_decode.yaml
     python -m experiments.sweep --preset tiny-v4 --phase decode --mode deepinfer,realistic \\

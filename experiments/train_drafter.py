@@ -1,4 +1,4 @@
-"""Self-distillation of the drafter on the target's own continuations (issue 8, item 5).
+"""Self-distillation of the drafter on the target's own continuations.
 
   python -m experiments.train_drafter --preset tiny-v4 --steps 400 --batch 16 --seq-len 64 --lr 2e-3 --out DIR
   python -m experiments.train_drafter --preset tiny-v41 --steps 400 --batch 16 --seq-len 64 --lr 2e-3 --out DIR
@@ -46,7 +46,7 @@ acceptance grows slowly with data; a drafter trained on a fixed pool memorises i
 length 4.0 of 4 on its training prompts, ~1.02-1.04 held out).
 
 With a target pre-trained on the Markov language (300 steps, LM loss 6.0 -> 1.11 against the chain's
-1.08 floor, ~5 min) the same self-distillation reaches the issue's >= 2.0 quickly: teacher-forced
+1.08 floor, ~5 min) the same self-distillation passes an accepted length of 2.0 quickly: teacher-forced
 accepted length 2.1 on the training batches after 25 drafter steps, 3.99 held out after 100; held-out
 greedy generation (32 prompts, 48 new tokens, 3 drafts) 1.001 -> 4.000 (tiny-v4, MTP) and 1.20 -> 3.995 (tiny-v41, DSpark),
 tokens equal to plain greedy; 200 drafter steps in 278 s / 383 s, ~85% of it generating the 3200 target

@@ -158,9 +158,10 @@ class ModelConfig:
     # one UE8M0 byte per fp8_block x fp8_block block, as shipped; dequantised in-graph before each matmul).
     # Any width works: the scale grid is ceil(out/B) x ceil(in/B), edge blocks partial.
     dense_weights: str = "model"
-    # The LM head GEMM's inputs: "float32" (the official model: hidden state and head weight in fp32; XLA runs
-    # fp32 dots as TF32 on GPUs by default) or "bfloat16" (hidden state rounded to bf16, f32 accumulation: the
-    # HF port's choice; half the head weight's bytes and the bf16 MMA rate). Logits are float32 either way.
+    # The LM head GEMM's inputs: "float32" (the official model's fp32 linear; a bf16 hidden state and bf16 head
+    # weight multiply as they are, their products exact in the float32 accumulator: layers.float32_linear) or
+    # "bfloat16" (the hidden state rounded to bf16 first, f32 accumulation: the HF port's choice; the same numbers
+    # in a bf16 model). Logits are float32 either way.
     head_dtype: str = "float32"
     # How the indexer's keys are cached: "model" (the cache dtype) or "fp4" (MXFP4 rows as the release stores
     # them: DI/2 packed E2M1 bytes + one UE8M0 byte per 32, 68 B at DI = 128; quantised on write, read by the

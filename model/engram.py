@@ -1,6 +1,7 @@
-"""V4.1 Engram: host-side n-gram hashing (numpy) and the gated memory module (MODEL_SPEC 2.10).
+"""V4.1 Engram: n-gram hashing (numpy reference; the same in jnp on 32-bit lanes inside the step) and the gated
+memory module (MODEL_SPEC 2.10).
 
-Hashing (pure function of token ids, int64, no jax):
+Hashing (pure function of token ids; int64 in numpy, (hi, lo) uint32 pairs on the device):
   * raw id -> compressed id through a tokenizer-derived map (identity for random models);
   * for position p and look-back s = 0..N-1: tau_s = compressed id at p-s, replaced by the
     compressed pad id once p-s is before the sequence start or a dead (image) position has been
@@ -345,6 +346,76 @@ class EngramHasher:
     def history_from_prefix(self, prefix_tokens, token_mask=None) -> np.ndarray:
         """History for resuming after `prefix_tokens` [B, P] (e.g. a prefix-cache hit at P)."""
         return self.next_history(prefix_tokens, None, token_mask)
+
+
+    def hash_ids_device(self, tokens: jax.Array, history: jax.Array, token_mask: jax.Array | None = None
+                        ) -> jax.Array:
+        """`hash_ids` inside a jitted step, in jnp integer arithmetic on 32-bit lanes (no x64, no host
+        round trip), bit-identical to the numpy hasher.
+
+        tokens [B, T] int raw ids (clipped into the vocab: padding rows may hold anything), history
+        [B, N-1] int32 compressed ids before the chunk (DEAD = -1), token_mask [B, T] bool or None
+        -> ids [B, T, n_layers, n_columns] int32.
+
+        Each 64-bit product tau * mu (< 2^63 by the multipliers' bound) is held as (hi, lo) uint32 halves;
+        the rolling XOR works on the halves; `mod P` runs Horner's rule over s-bit chunks of the 64 bits
+        with s = 32 - bits(max P), so every partial value fits 32 bits."""
+        if int(self.offsets[:, -1].max() + self.moduli[:, -1].max()) >= 2 ** 31:
+            raise ValueError("Engram: table rows exceed int32 ids")
+        bits = int(self.moduli.max()).bit_length()
+        if bits > 30:
+            raise ValueError(f"Engram: bucket moduli of {bits} bits leave no room for 32-bit modular arithmetic")
+        tmap = jnp.asarray(self.token_map, jnp.int32)
+        comp = jnp.take(tmap, jnp.clip(tokens.astype(jnp.int32), 0, self.vocab_size - 1), axis=0)
+        if token_mask is not None:
+            comp = jnp.where(token_mask, comp, DEAD)
+        n, seqlen = self.max_ngram_size, tokens.shape[1]
+        ext = jnp.concatenate([history.astype(jnp.int32), comp], axis=1)  # position p at column p + N - 1
+        mu = self.multipliers.astype(np.uint64)                            # [L, N]
+        mu_hi, mu_lo = (jnp.asarray((mu >> np.uint64(32)).astype(np.uint32)),
+                        jnp.asarray((mu & np.uint64(0xFFFFFFFF)).astype(np.uint32)))
+        primes = jnp.asarray(self.primes.astype(np.uint32))               # [L, N-1, H]
+        blocked = jnp.zeros(comp.shape, bool)
+        rolling, cols = None, []
+        for s in range(n):
+            src = ext[:, n - 1 - s: n - 1 - s + seqlen]
+            blocked = blocked | (src == DEAD)
+            tau = jnp.where(blocked, self.pad_id, src).astype(jnp.uint32)[..., None]  # [B, T, 1]
+            hi, lo = _mul_wide(tau, mu_lo[None, None, :, s])
+            prod = (hi + tau * mu_hi[None, None, :, s], lo)                           # [B, T, L] each
+            rolling = prod if rolling is None else (rolling[0] ^ prod[0], rolling[1] ^ prod[1])
+            if s:
+                cols.append(_mod64(rolling[0][..., None], rolling[1][..., None], primes[None, None, :, s - 1], bits))
+        ids = jnp.stack(cols, axis=3).reshape(*comp.shape, self.n_layers, self.n_columns)  # c = (n-2) * H + h
+        return ids.astype(jnp.int32) + jnp.asarray(self.offsets.astype(np.int32))
+
+
+def _mul_wide(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The 64-bit product of uint32 arrays as (hi, lo) uint32 halves (16-bit limbs: every partial fits)."""
+    a0, a1, b0, b1 = a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16
+    p01, p10 = a0 * b1, a1 * b0
+    mid = ((a0 * b0) >> 16) + (p01 & 0xFFFF) + (p10 & 0xFFFF)
+    return a1 * b1 + (p01 >> 16) + (p10 >> 16) + (mid >> 16), a * b
+
+
+def _mod64(hi: jax.Array, lo: jax.Array, p: jax.Array, bits: int) -> jax.Array:
+    """(hi * 2^32 + lo) mod p for uint32 halves and moduli p < 2^bits: Horner's rule over chunks of
+    32 - bits bits, highest first (r < p, so r * 2^width + chunk < 2^32)."""
+    width = 32 - bits
+    r = jnp.zeros(jnp.broadcast_shapes(hi.shape, p.shape), jnp.uint32)
+    top = 64
+    while top > 0:
+        w = min(width, top)
+        pos = top - w
+        if pos >= 32:
+            chunk = hi >> (pos - 32)
+        elif pos + w <= 32:
+            chunk = lo >> pos
+        else:
+            chunk = (lo >> pos) | (hi << (32 - pos))
+        r = ((r << w) | (chunk & ((1 << w) - 1))) % p
+        top = pos
+    return r
 
 
 # ----------------------------------------------------------------------------- module

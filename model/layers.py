@@ -68,9 +68,23 @@ class Linear(nnx.Module):
         if self.act_block:
             x = ref.fp8_fake_quant(x, self.act_block)
         if self.fp32:
-            return jnp.einsum("...i,oi->...o", x.astype(self.input_dtype), w.astype(self.input_dtype),
-                              preferred_element_type=jnp.float32)
+            return float32_linear(x, w, self.input_dtype)
         return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+
+
+def float32_linear(x: jax.Array, w: jax.Array, input_dtype: str = "float32") -> jax.Array:
+    """x [..., in] @ w[out, in].T in float32 (the official fp32 linear of the upcast operands), x first cast to
+    `input_dtype` when that is narrower than float32.
+
+    Operands that are both bf16 (or both f16) multiply as they are: their products are exact in the float32
+    accumulator, so the bf16 MMA with float32 accumulation is the float32 linear of the upcast operands (up to
+    the order of the sums), without converting the weight every call nor the TF32 rounding XLA gives float32
+    GEMMs on a GPU. Anything else is upcast to float32 first."""
+    if jnp.dtype(input_dtype) != jnp.float32:
+        x = x.astype(input_dtype)
+    if x.dtype == w.dtype and jnp.finfo(w.dtype).bits == 16:
+        return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
 class Embedding(nnx.Module):

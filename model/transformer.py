@@ -278,19 +278,15 @@ class Transformer(nnx.Module):
         return self.norm(y)
 
     def engram_ids(self, tokens: jax.Array, step: Step, cache: Cache) -> tuple[jax.Array, Cache]:
-        """[V4.1] hash ids [B, S, L, C] int32 for the chunk (host callback) and the token-history ring."""
+        """[V4.1] hash ids [B, S, L, C] int32 for the chunk (computed on the device) and the token-history ring."""
         hasher = self.hasher
         hist_len = hasher.history_len
         before = step.start[:, None] - hist_len + jnp.arange(hist_len, dtype=jnp.int32)[None, :]
-        history = jnp.where(before >= 0, ring_gather(cache.tokens[..., None], before)[..., 0], -1)
-
-        def host_hash(tok, hist):
-            tok, hist = np.asarray(tok), np.asarray(hist)
-            comp = np.where(hist >= 0, hasher.token_map[np.maximum(hist, 0)], hasher.pad_id)
-            return hasher.hash_ids(tok, comp).astype(np.int32)
-
-        shape = jax.ShapeDtypeStruct((*tokens.shape, hasher.n_layers, hasher.n_columns), jnp.int32)
-        ids = jax.pure_callback(host_hash, shape, tokens, history)
+        raw = ring_gather(cache.tokens[..., None], before)[..., 0]
+        tmap = jnp.asarray(hasher.token_map, jnp.int32)
+        history = jnp.where(before >= 0, jnp.take(tmap, jnp.clip(raw, 0, hasher.vocab_size - 1), axis=0),
+                            hasher.pad_id)  # compressed ids; the pad id before the sequence starts
+        ids = hasher.hash_ids_device(tokens, history)
         return ids, cache.replace(tokens=ring_write(cache.tokens[..., None], tokens[..., None], step)[..., 0])
 
     def step(self, tokens: jax.Array, cache: Cache, n_new: jax.Array, last_only: bool = False,

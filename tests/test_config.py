@@ -385,3 +385,21 @@ def test_head_dtype():
     assert bf16.dtype == f32.dtype == jnp.float32 and bf16.shape == (2, 16, cfg.vocab_size)
     assert 0 < rel_err(bf16, f32) < 1e-2
     assert np.mean(np.argmax(bf16, -1) == np.argmax(f32, -1)) > 0.9
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_linear_of_bf16_operands(seed):
+    """bf16 x bf16 in the float32 linear multiplies without upcasting (no weight conversion, no TF32 on a GPU): its
+    products are exact in float32, so it is the float32 linear of the upcast operands up to summation order --
+    within 2e-6 of float64 on fresh random operands; float32 operands keep the float32 path."""
+    from model.layers import float32_linear
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((3, 7, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((300, 512)) * 512 ** -0.5, jnp.bfloat16)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    for got in (float32_linear(x, w), float32_linear(x.astype(jnp.float32), w.astype(jnp.float32))):
+        assert got.dtype == jnp.float32
+        assert np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref) < 2e-6
+    text = str(jax.make_jaxpr(float32_linear)(x, w))
+    assert "convert_element_type" not in text and "preferred_element_type=float32" in text

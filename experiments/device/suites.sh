@@ -1,32 +1,69 @@
 #!/usr/bin/env bash
-# Named GPU suites, rerunnable on one H200 (the device tool runs this from the repo root; results land in
-# experiments/results and in $OUT, archived into one file at the end):
+# Named GPU suites behind the tables of docs/benchmarks.md and docs/kernels.md. Run from the repo root; each suite
+# fits one device command of 10 minutes; results land in experiments/results and in $OUT, archived into one
+# file at the end:
 #   bash experiments/device/suites.sh SUITE [SUITE ...]
-# Suites:
-#   step-release    the whole step in the release format (FP8 dense + FP4 experts), v4-flash-4l and
-#                   v41-flash 4 layers: verify 8 / 64 / 256 x 4 and prefill 1 / 2 x 4096 at 32K, benchmark mode,
-#                   per-component breakdown (--kernel-times)
-#   step-release-targets   the same at the issue targets' points only (V4: verify 8/64/256, prefill 2;
-#                   V4.1: verify 64, prefill 1)
-#   step-bf16       the same two models in bf16 (dense and experts) at verify 64 x 4 and prefill 2 x 4096
-#   step-realistic  realistic mode (router's own choices, distinct prompts, the whole speculative step),
-#                   release format, verify 64 x 4 at 32K
-#   peer-ours       ours (release format and bf16) at the peer's shapes: prefill 1 x 4096 with no context,
-#                   verify 64 x 4 at 1K context
-#   peer-hf         HF transformers (bf16, eager) at the same shapes (carry .whl: transformers 5.24)
-#   gpu-tests       the GPU tests (pytest -m gpu)
-# Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) bounds each command (default 240).
+# One H200 unless marked [x2] (nvidia-h200-x2). Model step (experiments.bench, V4-Flash widths, 4 layers, 32K
+# context, benchmark mode, Pallas kernels; --kernel-times: the per-component breakdown):
+#   step-release          release format (FP8 dense + FP4 experts), V4 and V4.1: verify 8 / 64 / 256 x 4,
+#                         prefill 1 / 2 x 4096
+#   step-release-targets  the same at the target points only (V4: verify 8 / 64 / 256, prefill 2; V4.1: verify 64,
+#                         prefill 1)
+#   step-bf16             V4 in bf16 (dense and experts): verify 8 / 64 / 256 x 4, prefill 1 / 4 x 4096; verify
+#                         256 x 4 with the bf16 LM head (V4.1's bf16 experts do not fit one GPU)
+#   step-fp4-experts      V4, bf16 dense + FP4 experts: verify 8 / 64 / 256 x 4, prefill 1 / 2 / 4 x 4096; verify
+#                         64 / 256 with the bf16 LM head
+#   step-v41-fp4-experts  V4.1 (Engram vocabulary 160K), bf16 dense + FP4 experts: verify 8 / 64 / 256 x 4 at 4K and
+#                         32K, prefill 1 x 4096
+#   step-index-keys       V4, FP4 experts, verify 64 x 4 at 128K with bf16 and MXFP4 index keys
+#   step-realistic        realistic mode (the router's own choices, distinct prompts, the whole speculative step),
+#                         release format, verify 64 x 4
+#   peer-ours             ours (release format and bf16) at the peer's shapes: prefill 1 x 4096 without context,
+#                         verify 64 x 4 at 1K context
+#   peer-hf               HF transformers (bf16, eager) at the same shapes (carry .whl: transformers 5.24)
+# Multi-GPU [x2] (NCCL_NVLS_ENABLE=0):
+#   multi-gpu-sweep       V4 4 layers, FP4 experts on 1 GPU, ep=2 and dp=2: verify 8 / 64 / 256, prefill 2 x 4096
+#                         (experiments/sweeps/h200x2_ep.yaml; resumable: run again to finish the points left)
+#   multi-gpu-43l-b64     the 43-layer V4-Flash in the release format at ep=2: verify 64 x 4
+#   multi-gpu-43l-b256    the same: verify 256 x 4 and prefill 2 x 4096
+#   multi-gpu-ep2         ep=2 verify 256 x 4 per component, realistic mode at ep=2, the EP transport's share of
+#                         one MoE layer (experiments.bench_ep)
+#   multi-gpu             all four (four device commands)
+# Compile time and kernels:
+#   compile-time          the 43-layer V4-Flash's prefill and verify steps compiled, FP4 experts and release format
+#   kernels-attention     experiments.bench_kernels: sparse attention and the indexer at V4-Flash shapes
+#   kernels-moe           experiments.bench_moe, forced balance: every expert format and implementation, decode
+#                         64 / 256 tokens and prefill 8K, the whole MoE layer, FP8 x FP8 (act_quant 128)
+#   kernels-moe-random    the same prefill blocks and layers under random routing
+#   vendor-gemm           the vendor's GEMMs at the experts' shapes (experiments.probes.vendor_gemm_ceiling: XLA,
+#                         XLA with Triton GEMMs off, PyTorch grouped GEMMs)
+#   kernels               the four above (four device commands)
+#   gpu-tests             the GPU tests (pytest -m gpu)
+# Each command runs under its own time bound (their sum per suite stays under 10 minutes).
+# Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound.
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
-T=${SUITE_TIMEOUT:-240}
 B="python -m experiments.bench --quiet --moe-impl pallas --attention-impl pallas ${BENCH_ARGS:-}"
 RELEASE="--dense-weights fp8 --expert-weights fp4"
 V4="--preset v4-flash-4l"
 V41="--preset v41-flash --layers 4 --engram-vocab 160000"   # small Engram tables, the same lookups
+V4_43="--preset v4-flash"
+OUTDIR=${OUT:-experiments/results}   # bench_kernels writes its records there (the other tools copy theirs to $OUT)
 
-bench() {  # bench TAG ARGS...: one bench.py run, its table's last lines on stdout
-    local tag=$1; shift
-    timeout "$T" $B "$@" --tag "$tag" 2>&1 | grep -E "^\| (prefill|decode)|rror|refused" | cut -c1-220
+limit() {  # limit SECONDS CMD...: CMD under timeout (SUITE_TIMEOUT overrides SECONDS)
+    local s=$1; shift
+    timeout "${SUITE_TIMEOUT:-$s}" "$@"
+}
+
+bench() {  # bench SECONDS TAG ARGS...: one bench.py run, its table's rows on stdout
+    local s=$1 tag=$2; shift 2
+    limit "$s" $B "$@" --tag "$tag" 2>&1 | grep -E "^\| (prefill|decode)|rror|refused" | cut -c1-220
+}
+
+moe() {  # moe SECONDS ARGS...: one bench_moe.py run, its table's rows on stdout
+    local s=$1; shift
+    limit "$s" python -m experiments.bench_moe --iters 10 --out experiments/results "$@" 2>&1 \
+        | grep -E "^\| (prefill|decode)|rror" | cut -c1-200
 }
 
 wheels() {  # the carried wheels (.whl) into /tmp/site, on PYTHONPATH
@@ -34,34 +71,96 @@ wheels() {  # the carried wheels (.whl) into /tmp/site, on PYTHONPATH
         .whl/*.whl && export PYTHONPATH=/tmp/site
 }
 
-for suite in "$@"; do
+suites=()
+for s in "$@"; do
+    case "$s" in
+    multi-gpu) suites+=(multi-gpu-sweep multi-gpu-43l-b64 multi-gpu-43l-b256 multi-gpu-ep2) ;;
+    kernels) suites+=(kernels-attention kernels-moe kernels-moe-random vendor-gemm) ;;
+    *) suites+=("$s") ;;
+    esac
+done
+
+for suite in "${suites[@]}"; do
     echo "== $suite"
     case "$suite" in
     step-release)
-        bench v4_release $V4 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 1,2 --context 32768 \
-            --kernel-times 2
-        bench v41_release $V41 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 1,2 \
+        bench 280 v4_release $V4 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 1,2 \
+            --context 32768 --kernel-times 2
+        bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 1,2 \
             --context 32768 --kernel-times 2 ;;
     step-release-targets)
-        bench v4_release $V4 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 2 --context 32768 \
+        bench 280 v4_release $V4 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 2 --context 32768 \
             --kernel-times 2
-        bench v41_release $V41 $RELEASE --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
+        bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
             --kernel-times 2 ;;
     step-bf16)
-        bench v4_bf16 $V4 --phase decode,prefill --batch 64 --prefill-batch 2 --context 32768 --kernel-times 2 ;;
+        bench 400 v4_bf16 $V4 --phase decode,prefill --batch 8,64,256 --prefill-batch 1,4 --context 32768 \
+            --kernel-times 2
+        bench 150 v4_bf16_head $V4 --head-dtype bfloat16 --phase decode --batch 256 --context 32768 ;;
+    step-fp4-experts)
+        bench 400 v4_fp4 $V4 --expert-weights fp4 --phase decode,prefill --batch 8,64,256 --prefill-batch 1,2,4 \
+            --context 32768 --kernel-times 2
+        bench 170 v4_fp4_bf16_head $V4 --expert-weights fp4 --head-dtype bfloat16 --phase decode --batch 64,256 \
+            --context 32768 ;;
+    step-v41-fp4-experts)
+        bench 560 v41_fp4 $V41 --expert-weights fp4 --phase decode,prefill --batch 8,64,256 --prefill-batch 1 \
+            --context 4096,32768 --kernel-times 2 ;;
+    step-index-keys)
+        for keys in model fp4; do
+            bench 280 v4_fp4_index_keys_$keys $V4 --expert-weights fp4 --index-keys $keys --phase decode \
+                --batch 64 --context 131072 --time-budget 200
+        done ;;
     step-realistic)
-        bench v4_release_realistic $V4 $RELEASE --mode realistic --phase decode --batch 64 --context 32768 ;;
+        bench 240 v4_release_realistic $V4 $RELEASE --mode realistic --phase decode --batch 64 --context 32768 ;;
     peer-ours)
         for fmt in "$RELEASE" ""; do
-            bench peer $V4 $fmt --phase prefill --prefill-batch 1 --context 0
-            bench peer $V4 $fmt --phase decode --batch 64 --context 1024
+            bench 140 peer $V4 $fmt --phase prefill --prefill-batch 1 --context 0
+            bench 140 peer $V4 $fmt --phase decode --batch 64 --context 1024
         done ;;
     peer-hf)
-        (wheels && timeout "$T" python -m experiments.peer_hf --phase prefill --batch 1 --new-tokens 4096 &&
-         timeout "$T" python -m experiments.peer_hf --phase decode --batch 64 --context 1024 --rows 4) 2>&1 |
+        (wheels && limit 240 python -m experiments.peer_hf --phase prefill --batch 1 --new-tokens 4096 &&
+         limit 240 python -m experiments.peer_hf --phase decode --batch 64 --context 1024 --rows 4) 2>&1 |
             grep -E "^\| |rror" | cut -c1-200 ;;
+    multi-gpu-sweep)
+        limit 590 python -m experiments.sweep --spec experiments/sweeps/h200x2_ep.yaml --name h200x2-ep --quiet \
+            2>&1 | tail -20 ;;
+    multi-gpu-43l-b64)
+        bench 590 h200x2_43l_release $V4_43 $RELEASE --mesh 1,2,1 --phase decode --batch 64 --context 32768 ;;
+    multi-gpu-43l-b256)
+        bench 590 h200x2_43l_release $V4_43 $RELEASE --mesh 1,2,1 --phase decode,prefill --batch 256 \
+            --prefill-batch 2 --context 32768 ;;
+    multi-gpu-ep2)
+        bench 230 h200x2_ep2_kernels $V4 --expert-weights fp4 --mesh 1,2,1 --phase decode --batch 256 \
+            --context 32768 --kernel-times 3
+        bench 170 h200x2_ep2_realistic $V4 --expert-weights fp4 --mesh 1,2,1 --mode realistic --phase decode \
+            --batch 64 --context 32768
+        limit 150 python -m experiments.bench_ep --mesh 1,2,1 --expert-weights fp4 --transport gather \
+            --strategy all_to_all --tokens 64,256,2048 --repeats 10 2>&1 | grep -E "^\| |rror" ;;
+    compile-time)
+        for fmt in "--expert-weights fp4" "$RELEASE"; do
+            limit 280 python -m experiments.compile_time $V4_43 --moe-impl pallas --attention-impl pallas $fmt \
+                2>&1 | grep -E "^\| |rror"
+        done ;;
+    kernels-attention)
+        limit 300 python -m experiments.bench_kernels --only attention_decode,attention_prefill --out "$OUTDIR" \
+            2>&1 | grep -E "^\| |rror" | cut -c1-200
+        limit 280 python -m experiments.bench_kernels --only indexer_decode,indexer_prefill --out "$OUTDIR" \
+            2>&1 | grep -E "^\| |rror" | cut -c1-200 ;;
+    kernels-moe)
+        moe 210 --routing balanced --quick --regime decode --formats bf16,fp8,fp4
+        moe 200 --routing balanced --quick --regime prefill --formats bf16,fp4
+        moe 150 --routing balanced --quick --regime prefill,decode --formats fp8 --act-block 128 \
+            --impls xla,triton,mgpu ;;
+    kernels-moe-random)
+        moe 150 --routing random --quick --regime prefill --formats bf16,fp4 --impls mgpu,layer
+        moe 120 --routing random --quick --regime prefill --formats fp8 --act-block 128 --impls mgpu ;;
+    vendor-gemm)
+        limit 200 python -m experiments.probes.vendor_gemm_ceiling 2>&1 | grep -v Warning
+        XLA_FLAGS=--xla_gpu_enable_triton_gemm=false limit 90 python -m experiments.probes.vendor_gemm_ceiling \
+            --dtypes fp8 2>&1 | grep -v Warning
+        limit 90 python -m experiments.probes.vendor_gemm_ceiling --torch 2>&1 | grep -v Warning ;;
     gpu-tests)
-        timeout "$T" python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -15 ;;
+        limit 560 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -15 ;;
     *)
         echo "unknown suite $suite"; exit 2 ;;
     esac

@@ -62,11 +62,9 @@ IMPLS = ("pallas", "triton", "mgpu", "reference")
 
 
 def default_config(mode: str, rows: int, heads: int, csa: bool, head_dim: int = 512, itemsize: int = 2) -> dict:
-    """Tiling by launch: measured on the H200 over 14 decode / 9 prefill tilings (docs/benchmarks.md,
-    results/bench_kernels_20261130-080535_gpu.*). 32-head blocks win by 7-8% once they fill two waves
-    of SMs (CSA verify B64 x 4 rows, decode B256, CSA prefill); 64-head blocks (+ key splits) win on
-    fewer rows (decode B64: 48.5 vs 51.9 us) and on HCA prefill, whose aligned tiles are read once
-    (2.35 vs 2.88 ms). More stages (3, 4) or 32-key blocks were slower everywhere.
+    """Tiling by launch, the faster of an H200 sweep (docs/kernels.md): 32-head blocks once they fill two waves
+    of SMs (CSA verify B64 x 4 rows, decode B256, CSA prefill); 64-head blocks (+ key splits) on fewer rows
+    and on HCA prefill, whose aligned tiles are read once.
     Wider elements (float32 inputs: the model's parity mode) halve block_n, then block_h, until the tiles
     fit the SMEM (`smem_bytes` of the padded head dim)."""
     if mode == "prefill":
@@ -371,10 +369,8 @@ def smem_bytes(head_dim: int, block_h: int, block_n: int, num_stages: int, items
 
 def pallas_backend(q: jax.Array, keys: tuple, tiling_given: bool, interpret: bool) -> str:
     """The kernel impl="pallas" runs: "mgpu" (attention_mgpu) for compiled bf16 calls at 64 heads x 512 on
-    Hopper with >= MGPU_MIN_ROWS query rows and no Triton tiling asked for, else "triton". Measured on the
-    H200 (results/bench_kernels_20261130-100833_gpu.md, CUPTI us, Triton / Mosaic GPU): decode B8 25.1 / 31.9,
-    verify B8x4 32.4 / 37.5, decode B64 48.7 / 46.0, verify B64x4 136.9 / 97.1, decode B256 137.1 / 96.4,
-    HCA verify B256x4 789 / 566, CSA / HCA prefill 4K rows 1552 / 1316 and 2348 / 2196."""
+    Hopper with >= MGPU_MIN_ROWS query rows and no Triton tiling asked for, else "triton": the faster of the two
+    on the H200 at each launch (docs/kernels.md)."""
     b, s, h, d = q.shape
     fits = (h, d) == (MGPU_HEADS, MGPU_DIM) and all(x is None or x.dtype == jnp.bfloat16 for x in (q, *keys))
     if fits and not tiling_given and not interpret and b * s >= MGPU_MIN_ROWS and on_hopper():

@@ -13,7 +13,7 @@ V4 widths only: 64 query heads sharing one 512-wide bf16 key/value vector per ke
      a `plgpu.RefUnion` gives the same bytes a [.., 8 rows, 64] row view whose 1-row slices TMA accepts; the
      engine swizzles by address). Compiled, the copies are issued from `plgpu.inline_mgpu` by one lane of
      each of 4 warps, with ONE expect-tx per block: Pallas' `copy_gmem_to_smem` makes all 128 lanes arrive
-     per copy and adds a warpgroup barrier per copy, which ran 5x slower (docs/benchmarks.md);
+     per copy and adds a warpgroup barrier per copy, which ran several times slower (docs/kernels.md);
    * two compute warpgroups split the head dim (a 64 x 512 f32 accumulator is 256 registers per thread: too
      many for one): warpgroup h computes the partial scores q[:, 256h:+256] k[:, 256h:+256]^T, the two
      exchange them through SMEM, both run the same online softmax (log2 units, from m = sink, l = 1: the
@@ -22,9 +22,8 @@ V4 widths only: 64 query heads sharing one 512-wide bf16 key/value vector per ke
 SMEM: q 64 KiB + KV 2 x 64 KiB + score exchange 32 KiB + barriers = 229,432 of 232,448 B; the codes are read
 from GMEM (an SMEM copy would not fit: every buffer is 1 KiB-aligned).
 
-Measured on the H200 as a probe (CSA part only, 512 rows per sequence): 57.9 us = 2.32 TB/s at B=256, the
-gather alone 3.33 TB/s (docs/benchmarks.md). Small batches split each row's key blocks over programs
-(`num_splits`, flash decoding; partials combined in XLA with the sink).
+Small batches split each row's key blocks over programs (`num_splits`, flash decoding; partials combined in
+XLA with the sink).
 
 CPU: the Mosaic GPU interpreter has no rules for inline_mgpu, RefUnion aliasing, transposed / register wgmma
 operands or layout casts, so `interpret=True` runs the same program with Pallas copies into the tiled stage
@@ -99,8 +98,8 @@ def key_list(q_pos, self_pos, *, window: int, ring_pos=None, comp_idx=None, n_co
     valid = jnp.concatenate(valid, -1).reshape(b * s, -1)
     width = min(codes.shape[1], window + n_sel)
     width = -(-width // BLOCK) * BLOCK
-    # compaction in order: each valid key goes to its rank among the row's valid keys, a scatter (H200, decode
-    # B64: 10.5 us; a stable argsort of the mask, the same result: 12.6 us)
+    # compaction in order: each valid key goes to its rank among the row's valid keys, a scatter (faster than a
+    # stable argsort of the mask, which gives the same list)
     rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32)                                  # [B * S, C]
     count = rank[:, -1]
     own = ((jnp.arange(b)[:, None] * s + jnp.arange(s)[None]) * 4 + OWN).reshape(b * s, 1)

@@ -1,6 +1,6 @@
 """What the kernel wrappers share: the backend query behind `interpret=None`, the zero padding that
-brings head counts and head dims to the power-of-two sizes the Triton lowering needs, and the in-kernel
-decoders of UE8M0 scales and packed FP4 (E2M1) tiles (MoE experts, indexer keys)."""
+brings head counts and head dims to the power-of-two sizes the Triton lowering needs, the in-kernel decoders
+of UE8M0 scales and packed FP4 (E2M1) tiles (MoE experts, indexer keys) and the MoE kernels' SwiGLU epilogue."""
 
 from __future__ import annotations
 
@@ -80,3 +80,11 @@ def fp4_tile(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]
     full = jnp.broadcast_to(e8m0(scale)[:, :, None], (r, c // 16, 16)).reshape(r, c)
     lo, hi = e2m1_pair(packed.astype(jnp.int32))
     return lo * full, hi * full
+
+
+def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
+    """In-kernel clamped SwiGLU of float32 gate and up: silu(min(g, L)) * clip(u, -L, L) (no clamp for L <= 0)."""
+    if limit > 0:
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+    return g / (1.0 + jnp.exp(-g)) * u

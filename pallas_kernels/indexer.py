@@ -32,11 +32,10 @@ from jax.experimental.pallas import triton as plt
 from . import reference as ref
 from .common import FP4_FOLD, fp4_tile, interpret_flag, next_pow2, pad_axis
 
-# rows_per_block query rows share each key tile; a program loops over `tiles` key tiles of block_n entries.
-# One query row over bf16 keys (decode): 32 tiles of 64 (H200, tenth session: 211 / 693 us at B64 / B256,
-# 75% / 91% of HBM). More rows: one tile per program (the loop's pipelined query loads exceed SMEM at 4+ rows x
-# 64 heads; verify B64 x 4: 580 us); FP8 / FP4 keys too (236 / 294 us at B64). Prefill, 4K rows at 128K:
-# 128-key tiles, 4 warps (9.10 ms against 9.50 with 8 warps and 10.22 with 256-key tiles).
+# rows_per_block query rows share each key tile; a program loops over `tiles` key tiles of block_n entries
+# (the H200 sweeps behind each: docs/kernels.md). One query row over bf16 keys (decode): a loop over 32 tiles of
+# 64. More rows: one tile per program (the loop's pipelined query loads exceed SMEM at 4+ rows x 64 heads); FP8 /
+# FP4 keys too (slower in the loop). Prefill: 128-key tiles, 4 warps.
 DECODE_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3)
 ONE_ROW_CONFIG = dict(rows_per_block=1, block_n=64, tiles=32, num_warps=4, num_stages=3)
 PREFILL_CONFIG = dict(rows_per_block=8, block_n=128, tiles=1, num_warps=4, num_stages=3)
@@ -55,7 +54,7 @@ def _scores_kernel(*refs, ratio, n, block_n, tiles, group, rows, key_format, ali
     [rows, tiles * block_n // group] f32: `tiles` consecutive key tiles of block_n entries, in a loop that
     stops at the last tile any row sees (the rest are -inf). Per row and tile the MMA gives the per-head scores
     as [block_n, HI]: keys are the MMA's M, so the sum over heads runs along each thread's own accumulator row,
-    not across warps (the [HI, block_n] orientation was 1.3-1.7x slower on the H200, tenth session)."""
+    not across warps (the [HI, block_n] orientation was slower on the H200)."""
     fp4 = key_format == "fp4"
     it = iter(refs)
     q_refs = (next(it), next(it)) if fp4 else (next(it),)

@@ -120,7 +120,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
 
 
 # ------------------------------------------------------------------ quantised expert weights
-# Layouts match model/quant_io.py (MODEL_SPEC 3.7), stacked over experts (FP8 also unstacked, dense weights):
+# Layouts match pallas_kernels/formats.py (MODEL_SPEC 3.7), stacked over experts (FP8 also unstacked, dense weights):
 #   FP8: w float8_e4m3fn [(E,) out, in], scale [(E,) ceil(out/B), ceil(in/B)] (UE8M0: float8_e8m0fnu or the
 #        uint8 exponent byte b, value 2^(b-127)); W[e,i,j] = w[e,i,j] * s[e, i//B, j//B].
 #   FP4: w int8/uint8 [E, out, in/2] (E2M1 codes, low nibble = even column), scale [E, out, in/32] UE8M0;
@@ -144,7 +144,7 @@ def dequant_fp8_blocks(w: jax.Array, scale: jax.Array) -> jax.Array:
     """FP8 E4M3 [..., out, in] + UE8M0 block scales [..., ceil(out/B), ceil(in/B)] -> float32 [..., out, in]
     (stacked experts, or one dense weight: model.layers.Linear with cfg.dense_weights="fp8").
 
-    The block size B is inferred from the shapes (square blocks, as quant_io.infer_fp8_block)."""
+    The block size B is inferred from the shapes (square blocks, as formats.infer_fp8_block)."""
     n, k = w.shape[-2:]
     block = fp8_block_size(w.shape, scale.shape)
     s = e8m0_to_f32(scale)
@@ -167,7 +167,7 @@ def fp8_block_size(w_shape, s_shape) -> int:
 def ue8m0_exponent(amax: jax.Array, qmax: float) -> jax.Array:
     """Exponent e of the power-of-two block scale 2^e = 2^ceil(log2(amax / qmax)) (exact, via frexp), clamped
     to the UE8M0 range [-127, 127]; 0 (scale 1) where amax is 0. int32, amax's shape. The rule of
-    model.quant_io._pow2_scale_exponent; the stored byte is e + 127."""
+    pallas_kernels.formats._pow2_scale_exponent; the stored byte is e + 127."""
     mant, ex = jnp.frexp(amax / jnp.float32(qmax))
     exp = jnp.where(mant == 0.5, ex - 1, ex)
     return jnp.clip(jnp.where(amax > 0, exp, 0), -127, 127)
@@ -179,7 +179,7 @@ FP8_E4M3_MAX = 448.0
 def quantize_fp8_blocks(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """float [..., out, in] -> (float8_e4m3fn [..., out, in], UE8M0 exponent bytes uint8
     [..., ceil(out/B), ceil(in/B)]), traceable (random FP8 models are made under jit / eval_shape). Same rule as
-    model.quant_io.quantize_fp8_blocks: scale 2^ceil(log2(amax / 448)) per B x B block (edge blocks partial),
+    formats.quantize_fp8_blocks: scale 2^ceil(log2(amax / 448)) per B x B block (edge blocks partial),
     values cast round-to-nearest-even."""
     *lead, n, k = w.shape
     go, gi = -(-n // block), -(-k // block)
@@ -207,7 +207,7 @@ def act_quant(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
 def fp8_values(q: jax.Array) -> jax.Array:
     """FP8 -> float32 where the FP8 array was just made in the same program. The optimization barrier keeps XLA
     from folding the f32 -> fp8 -> f32 convert pair away: on the GPU its excess-precision simplification
-    removes it, silently skipping the rounding (measured on the H200, experiments/probes/triton_fp8_dot.py)."""
+    removes it, silently skipping the rounding (seen on the H200; docs/kernels.md)."""
     return jax.lax.optimization_barrier(q).astype(jnp.float32)
 
 
@@ -247,7 +247,7 @@ _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints between magn
 
 def quantize_fp4_experts(w: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
     """float [..., out, in] -> (packed int8 [..., out, in/2], UE8M0 exponent bytes uint8 [..., out, in/block]),
-    traceable (random FP4 models are made under jit / eval_shape). Same rule as model.quant_io.quantize_fp4:
+    traceable (random FP4 models are made under jit / eval_shape). Same rule as formats.quantize_fp4:
     scale 2^ceil(log2(amax / 6)) per block (amax floored at 6 * 2^-126), nearest E2M1 code, ties to even."""
     *lead, n, k = w.shape
     if k % block:

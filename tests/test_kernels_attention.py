@@ -1,4 +1,4 @@
-"""Pallas attention + indexer kernels against their pure-jnp references (issue 5).
+"""Pallas attention + indexer kernels against their pure-jnp references.
 
 CPU: kernels run in Pallas interpret mode on fresh random inputs (seed in each failure message), small
 head dims so it stays fast, plus one Dh=512 case; the CUDA lowering of every kernel is checked at the
@@ -173,6 +173,25 @@ def test_default_config_follows_the_h200_sweep():
     for mode, csa in (("prefill", True), ("prefill", False), ("decode", True)):   # float32 (parity mode) fits too
         c = attention_mod.default_config(mode, 600, 64, csa, head_dim=512, itemsize=4)
         assert attention_mod.smem_bytes(512, c["block_h"], c["block_n"], c["num_stages"], 4) <= attention_mod.SMEM_LIMIT
+
+
+def test_attention_tuning_matches_docs():
+    """docs/kernels.md's attention and indexer tuning tables show the configs the code uses."""
+    from pathlib import Path
+
+    from pallas_kernels import indexer as indexer_mod
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    a, ix = attention_mod, indexer_mod
+    rows = [f"| {name} | {c['block_h']} | {c['block_n']} | {c['num_warps']} | {c['num_stages']} |"
+            for name, c in (("WIDE_CONFIG", a.WIDE_CONFIG), ("NARROW_CONFIG", a.NARROW_CONFIG))]
+    rows += [f"| DECODE_MAX_ROWS | {a.DECODE_MAX_ROWS} |", f"| MGPU_MIN_ROWS | {a.MGPU_MIN_ROWS} |"]
+    rows += [f"| {name} | {c['rows_per_block']} | {c['block_n']} | {c['tiles']} | {c['num_warps']} | "
+             f"{c['num_stages']} |" for name, c in (("ONE_ROW_CONFIG", ix.ONE_ROW_CONFIG),
+                                                    ("DECODE_CONFIG", ix.DECODE_CONFIG),
+                                                    ("PREFILL_CONFIG", ix.PREFILL_CONFIG))]
+    lines = docs.splitlines()
+    for row in rows:
+        assert any(line.startswith(row) for line in lines), f"docs/kernels.md lacks the row {row!r}"
 
 
 def test_sparse_attention_rejects_bad_shapes():
@@ -602,7 +621,7 @@ def test_gpu_model_real_width_layer():
     tokens = np.random.default_rng(fresh_seed()).integers(2, cfg.vocab_size, (2, 300))
     expect = np.asarray(init_random(cfg, seed=1, dtype="float32")(tokens))
     out = np.asarray(init_random(dataclasses.replace(cfg, attention_impl="pallas"), seed=1, dtype="float32")(tokens))
-    # float32 GEMMs run as TF32 on the GPU, in XLA and in Triton's dots: measured 8.6e-3 apart on the H200
-    # (eighth session). Under default_matmul_precision("highest") both would be exact float32, but Triton's
-    # IEEE float32 dots took this test past 150 s there.
+    # float32 GEMMs run as TF32 on the GPU, in XLA and in Triton's dots: measured 8.6e-3 apart on the H200.
+    # Under default_matmul_precision("highest") both would be exact float32, but Triton's IEEE float32 dots took
+    # this test past 150 s there.
     assert rel_err(out, expect) < 2e-2

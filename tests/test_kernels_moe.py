@@ -1,4 +1,4 @@
-"""Pallas MoE kernels (pallas_kernels/moe.py) against pallas_kernels/reference.py.
+"""Pallas MoE kernels (pallas_kernels/moe/) against pallas_kernels/reference.py, and their tuning table.
 
 CPU: Triton kernels in interpret mode, Mosaic GPU kernels in the MGPU interpreter (small shapes), and the
 CUDA lowering of every kernel at the real V4-Flash expert shapes (256 experts, 4096 -> 2048 -> 4096) from
@@ -9,6 +9,7 @@ ShapeDtypeStructs (no GPU, no big arrays). GPU (`-m gpu`, skipped elsewhere): th
 
 import dataclasses
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -218,7 +219,7 @@ def test_fp4_kernel_weights_decode_exactly():
     assert all(len(np.unique(col)) == 16 for col in nibbles.reshape(-1, 32).T)   # every code at every position
     values = np.where(nibbles >= 8, -mags[nibbles & 7], mags[nibbles & 7])
     np.testing.assert_array_equal(operand.reshape(e, out, -1), values)
-    assert K._E2M1_WORDS_PTX.count(";") - 1 == 9                               # instructions after the .reg line
+    assert K.E2M1_WORDS_PTX.count(";") - 1 == 9                               # instructions after the .reg line
     with pytest.raises(ValueError, match="in/2 a multiple of 16"):
         K.fp4_kernel_weights(jnp.zeros((2, 8, 24), jnp.int8))
 
@@ -251,7 +252,7 @@ def test_fp4_kernel_scales_round_trip():
     small = jnp.asarray(rng.integers(100, 129, (3, 64, 4)), jnp.uint8)
     w = jnp.asarray(rng.integers(-128, 128, (3, 64, 64)), jnp.int8)
     for hw, hs in ((w, small), (K.fp4_kernel_weights(w), K.fp4_kernel_scales(small))):
-        ops = K._swap_w("fp4", hw, hs)
+        ops = K.swap_operands("fp4", hw, hs)
         np.testing.assert_array_equal(np.asarray(ops[0]), np.asarray(K.fp4_kernel_weights(w)))
         np.testing.assert_array_equal(np.asarray(ops[1]).view(np.uint16),
                                       np.asarray(K.fp4_kernel_scales(small)).view(np.uint16))
@@ -514,6 +515,124 @@ def test_errors_are_clear():
         K.moe_experts(x[:, :64], ids, w, h4, h4, h4, 1.0, scales=(hs4, hs4, hs4))
 
 
+# ------------------------------------------------------------------------------------------ tuning table
+
+# The tilings the decision tree gave before it became a table (pallas_kernels/moe/tuning.py), recorded from that
+# code over a grid of loads: rows per expert TUNING_RPE x experts (256, 16) x format x routing, per backend.
+TUNING_RPE = (0, 0.5, 1, 6, 16, 16.5, 24, 32, 33, 48, 49, 64, 65, 96, 128, 192, 256, 384, 576, 640)
+_T = K.TritonConfig
+_M = K.MgpuConfig
+TUNING_CONFIGS = {
+    "T16": _T(block_m=16),
+    "T32": _T(block_m=32),
+    "T64": _T(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64, num_warps=4, num_stages=3),
+    "T128": _T(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64, num_warps=8, num_stages=3),
+    "bf16_dec": _M(block_m=16, block_n=128, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=6,
+                   swap_ab=True, warp_specialized=False),
+    "defaults": _M(),
+    "bf16_128": _M(block_m=128, block_n=128, block_k=64, block_n_down=256, block_k_down=64, max_concurrent_steps=4,
+                   compute_wgs=2),
+    "bf16_192": _M(block_m=192, block_n=64, block_k=64, block_n_down=128, block_k_down=64, max_concurrent_steps=4,
+                   compute_wgs=3, persistent=True),
+    "fp8_dec": _M(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=5,
+                  swap_ab=True, warp_specialized=False),
+    "swap_128": _M(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
+                   max_concurrent_steps=4, swap_ab=True, compute_wgs=2, persistent=True),
+    "fp8x_128": _M(block_m=128, block_n=64, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=6,
+                   compute_wgs=2, persistent=True),
+    "fp8x_192": _M(block_m=192, block_n=64, block_k=128, block_n_down=128, block_k_down=128, max_concurrent_steps=4,
+                   compute_wgs=3, persistent=True),
+    "fp4_dec": _M(block_m=16, block_n=64, block_k=256, block_n_down=64, block_k_down=256, max_concurrent_steps=4,
+                  swap_ab=True, warp_specialized=False),
+    "fp4_ver": _M(block_m=32, block_n=128, block_k=256, block_n_down=128, block_k_down=256, max_concurrent_steps=4,
+                  swap_ab=True, compute_wgs=2, persistent=True),
+    "fp4_192": _M(block_m=192, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
+                  max_concurrent_steps=3, swap_ab=True, compute_wgs=2, persistent=True),
+}
+_TRITON_ROW = "T16 " * 5 + "T32 " * 5 + "T64 " * 2 + "T128 " * 8
+TUNING_EXPECTED = {   # (backend, format, fp8_acts, balanced) -> one config name per TUNING_RPE entry
+    **{("triton", f, a, b): _TRITON_ROW for f, a in (("dense", False), ("fp8", False), ("fp8", True), ("fp4", False))
+       for b in (False, True)},
+    ("mgpu", "dense", False, False): "bf16_dec " * 5 + "defaults " * 7 + "bf16_128 " * 8,
+    ("mgpu", "dense", False, True): "bf16_dec " * 5 + "defaults " * 7 + "bf16_128 " * 3 + "bf16_192 bf16_128 "
+                                     "bf16_128 bf16_192 bf16_128",
+    ("mgpu", "fp8", False, False): "fp8_dec " * 5 + "swap_128 " * 15,
+    ("mgpu", "fp8", False, True): "fp8_dec " * 5 + "swap_128 " * 15,
+    ("mgpu", "fp8", True, False): "fp8_dec " * 5 + "fp8x_128 " * 15,
+    ("mgpu", "fp8", True, True): "fp8_dec " * 5 + "fp8x_128 " * 10 + "fp8x_192 fp8x_128 fp8x_128 fp8x_192 fp8x_128",
+    ("mgpu", "fp4", False, False): "fp4_dec " * 5 + "fp4_ver " * 3 + "swap_128 " * 12,
+    ("mgpu", "fp4", False, True): "fp4_dec " * 5 + "fp4_ver " * 3 + "swap_128 " * 7 + "fp4_192 swap_128 swap_128 "
+                                  "fp4_192 swap_128",
+}
+
+
+def test_tuning_table_gives_the_decision_trees_tilings():
+    for (backend, fmt, acts, balanced), names in TUNING_EXPECTED.items():
+        for e in (256, 16):
+            got = [K.default_config(backend, int(r * e), e, fmt, fp8_acts=acts, balanced=balanced) for r in TUNING_RPE]
+            assert got == [TUNING_CONFIGS[n] for n in names.split()], (backend, fmt, acts, balanced, e)
+    # the backends: Mosaic GPU on Hopper with bf16 activations, for FP4 at every load and past 64 rows per expert
+    for fmt, mgpu_from in (("dense", 65), ("fp8", 65), ("fp4", 0)):
+        for acts in (False, True) if fmt == "fp8" else (False,):
+            got = [K.choose_backend(fmt, jnp.bfloat16, r, fp8_acts=acts, hopper=True) for r in TUNING_RPE]
+            assert got == ["mgpu" if r >= mgpu_from else "triton" for r in TUNING_RPE], (fmt, acts)
+            for dtype, hopper in ((jnp.bfloat16, False), (jnp.float16, True), (jnp.float32, True)):
+                assert {K.choose_backend(fmt, dtype, r, fp8_acts=acts, hopper=hopper) for r in TUNING_RPE} == \
+                    {"triton"}, (fmt, dtype, hopper)
+
+
+def test_tuning_table_entries_are_valid():
+    from pallas_kernels.moe import tuning as T
+    results = Path(__file__).resolve().parents[1] / "experiments" / "results"
+    for t in T.TILINGS:
+        assert t.backend in T.BACKEND_NAMES and set(t.formats) <= set(T.FORMATS) and t.routing in T.ROUTINGS, t
+        assert isinstance(t.config, K.TritonConfig if t.backend == "triton" else K.MgpuConfig), t
+        assert t.max_rows > 0 and t.why and "\n" not in t.why, t
+        for r in t.records:
+            assert (results / f"{r}.md").is_file() and (results / f"{r}.json").is_file(), r
+    for b in T.BACKENDS:
+        assert b.backend in T.BACKEND_NAMES and set(b.formats) <= set(T.FORMATS) and b.why, b
+        for r in b.records:
+            assert (results / f"{r}.md").is_file(), r
+    for backend in T.BACKEND_NAMES:   # every (backend, format) ends in a catch-all entry; every format has a backend
+        for fmt in T.FORMATS:
+            assert any(t.backend == backend and fmt in t.formats and t.max_rows == T.INF and t.routing == "any"
+                       for t in T.TILINGS), (backend, fmt)
+            assert any(fmt in b.formats and b.max_rows == T.INF for b in T.BACKENDS), fmt
+    # no entry is shadowed: each one is some load's first match (the configs differ, so the grid shows it)
+    assert len({t.config for t in T.TILINGS}) == len(T.TILINGS)
+    assert {t.config for t in T.TILINGS} == set(TUNING_CONFIGS.values())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        K.default_config("auto", 64, 8)
+    with pytest.raises(ValueError, match="go with FP8 weights"):
+        K.default_config("mgpu", 64, 8, "fp4", fp8_acts=True)
+    with pytest.raises(ValueError, match="format must be"):
+        K.choose_backend("int8", jnp.bfloat16, 4.0)
+
+
+def _markdown_tilings():
+    from pallas_kernels.moe import tuning as T
+    rows = ["| backend | formats | rows per expert <= | routing | tiling (fields off the defaults) | why | records |",
+            "|---|---|---|---|---|---|---|"]
+    for t in T.TILINGS:
+        default = type(t.config)()
+        fields = [f"{f.name}={getattr(t.config, f.name)}" for f in dataclasses.fields(t.config)
+                  if getattr(t.config, f.name) != getattr(default, f.name)]
+        rows.append(f"| {t.backend} | {', '.join(t.formats)} | {t.max_rows:g} | {t.routing} | "
+                    f"{' '.join(fields) or '(defaults)'} | {t.why} | {', '.join(t.records) or '(none)'} |")
+    rows += ["", "| formats | rows per expert <= | backend | why | records |", "|---|---|---|---|---|"]
+    rows += [f"| {', '.join(b.formats)} | {b.max_rows:g} | {b.backend} | {b.why} | {', '.join(b.records)} |"
+             for b in T.BACKENDS]
+    return "\n".join(rows)
+
+
+def test_tuning_table_matches_docs():
+    """docs/kernels.md shows the tuning table rendered from the data (on a mismatch, paste the rendering)."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    rendered = _markdown_tilings()
+    assert rendered in docs, "docs/kernels.md's MoE tuning tables differ from the data; rendered:\n" + rendered
+
+
 # ------------------------------------------------------------------ lowering for CUDA at V4-Flash shapes
 
 
@@ -600,7 +719,7 @@ def test_lower_balanced_192_row_tiles(fmt, act):
     assert text.count("mosaic_gpu") >= 2
     name = "dense" if fmt == "bf16" else fmt
     assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0, balanced=True).block_m == 192
-    # persistent CTAs where part 66 measured them faster; the bf16 128-row tiles keep a CTA per item
+    # persistent CTAs where they measured faster (the tuning table); the bf16 128-row tiles keep a CTA per item
     assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0, balanced=True).persistent
     assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0).persistent == (fmt != "bf16")
     assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0).block_m == 128
@@ -751,8 +870,9 @@ def test_gpu_v4_flash_shapes(backend, tokens):
 def test_gpu_router_picks_the_float32_top_k(dtype):
     """The gate's logits are IEEE float32 on the GPU too (the official gate's): bf16 operands multiply exactly into
     float32, float32 ones ask for HIGHEST (XLA's GPU default is TF32). At V4-Flash widths its top-6 of 256 equals
-    the host's float64 choice wherever the 6th and 7th scores are not tied within float32 rounding. (H200,
-    experiments/probes/router_precision.py: TF32 changed 12 of 8192 tokens' sets with float32 operands.)"""
+    the host's float64 choice wherever the 6th and 7th scores are not tied within float32 rounding. (On the H200
+    TF32 changed 12 of 8192 tokens' sets with float32 operands: docs/kernels.md,
+    experiments/probes/router_precision.py.)"""
     from flax import nnx
 
     from model import ModelConfig

@@ -1,5 +1,5 @@
-"""Probe target: one MoE expert block at V4-Flash shapes, called a few times, for a profiler run by hand --
-Nsight Compute (`ncu`, on the lent H200 since the eleventh session) or Mosaic GPU's SASS dump:
+"""Tool: the profiler target -- one MoE expert block at V4-Flash shapes, called a few times, for a profiler run by
+hand: Nsight Compute (`ncu`) or Mosaic GPU's SASS dump (docs/kernels.md cites what they found):
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -k regex:mosaic --launch-count 1 --section SpeedOfLight \\
       --section WarpStateStats python -m experiments.probes.moe_profile_target --format fp4 --tokens 256 --calls 1

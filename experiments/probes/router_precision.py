@@ -1,14 +1,14 @@
-"""Probe: the gate's logits GEMM and top-k at V4-Flash widths -- which precisions change the top-6, what each costs.
+"""Tool: the gate's logits GEMM and top-k at V4-Flash widths -- which precisions change the top-6, what each costs.
 
 The official gate computes its logits with torch's float32 linear of the upcast operands (no TF32). XLA runs a
 float32 GEMM on the GPU as TF32 (10-bit operand mantissas) unless asked for `Precision.HIGHEST`. At V4-Flash
 widths (D = 4096, 256 experts, sqrt-softplus scores plus the selection bias, top-6) this counts the tokens whose
 expert set differs from the float64 choice and times the logits (CUPTI, all kernels of the jitted function, the
 converts included) at prefill (8K tokens) and decode (64 tokens) loads, for
-  bf16 upcast, default   the model's gate until the seventeenth session: bf16 operands converted, TF32 GEMM
-  bf16, f32 accumulation bf16 operands multiplied as they are into float32 (products exact: the model's now)
+  bf16 upcast, default   bf16 operands converted to float32, TF32 GEMM
+  bf16, f32 accumulation bf16 operands multiplied as they are into float32 (products exact: the model's gate)
   float32, default       a float32 model's operands on TF32
-  float32, highest       the same in IEEE float32 (the model's now)
+  float32, highest       the same in IEEE float32 (the model's gate for float32 operands)
 and then the top-6 of the scores at 64 to 8192 rows: lax.top_k (XLA sorts the rows) against six rounds of
 argmax (model.moe.argmax_rounds; top_k_ids takes them past TOP_K_SORT_ROWS rows).
 Run: python -m experiments.probes.router_precision   (GPU; on the CPU every variant is IEEE: no flips)

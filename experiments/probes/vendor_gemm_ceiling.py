@@ -1,15 +1,14 @@
-"""Probe: the vendor's own GEMM at the routed experts' shapes under forced balance -- what NVIDIA's library reaches
-where issue 6's FP4 prefill layer target asks ours for ~1000 TFLOP/s.
+"""Tool: the vendor's own GEMMs at the routed experts' shapes under forced balance -- the ceiling a grouped-GEMM
+kernel is compared against (docs/kernels.md, MoE grouped GEMMs).
 
 With forced balance at 8K tokens every one of the 256 experts holds exactly 192 rows, so the grouped GEMMs are
 batched GEMMs, which XLA hands to cuBLAS(Lt):
   gate/up  [256, 192, 4096] x [256, 4096, 4096]   (w1 | w3 side by side: N = 2 x 2048)
   down     [256, 192, 2048] x [256, 2048, 4096]
 in bf16 and in FP8 E4M3 (bf16 out, one scale per tensor: no per-128 block scales and no FP4 decode, so an upper
-bound for what a block-scaled FP4 x FP8 kernel could reach), plus the 8192^3 GEMM the BENCHMARKS.md ceilings
-name. CUPTI ms (median of 20 calls, all kernels of the jitted call), TFLOP/s, and the share of the two expert
-GEMMs' 2.474 TFLOP that issue 6's FP4 prefill layer target (1.25x its floors) leaves to them (2.48 ms with the
-rest of the layer at the seventeenth session's 0.95 ms).
+bound for what a block-scaled FP4 x FP8 kernel could reach), plus the dense 8192^3 GEMM behind the ceilings of
+experiments/hardware.py. CUPTI ms (median of 20 calls, all kernels of the jitted call) and TFLOP/s; the two expert
+GEMMs together are 2.474 TFLOP.
 --torch times the same expert GEMMs as PyTorch's grouped GEMMs (CUTLASS on sm_90): torch._grouped_mm in bf16 and
 torch._scaled_grouped_mm in FP8 with row-wise scales (with and without fast accumulation), the routed rows
 [256 x 192, K] against [256, K, N]; CUDA-event ms, median of 20.
@@ -27,7 +26,6 @@ import numpy as np
 from experiments.bench_kernels import cupti_ms
 
 E, ROWS, D, I = 256, 192, 4096, 2048
-TARGET_EXPERT_MS = 2.48   # docs/benchmarks.md: 1.25 x 2.743 ms less the rest of the layer (0.95 ms, part 77)
 CASES = {   # name: (lhs shape, rhs shape) -- batch dimension first where there is one
     "gate/up, 256 x 192 rows": ((E, ROWS, D), (E, D, 2 * I)),
     "down, 256 x 192 rows": ((E, ROWS, I), (E, I, D)),
@@ -48,8 +46,8 @@ def report(name: str, case: str, ms: float, tflop: float, lib: str = ""):
 
 
 def experts_line(name: str, ms: float):
-    print(f"{name:14s} {'experts (gate/up + down)':26s} {ms:8.3f} ms  {EXPERT_TFLOP / ms * 1e3:7.1f} TFLOP/s; the FP4 "
-          f"layer target leaves them {TARGET_EXPERT_MS} ms", flush=True)
+    print(f"{name:14s} {'experts (gate/up + down)':26s} {ms:8.3f} ms  {EXPERT_TFLOP / ms * 1e3:7.1f} TFLOP/s",
+          flush=True)
 
 
 def torch_main():

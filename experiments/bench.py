@@ -225,11 +225,13 @@ def command_line(argv, module: str = "experiments.bench") -> str:
 def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None = None,
                    attention_impl: str | None = None, expert_weights: str | None = None,
                    dense_weights: str | None = None, engram_vocab: int | None = None,
-                   head_dtype: str | None = None, index_key_format: str | None = None):
+                   head_dtype: str | None = None, index_key_format: str | None = None, *,
+                   dense_impl: str | None = None, quant_sim: bool = False):
     """A preset, scaled to `layers`, with the kernels and weight formats asked for. [V4.1] `engram_vocab`
     replaces the Engram hash vocabulary (the tables' rows follow from it: v41-flash's 16M gives 2 x 197 GB
     of bf16 tables); a token reads the same number of rows whatever the vocabulary, so a small one keeps the
-    step's bytes and lets V4.1 widths run on one GPU. `head_dtype` / `index_key_format`: the ModelConfig fields."""
+    step's bytes and lets V4.1 widths run on one GPU. `head_dtype` / `index_key_format` / `dense_impl` /
+    `quant_sim` (the official numerics: act_quant'd FP8 GEMM inputs, KV fake-quant): the ModelConfig fields."""
     from model import ModelConfig
 
     from .roofline import scale_layers
@@ -239,7 +241,8 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
         cfg = scale_layers(cfg, layers)
     changes = {k: v for k, v in (("moe_impl", moe_impl), ("attention_impl", attention_impl),
                                  ("expert_weights", expert_weights), ("dense_weights", dense_weights),
-                                 ("head_dtype", head_dtype), ("index_key_format", index_key_format)) if v}
+                                 ("head_dtype", head_dtype), ("index_key_format", index_key_format),
+                                 ("dense_impl", dense_impl), ("quant_sim", quant_sim)) if v}
     if engram_vocab:
         if not cfg.engram_layer_ids:
             raise ValueError(f"--engram-vocab: {cfg.name} has no Engram layers")
@@ -658,7 +661,8 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
     rec: dict[str, Any] = {
         "bench": "bench", "key": p.key(), "preset": setup.preset, "config": cfg.name, "generation": cfg.generation,
         "layers": cfg.num_layers, "dtype": setup.dtype, "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
-        "dense_weights": cfg.dense_weights, "head_dtype": cfg.head_dtype, "index_key_format": cfg.index_key_format,
+        "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl, "quant_sim": cfg.quant_sim,
+        "head_dtype": cfg.head_dtype, "index_key_format": cfg.index_key_format,
         "engram_vocab_size": cfg.engram_vocab_size or None,
         "attention_impl": cfg.attention_impl, "mode": p.mode, "phase": p.phase, "step": p.kind,
         "mesh": {"dp": p.mesh[0], "ep": p.mesh[1], "tp": p.mesh[2]}, "devices": int(np.prod(p.mesh)),
@@ -970,6 +974,7 @@ def breakdown_table(r: dict) -> list[str]:
 
 def weight_label(r: dict) -> str:
     return r["dtype"] + (" + fp8 dense" if r.get("dense_weights") == "fp8" else "") + (
+        " (kernels)" if r.get("dense_impl") == "pallas" else "") + (" + quant_sim" if r.get("quant_sim") else "") + (
         " + fp4 experts" if r.get("expert_weights") == "fp4" else "") + (
         " + bf16 head" if r.get("head_dtype") == "bfloat16" else "") + (
         " + fp4 index keys" if r.get("index_key_format") == "fp4" else "")
@@ -1080,6 +1085,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-weights", choices=("dense", "fp4"), help="routed experts held dense or FP4-packed")
     p.add_argument("--dense-weights", choices=("model", "fp8"),
                    help="the release's FP8 tensors held in the model dtype or FP8 + block scales")
+    p.add_argument("--dense-impl", choices=("reference", "pallas"),
+                   help="FP8 projections: dequantised in-graph (reference) or multiplied from their bytes (pallas)")
+    p.add_argument("--quant-sim", action="store_true", help="the official numerics: act_quant'd FP8 / FP4 GEMM "
+                   "inputs (FP8 x FP8 kernels) and the KV fake-quant steps")
     p.add_argument("--head-dtype", choices=("float32", "bfloat16"),
                    help="LM head GEMM inputs: float32 (the official model, default) or bfloat16 (f32 accumulation)")
     p.add_argument("--index-keys", choices=("model", "fp4"),
@@ -1123,7 +1132,7 @@ def main(argv=None) -> list[dict]:
     dtype = args.dtype or d["dtype"]
     cfg = resolve_config(preset, args.layers, args.moe_impl or d["impl"], args.attention_impl or d["impl"],
                          args.expert_weights, args.dense_weights, args.engram_vocab, args.head_dtype,
-                         args.index_keys)
+                         args.index_keys, dense_impl=args.dense_impl, quant_sim=args.quant_sim)
     phases = args.phase if isinstance(args.phase, list) else choice_list(PHASES)(args.phase)
     modes = args.mode if isinstance(args.mode, list) else choice_list(MODES)(args.mode)
     batches = args.batch or d["batch"]

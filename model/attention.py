@@ -22,7 +22,7 @@ from pallas_kernels import reference as ref
 from .cache import LayerCache, Step, ring_positions, ring_write
 from .compressor import Compressor, Indexer, store_entries, visible_entries
 from .config import LayerSpec, ModelConfig
-from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, normal_init, rms_normalize,
+from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_kernel_linear, normal_init, rms_normalize,
                      rope_frequencies)
 
 
@@ -112,9 +112,18 @@ class Attention(nnx.Module):
         """o [B, T, H, Dh] -> inverse RoPE -> grouped output projection -> [B, T, D]."""
         o = apply_rope(o, positions[..., None], self.freqs, inverse=True)
         o = o.reshape(*o.shape[:-2], self.o_groups, -1)
-        w_a = self.wo_a.dense_weight().reshape(self.o_groups, self.o_lora_rank, -1)
         with jax.named_scope("proj"):
-            u = jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
+            w, s = self.wo_a.weight[...], self.wo_a.scale
+            if self.wo_a.fp8_kernel and self.o_lora_rank % (w.shape[0] // s.shape[0]) == 0:
+                # one grouped FP8 GEMM: group g's rows against its own weight rows (whole scale blocks per group)
+                g, r, s = self.o_groups, self.o_lora_rank, s[...]
+                xg = jnp.moveaxis(o.reshape(-1, g, o.shape[-1]), 1, 0)
+                u = fp8_kernel_linear(xg, w.reshape(g, r, -1), s.reshape(g, r * s.shape[0] // w.shape[0], -1),
+                                      self.wo_a.act_block, self.wo_a.dtype)
+                u = jnp.moveaxis(u, 0, 1).reshape(*o.shape[:-2], g, r)
+            else:
+                w_a = self.wo_a.dense_weight().reshape(self.o_groups, self.o_lora_rank, -1)
+                u = jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
         return self.wo_b(u.reshape(*u.shape[:-2], -1))
 
     def __call__(self, h: jax.Array, step: Step, cache: LayerCache, shared: Shared

@@ -149,6 +149,11 @@ class ModelConfig:
     # attention also "triton" / "mgpu" to force one kernel (ATTENTION_IMPLS).
     attention_impl: str = "reference"
     moe_impl: str = "reference"
+    # The release's FP8 projections (dense_weights="fp8"): "reference" dequantises each weight in-graph before an XLA
+    # matmul; "pallas" multiplies from the stored bytes (pallas_kernels.fp8_linear: FP8 tiles dequantised in
+    # registers, or FP8 x FP8 with act_quant'd inputs under quant_sim); shapes that are not whole scale blocks keep
+    # the reference path.
+    dense_impl: str = "reference"
     # How the routed experts' weights are held in memory: "dense" (the model dtype) or "fp4" (packed E2M1 +
     # UE8M0 per 32 values, as the official checkpoints ship them; dequantised inside the Pallas kernel, or
     # in-graph by the reference path).
@@ -212,8 +217,11 @@ class ModelConfig:
         need(self.csa_ratio > 0, "csa_ratio must be positive")
         if self.generation == "v41":
             self._validate_v41(need)
-        for f, allowed in (("attention_impl", ATTENTION_IMPLS), ("moe_impl", IMPLS)):
+        for f, allowed in (("attention_impl", ATTENTION_IMPLS), ("moe_impl", IMPLS), ("dense_impl", IMPLS)):
             need(getattr(self, f) in allowed, f"{f} must be one of {allowed}, got {getattr(self, f)!r}")
+        need(self.dense_impl == "reference" or self.dense_weights == "fp8",
+             "dense_impl='pallas' multiplies FP8-held projections: it needs dense_weights='fp8' (bf16 projections run "
+             "on XLA's GEMMs)")
         if self.attention_impl == "mgpu":
             need((self.num_heads, self.head_dim) == (64, 512),
                  f"attention_impl='mgpu' needs 64 heads x 512 (got {self.num_heads} x {self.head_dim}): use 'pallas'")

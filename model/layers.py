@@ -33,7 +33,8 @@ class Linear(nnx.Module):
 
     After `quantise(B)` (cfg.dense_weights="fp8", the tensors of quant_io.release_fp8) W is held as the
     release ships it: `weight` float8_e4m3fn [out, in] and `scale` UE8M0 exponent bytes uint8
-    [ceil(out/B), ceil(in/B)]; each call dequantises it in-graph to the model dtype, then multiplies as usual.
+    [ceil(out/B), ceil(in/B)]; each call dequantises it in-graph to the model dtype, then multiplies as usual, or
+    with `fp8_kernel` (cfg.dense_impl="pallas", whole scale blocks) multiplies from the stored bytes.
     `act_block` > 0 (cfg.quant_sim, the official FP8 GEMMs): the input is first rounded by act_quant per
     `act_block` values (`reference.fp8_fake_quant`), as the official FP8 GEMM rounds it.
     """
@@ -46,6 +47,7 @@ class Linear(nnx.Module):
         self.fp32 = fp32
         self.input_dtype = input_dtype
         self.act_block = 0
+        self.fp8_kernel = False  # multiply the FP8-held weight from its bytes (pallas_kernels.fp8_linear)
 
     def quantise(self, block: int) -> None:
         """Hold the weight as FP8 E4M3 with one UE8M0 scale per `block` x `block` block (traceable)."""
@@ -64,12 +66,28 @@ class Linear(nnx.Module):
             return self._project(x)
 
     def _project(self, x: jax.Array) -> jax.Array:
+        if self.fp8_kernel:
+            w, s = self.weight[...], self.scale[...]
+            y = fp8_kernel_linear(x.reshape(1, -1, x.shape[-1]), w[None], s[None], self.act_block, self.dtype)
+            return y.reshape(*x.shape[:-1], w.shape[0])
         w = self.dense_weight()
         if self.act_block:
             x = ref.fp8_fake_quant(x, self.act_block)
         if self.fp32:
             return float32_linear(x, w, self.input_dtype)
         return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+
+
+def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> jax.Array:
+    """x [G, M, K] @ W_g^T on the FP8 kernels for FP8 weights w [G, N, K] with block scales [G, N/B, K/B]; act_block
+    (quant_sim's act_quant) other than the weights' block B rounds the input here and multiplies bf16 activations.
+    -> [G, M, N] in dtype."""
+    from pallas_kernels.fp8_linear import fp8_linear
+
+    block = w.shape[1] // scale.shape[1]
+    if act_block and act_block != block:
+        x, act_block = ref.fp8_fake_quant(x, act_block), 0
+    return fp8_linear(x.astype(dtype), w, scale, act_block=act_block, out_dtype=dtype)
 
 
 def float32_linear(x: jax.Array, w: jax.Array, input_dtype: str = "float32") -> jax.Array:

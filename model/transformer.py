@@ -155,7 +155,8 @@ class Piece:
     """One top-level module of the Transformer: `name` (`layers`, `mtp`: `index` in the list), the static
     description it is built from (`key`: pieces with equal keys build equal shapes, e.g. layers of one
     spec) and `make(rngs)`. `build` also holds the release's FP8 matrices as FP8 when the config asks
-    (`fp8_block`), and gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`)."""
+    (`fp8_block`), multiplies them from their bytes where they are whole scale blocks (`fp8_kernel`,
+    cfg.dense_impl="pallas"), and gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`)."""
 
     name: str
     index: int | None
@@ -163,6 +164,7 @@ class Piece:
     make: Callable[[nnx.Rngs], nnx.Module | None]
     fp8_block: int | None
     act_block: int = 0
+    fp8_kernel: bool = False
 
     @property
     def path(self) -> str:
@@ -177,6 +179,7 @@ class Piece:
                     continue
                 if self.fp8_block and quant_io.release_fp8(name):  # random FP8 matrices: quantised here
                     sub.quantise(self.fp8_block)
+                    sub.fp8_kernel = self.fp8_kernel and all(n % self.fp8_block == 0 for n in sub.weight.shape)
                 if quant_io.official_fp8_gemm(name):
                     sub.act_block = self.act_block
         return module
@@ -196,7 +199,7 @@ def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> l
     compiled program per distinct piece) gives the same weights as building the model at once."""
     dtype = resolve_dtype(dtype)
     piece = functools.partial(Piece, fp8_block=cfg.fp8_block if cfg.dense_weights == "fp8" else None,
-                              act_block=cfg.act_quant_block)
+                              act_block=cfg.act_quant_block, fp8_kernel=cfg.dense_impl == "pallas")
     d, spec = cfg.hidden_size, cfg.layer_spec
     plan = [piece("embed", None, ("embed",), lambda r: Embedding(cfg.vocab_size, d, rngs=r, dtype=dtype))]
     plan += [piece("layers", i, ("layers", _weights_key(spec(i))),

@@ -5,7 +5,7 @@ A dense linear is the MoE block's down GEMM with one expert, and a grouped one (
 projection: G groups, each its own [N, K] weight over its own inputs) with G experts; so both run on the MoE
 package's single-weight grouped GEMMs over a plan whose tiles are the groups' rows in order (no routing, no
 gather):
-  act_block == 0 -- bf16 activations; Triton dequantises each FP8 tile in registers by its block scale on the
+  act_block == 0 -- activations as given (bf16; float32 in the parity mode); Triton dequantises each FP8 tile in registers by its block scale on the
                     partial product (decode / verify: one pass over the weights per tile of rows).
   act_block == B -- the official FP8 GEMM: activations act_quant'd per B values (reference.act_quant), FP8 x FP8
                     MMA with both scales on each block's float32 partial; on Triton at decode loads, on the
@@ -47,6 +47,8 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     float8_e8m0fnu). act_block: 0 (bf16 activations) or the weights' block B (act_quant, FP8 x FP8).
     backend: "auto" (the MoE tuning table's) | "triton" | "mgpu" (FP8 x FP8 only). Output in out_dtype, accumulated
     in float32."""
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"fp8_linear: x must be bf16, f16 or float32, got {x.dtype}")
     if x.ndim != 3 or w.ndim != 3 or scale.ndim != 3:
         raise ValueError(f"fp8_linear: x [G, M, K], w [G, N, K] and scale [G, N/B, K/B], got {x.shape}, {w.shape}, "
                          f"{scale.shape}")
@@ -92,7 +94,7 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     if fp8_mma:
         xq, xs = ref.act_quant(xp, act_block)
     else:
-        xq, xs = (ref.fp8_fake_quant(xp, act_block) if act_block else xp).astype(jnp.bfloat16), None
+        xq, xs = (ref.fp8_fake_quant(xp, act_block) if act_block else xp), None
     if backend == "triton":
         y = triton_gemm.down((xq,), tile_expert, w, scale, fmt="fp8", cfg=config, out_dtype=out_dtype,
                              interpret=interp, z_scale=xs)

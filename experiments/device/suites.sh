@@ -16,6 +16,9 @@
 #   step-v41-fp4-experts  V4.1 (Engram vocabulary 160K), bf16 dense + FP4 experts: verify 8 / 64 / 256 x 4 at 4K and
 #                         32K, prefill 1 x 4096
 #   step-index-keys       V4, FP4 experts, verify 64 x 4 at 128K with bf16 and MXFP4 index keys
+#   fp8-dense             the FP8 projections multiplied from their bytes (--dense-impl pallas) against the in-graph
+#                         dequantisation, release format, V4 verify 64 / 256 x 4 and prefill 2 x 4096 (and the
+#                         official act_quant'd FP8 x FP8 prefill, --quant-sim), after the kernels' GPU tests
 #   step-realistic        realistic mode (the router's own choices, distinct prompts, the whole speculative step),
 #                         release format, verify 64 x 4
 #   peer-ours             ours (release format and bf16) at the peer's shapes: prefill 1 x 4096 without context,
@@ -93,6 +96,14 @@ for suite in "${suites[@]}"; do
             --kernel-times 2
         bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
             --kernel-times 2 ;;
+    fp8-dense)
+        limit 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_linear.py 2>&1 | tail -3
+        for impl in reference pallas; do
+            bench 200 "v4_release_dense_$impl" $V4 $RELEASE --dense-impl $impl --phase decode,prefill --batch 64,256 \
+                --prefill-batch 2 --context 32768 --kernel-times 2
+        done
+        bench 120 v4_release_quant_sim_pallas $V4 $RELEASE --dense-impl pallas --quant-sim --phase prefill \
+            --prefill-batch 2 --context 32768 --kernel-times 2 ;;
     step-bf16)
         bench 400 v4_bf16 $V4 --phase decode,prefill --batch 8,64,256 --prefill-batch 1,4 --context 32768 \
             --kernel-times 2

@@ -202,9 +202,17 @@ def plot_breakdown(records: list[dict], path: str | Path | None = None, title: s
     applies = [ceiling_applies(r, fl["measured"]["ceilings"]) for r, _, fl in parts]
     n = len(records)
     detailed = [i for i, (_, bd, _) in enumerate(parts) if bd]   # a panel per profiled record
-    fig, axes = _figure(1, 1 + len(detailed), figsize=(2.5 + 3 * n + 6.2 * len(detailed), 6.4), squeeze=False,
-                        gridspec_kw={"width_ratios": [1.6 * n] + [2.0] * len(detailed)})
-    ax = axes[0][0]
+    fig = Figure(layout="constrained")
+    if len(detailed) <= 1:   # side by side
+        fig.set_size_inches(2.5 + 3 * n + 6.2 * len(detailed), 6.4)
+        axes = fig.subplot_mosaic([["stack"] + [f"c{i}" for i in detailed]],
+                                  width_ratios=[1.6 * n] + [2.0] * len(detailed))
+    else:   # the stacks above, a row of component panels below
+        fig.set_size_inches(6.4 * len(detailed), 11.5)
+        axes = fig.subplot_mosaic([["stack"] * len(detailed), [f"c{i}" for i in detailed]], height_ratios=[1.2, 1])
+        for i in detailed[1:]:   # one time scale for comparing the records' components
+            axes[f"c{i}"].sharex(axes[f"c{detailed[0]}"])
+    ax = axes["stack"]
     drawn = {"stack": {}, "floor_line": {}, "component": {}, "floor_tick": {}}
     used: set[str] = set()
     xt, xl = [], []
@@ -234,7 +242,7 @@ def plot_breakdown(records: list[dict], path: str | Path | None = None, title: s
             ax.text(4 * i + 1.5, 0.5, _not_applied(rec, fl), transform=ax.get_xaxis_transform(), fontsize=8,
                     va="center", ha="center", color="#555555", wrap=True)
         if i in detailed:
-            _component_panel(axes[0][1 + detailed.index(i)], i, rec, bd, fl if ok else None, drawn)
+            _component_panel(axes[f"c{i}"], i, rec, bd, fl if ok else None, drawn)
     ax.set_xticks(xt, xl, fontsize=8)
     ax.set_ylabel("ms per step, per device")
     ax.set_xlim(-0.7, 4 * n - 1.3)
@@ -312,7 +320,7 @@ def _component_panel(ax, i: int, rec: dict, bd: dict | None, fl: dict | None, dr
     ax.set_yticks(range(len(order)), order, fontsize=8)
     ax.set_ylim(len(order) - 0.5, -0.5)
     ax.set_xlabel("ms per step, per device")
-    ax.margins(x=0.3)
+    ax.margins(x=0.4)
     ax.grid(axis="x", alpha=0.3)
     if fl:
         ax.legend(handles=[Line2D([], [], color="k", lw=1.6, label="floor, measured ceilings"),

@@ -180,7 +180,7 @@ def _segment_patch(name: str) -> dict:
             "hatch": "//" if name in ("host / launch gap", NOT_PROFILED) else None}
 
 
-NOT_PROFILED = "not profiled (--kernel-times)"
+NOT_PROFILED = "not profiled (--kernel-times on a GPU)"
 
 
 def plot_breakdown(records: list[dict], path: str | Path | None = None, title: str = "") -> tuple:
@@ -247,7 +247,8 @@ def plot_breakdown(records: list[dict], path: str | Path | None = None, title: s
     ax.set_ylabel("ms per step, per device")
     ax.set_xlim(-0.7, 4 * n - 1.3)
     ax.margins(y=0.08)
-    ax.set_title("the step by component beside its floors (ms); black line: the step's floor", fontsize=9)
+    ax.set_title("the step by component beside its floors (ms); black line: the step's floor" if drawn["floor_line"]
+                 else "the step (ms)", fontsize=9)
     handles = [Patch(label=name, **_segment_patch(name)) for name in _stack_order(used)]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 9), fontsize=8, frameon=False)
     fig.suptitle(_breakdown_title(parts, applies, title), fontsize=8.5)
@@ -374,7 +375,7 @@ def plot_sweep(records: list[dict], path: str | Path | None = None, title: str =
     if not ok:
         raise ValueError("plot_sweep needs at least one record with status ok")
     phases = [ph for ph in ("decode", "prefill") if any(r["phase"] == ph for r in ok)]
-    fig, axes = _figure(2, len(phases), figsize=(6.4 * len(phases), 7.6), squeeze=False)
+    fig, axes = _figure(2, len(phases), figsize=(6.4 * len(phases), 7.6), squeeze=False, sharex="col")
     drawn = {}
     ceilings = set()
     for col, ph in enumerate(phases):
@@ -411,6 +412,7 @@ def plot_sweep(records: list[dict], path: str | Path | None = None, title: str =
                                                         color=colour, markerfacecolor=face)[0]
                 ceilings |= {(which, ceilings_text(f[which]["ceilings"]) + (" (recomputed by today's "
                               "experiments/roofline.py)" if f[which]["recomputed"] else "")) for f in fl}
+        top.tick_params(labelbottom=True)   # shared x axis, labelled in both rows
         for ax in (top, bottom):
             if numeric:
                 ax.set_xscale("log", base=2)

@@ -1109,6 +1109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="results directory (default experiments/results; $OUT also gets a copy)")
     p.add_argument("--tag", default="", help="added to the results file name")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--plot", action="store_true", help="also draw the records (experiments/plots.py: the step by "
+                   "component beside its floors) as a PNG beside the JSON (needs matplotlib)")
     p.add_argument("--time-budget", type=float, help="seconds: start no new configuration after this (the ones "
                    "left are recorded as skipped), so a run under a hard limit ends with its table written")
     return p.parse_args(argv)
@@ -1124,6 +1126,8 @@ def stub_record(preset: str, cfg, dtype: str, pt: Point, status: str, reason: st
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.plot:  # before the run: fails at once where matplotlib is missing
+        from .plots import plot_breakdown, read_records
     import jax
 
     backend = jax.default_backend()
@@ -1187,6 +1191,13 @@ def main(argv=None) -> list[dict]:
     print(md)
     if recs:
         print(f"wrote {paths[0]} and {paths[1].name}")
+    if args.plot and recs:
+        written = read_records(paths[0])
+        if not written:
+            raise SystemExit(f"--plot: no record with status ok in {paths[0]}")
+        plot_breakdown(written, paths[0].with_suffix(".png"), title=paths[0].name)
+        copy_to_out([paths[0].with_suffix(".png")])
+        print(f"wrote {paths[0].with_suffix('.png').name}")
     return recs
 
 

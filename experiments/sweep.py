@@ -9,7 +9,7 @@ The grid is the product of: mesh x phase x mode x context x batch x num_draft (d
 (prefill) x replay. Values come from a small YAML (or JSON) spec file; every list given on the command
 line replaces the spec's. Spec keys (all optional):
 
-    name: h200-decode                 # results: experiments/results/sweep_<name>.jsonl / .md / *.png
+    name: h200-decode                 # results: experiments/results/sweep_<name>.jsonl / .md / .png
     preset: v4-flash-4l               # plus layers, dtype, moe_impl, attention_impl, expert_weights,
                                       # dense_weights, seed, checkpoint
     phase: [decode]                   # prefill | decode
@@ -30,9 +30,10 @@ line replaces the spec's. Spec keys (all optional):
 Resumable: every finished point is appended to the results file (JSON lines) at once; a later run with
 the same file skips every point already there with status ok / refused / skipped (points that failed with
 an error run again). The model is built once per mesh, and only if that mesh has points left to run. At
-the end the markdown table and the PNG plots (median step time and roofline fraction vs batch, one line
-per configuration, one panel per phase) are rewritten from the whole file; plotting needs matplotlib and
-is skipped with a message where it is not installed. Everything written is also copied to $OUT when set.
+the end the markdown table and the plot (<name>.png: tokens/s per GPU and % of the floor against the swept
+axis, one line per combination of the other swept values, one column per phase; experiments/plots.py) are
+rewritten from the whole file; plotting needs matplotlib and is skipped with a message where it is not
+installed. Everything written is also copied to $OUT when set.
 """
 
 from __future__ import annotations
@@ -205,67 +206,21 @@ DONE = ("ok", "refused", "skipped")
 
 # ----------------------------------------------------------------------------------------------- plots
 
-def config_label(r: dict) -> str:
-    mesh = "x".join(str(r["mesh"][a]) for a in ("dp", "ep", "tp"))
-    parts = [r["mode"], r["step"] if r["phase"] == "decode" else f"new {r['new_tokens']}", f"ctx {r['context']}",
-             f"mesh {mesh}"]
-    if r["phase"] == "decode":
-        parts.append(f"k={r['num_draft']}")
-    if r.get("replay"):
-        parts.append("replay")
-    if r.get("config") and r.get("dtype"):
-        parts.append(f"{r['config']} {r['dtype']}")
-    return ", ".join(parts)
-
-
 def plot(recs: list[dict], stem: Path) -> list[Path]:
-    """Step time and roofline fraction vs batch, one line per configuration, a panel per phase."""
+    """<stem>.png: tokens/s per GPU and % of the floor against the swept axis, a column per phase
+    (experiments.plots.plot_sweep); nothing where matplotlib is not installed or no point finished."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
+        from .plots import plot_sweep
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("matplotlib"):
+            raise
         print("[sweep] matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
         return []
-    ok = [r for r in recs if r.get("status") == "ok"]
-    if not ok:
+    if not any(r.get("status") == "ok" for r in recs):
         return []
-    phases = [ph for ph in bench.PHASES if any(r["phase"] == ph for r in ok)]
-    out = []
-    for metric, ylabel, fname, fn in (
-            ("step", "median step time (ms)", "step_time", lambda r: r["step_ms"]["median"]),
-            ("roofline", "achieved fraction of the roofline (%)", "roofline", lambda r: 100 * r["roofline_fraction"])):
-        fig, axes = plt.subplots(1, len(phases), figsize=(7 * len(phases), 4.8), squeeze=False)
-        for ax, ph in zip(axes[0], phases):
-            lines: dict[str, list] = {}
-            for r in ok:
-                if r["phase"] == ph:
-                    lines.setdefault(config_label(r), []).append((r["batch"], fn(r)))
-            for label, pts in sorted(lines.items()):
-                pts.sort()
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
-            ax.set_xscale("log", base=2)
-            batches = sorted({r["batch"] for r in ok if r["phase"] == ph})
-            ax.set_xticks(batches)
-            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-            ax.set_ylim(bottom=0)
-            ax.set_xlabel("batch (sequences per step)")
-            ax.set_ylabel(ylabel)
-            ax.set_title(ph)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-        env = ok[-1].get("env", {})
-        fig.suptitle(f"{stem.name}: {env.get('device', '?')} ({env.get('backend', '?')}), jax {env.get('jax', '?')}, "
-                     f"git {str(env.get('git_revision'))[:10]}", fontsize=9)
-        fig.tight_layout()
-        path = stem.with_name(f"{stem.name}_{fname}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        out.append(path)
-    return out
+    path = stem.with_suffix(".png")
+    plot_sweep(recs, path, title=stem.name)
+    return [path]
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -42,14 +42,17 @@ def run_cli(args: list[str], limit_s: int, env_extra: dict | None = None) -> sub
 def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     out = tmp_path / "results"
     copy = tmp_path / "out"
+    plot = importlib.util.find_spec("matplotlib") is not None
     res = run_cli(["experiments.bench", "--quick", "--preset", "tiny-v4", "--layers", "4", "--mode", "both",
-                   "--phase", "both", "--out", str(out), "--tag", "test", "--kernel-times", "1"], 240,
-                  {"OUT": str(copy), **jax_cache})
+                   "--phase", "both", "--out", str(out), "--tag", "test", "--kernel-times", "1"]
+                  + ["--plot"] * plot, 240, {"OUT": str(copy), **jax_cache})
     files = sorted(out.glob("bench_*_test.json"))
     assert len(files) == 1, list(out.iterdir())
     recs = json.loads(files[0].read_text())
     assert (out / files[0].name.replace(".json", ".md")).exists()
     assert (copy / files[0].name).exists(), "results are copied to $OUT"
+    if plot:   # the records drawn beside them
+        assert files[0].with_suffix(".png").read_bytes()[:4] == b"\x89PNG" and (copy / f"{files[0].stem}.png").exists()
     assert "[bench" in res.stderr and "/11" in res.stderr, "progress display"
     got = {(r["phase"], r["mode"]): r for r in recs}
     assert set(got) == {(ph, m) for ph in ("prefill", "decode") for m in ("deepinfer", "realistic")}
@@ -128,9 +131,7 @@ def test_sweep_two_points_then_resume(tmp_path, jax_cache):
     assert all(r["sweep"] == "smoke" and r["env"]["git_revision"] for r in recs)
     assert results.with_suffix(".md").exists()
     if importlib.util.find_spec("matplotlib") is not None:
-        for name in ("step_time", "roofline"):
-            png = tmp_path / f"sweep_smoke_{name}.png"
-            assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+        assert results.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     second = run_cli(args, 60, jax_cache)
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert summary["ran"] == 0 and summary["skipped_done"] == 2

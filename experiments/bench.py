@@ -784,7 +784,7 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
         out["finite_outputs"] = bool(res[1])
         if setup.kernel_steps:
             out["profile"], cache = kernel_profile(fn, state, cache, sets, setup.kernel_steps,
-                                                   statistics.median(times) * 1e3)
+                                                   statistics.median(times) * 1e3, int(np.prod(p.mesh)))
     else:  # the whole speculative iteration
         dc = allocate_draft(setup.model, p.batch, max_len, spec_room)
         dc_shardings = None
@@ -834,10 +834,10 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
     return out
 
 
-def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float) -> tuple[dict, Any]:
+def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float, devices: int) -> tuple[dict, Any]:
     """`steps` more calls of a compiled prefill / verify step under CUPTI, the cache threaded as in the timing
     loop -> (experiments.step_profile's breakdown: per component and kernel kind, the host / launch gap against
-    the wall-clock median `wall_ms`, the kernels ranked; or {error}, cache)."""
+    the wall-clock median `wall_ms`, the kernels ranked, per device of the step's `devices`; or {error}, cache)."""
     from .step_profile import profile_step
 
     box = {"cache": cache, "i": 0}
@@ -847,7 +847,7 @@ def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float) -> 
         box["i"] += 1
         return res, box["cache"]
 
-    prof = profile_step(fn.as_text(), run_once, steps, wall_ms)
+    prof = profile_step(fn.as_text(), run_once, steps, wall_ms, devices)
     return prof, box["cache"]
 
 

@@ -74,7 +74,8 @@ def step_breakdown(rec: dict) -> dict | None:
     listed" or "host / launch gap": ms}, "named": the components its attribution can name, "attribution",
     "devices"}; None where the record has no per-kernel times.
 
-    CUPTI times the kernels of every device of the process, so a mesh's kernel times are divided by its devices.
+    CUPTI times the kernels of every device of the process: a mesh's kernel times are divided by its devices (profiles
+    from experiments/step_profile are per device already).
     Records that list only their largest kernels (`kernels.top`) show the rest as "kernels not listed"."""
     wall = rec["step_ms"]["median"]
     listed_total = None
@@ -85,7 +86,7 @@ def step_breakdown(rec: dict) -> dict | None:
         listed_total = rec["kernels"].get("kernel_ms_per_step")
     else:
         return None
-    n = int(rec.get("devices", 1))
+    n = 1 if prof.get("per_device") else int(rec.get("devices", 1))
     segs: dict[str, float] = {}
     for name, comp in prof["components"].items():
         if name != "other":

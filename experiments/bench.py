@@ -48,9 +48,9 @@ dtype, warm-up and repeat counts, medians, compile times, roofline) in
 experiments/results/bench_<stamp>_<backend>.json plus a markdown table (.md); both are rewritten after every
 configuration (a run cut short keeps what it finished) and copied to $OUT when that is set.
 
-Forced balance: `sharding.expert_parallel.attach(model, mesh_or_None, EPConfig(force_balance=True))` replaces
-the router's ids and then runs the configured expert implementation (`cfg.moe_impl`, on each shard of a
-mesh too).
+Forced balance: the model runs with `make_runtime(cfg, mesh_or_None, forced_balance=True)` (model/runtime.py),
+whose expert functions replace the router's ids and then run the configured expert implementation
+(`cfg.moe_impl`, on each shard of a mesh too).
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def weight_bytes_per_device(cfg, dtype: str, mesh: tuple) -> float:
     """Resident parameter bytes per device under the sharding table (drafter included: the model holds it)."""
     key = (cfg, dtype, tuple(mesh))
     if key not in _WEIGHT_BYTES:
-        from sharding.apply import memory_per_device
+        from model.sharded import memory_per_device
 
         dp, ep, tp = mesh
         _WEIGHT_BYTES[key] = float(memory_per_device(cfg, dp, ep, tp, 1, 64, dtype)["params"])
@@ -363,18 +363,16 @@ def memory_message(mem: dict, where: str) -> str:
 # ----------------------------------------------------------------------------------------------- routing
 
 
-def set_routing(model, forced: bool, mesh) -> str:
-    """Forced balance or the router's choices, on one device or a mesh. -> a description for the record."""
-    from sharding.expert_parallel import EPConfig, attach, detach
+def set_routing(model, forced: bool, mesh):
+    """Forced balance or the router's choices, on one device or a mesh -> (the model with that runtime,
+    a description for the record)."""
+    from model.runtime import make_runtime
 
+    model = model.with_runtime(make_runtime(model.config, mesh, forced_balance=forced))
+    how = "forced-balance" if forced else "router"
     if mesh is None:
-        if forced:
-            attach(model, None, EPConfig(force_balance=True))
-        else:
-            detach(model)
-        return f"{'forced-balance' if forced else 'router'} ({model.config.moe_impl} experts, one device)"
-    attach(model, mesh, EPConfig(force_balance=forced))
-    return f"{'forced-balance' if forced else 'router'} (expert parallel, {model.config.moe_impl} experts per shard)"
+        return model, f"{how} ({model.config.moe_impl} experts, one device)"
+    return model, f"{how} (expert parallel, {model.config.moe_impl} experts per shard)"
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -437,7 +435,7 @@ def build(cfg, preset: str, dtype: str, mesh_shape=(1, 1, 1), seed: int = 0, che
 
         model = restore_orbax(checkpoint, cfg, dtype)  # built from `cfg`: the requested kernels apply
         if mesh is not None:
-            from sharding import shard_model
+            from model.sharded import shard_model
 
             model = shard_model(model, mesh)
     else:
@@ -520,7 +518,7 @@ def new_cache(setup: Setup, batch: int, max_len: int, spec_room: int):
     fn = lambda: allocate(cfg, batch, max_len, dtype, spec_room)  # noqa: E731
     if setup.mesh is None:
         return jax.jit(fn)(), None
-    from sharding import cache_shardings
+    from model.sharded import cache_shardings
 
     shardings = cache_shardings(jax.eval_shape(fn), setup.mesh)
     return jax.jit(fn, out_shardings=shardings)(), shardings
@@ -537,7 +535,7 @@ def filled_cache(setup: Setup, p: Point, max_len: int, spec_room: int, length: i
     fn = lambda: allocate(cfg, p.batch, max_len, dtype, spec_room)  # noqa: E731
     shardings = None
     if setup.mesh is not None:
-        from sharding import cache_shardings
+        from model.sharded import cache_shardings
 
         shardings = cache_shardings(jax.eval_shape(fn), setup.mesh)
     if length == 0:
@@ -748,7 +746,7 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
 
     cfg, prog = setup.cfg, setup.progress
     forced = p.mode == "deepinfer"
-    routing = set_routing(setup.model, forced, setup.mesh)
+    setup.model, routing = set_routing(setup.model, forced, setup.mesh)
     state, fns, sp = step_functions(setup, p)
     rng = np.random.default_rng(setup.seed + 7919 * p.batch + p.context)
     spec_room = max(8, p.num_draft + 2)
@@ -789,7 +787,7 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
         dc = allocate_draft(setup.model, p.batch, max_len, spec_room)
         dc_shardings = None
         if setup.mesh is not None:
-            from sharding import cache_shardings
+            from model.sharded import cache_shardings
 
             dc_shardings = cache_shardings(jax.eval_shape(lambda: dc), setup.mesh)
         dc = synthetic(lambda: dc, dc_shardings, int(rng.integers(1 << 30)), forced, cfg.vocab_size, 0)

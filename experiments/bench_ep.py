@@ -8,9 +8,10 @@ reduce time per step, measured separately; replicate-and-reduce against all-to-a
 For each (tokens, strategy): random activations [M, D] (M = tokens over the whole mesh, split over dp x ep),
 router choices (uniform random distinct experts, or `--forced-balance`) and routing weights, and one
 layer's routed experts (V4-Flash: 256 x 4096 -> 2048, top-6; `--small`: 16 x 128 -> 128) split over ep.
-Two programs are timed (`sharding.expert_parallel.ExpertParallel`): "full" (dispatch, the experts, combine)
-and "comm" (impl="comm_only": the same dispatch and combine, or the same reduce, with the expert GEMMs
-skipped). comm / full is the transport's share of the MoE block; full - comm what the experts cost there.
+Two programs are timed (`sharding.expert_parallel.ExpertParallel` over the model's `LocalExperts`): "full"
+(dispatch, the experts, combine) and "comm" (comm_only=True: the same dispatch and combine, or the same
+reduce, with the expert GEMMs skipped). comm / full is the transport's share of the MoE block; full - comm
+what the experts cost there.
 Medians of `--repeats` calls after `--warmup`, each ended by `jax.block_until_ready`; compile excluded.
 Output: experiments/results/bench_ep_<stamp>_<backend>.{json,md} (and $OUT when set).
 """
@@ -65,7 +66,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from model.moe import random_experts
+    from model.moe import LocalExperts, random_experts
     from pallas_kernels.moe import fp4_kernel_scales, fp4_kernel_weights
     from sharding import EPConfig, ParallelConfig
     from sharding.expert_parallel import ExpertParallel
@@ -102,8 +103,9 @@ def run(args) -> dict:
         ids, wts = put(ids, P(("dp", "ep"))), put(wts, P(("dp", "ep")))
         for strategy in [s.strip() for s in args.strategy.split(",") if s.strip()]:
             rec = {"tokens": m, "strategy": strategy, "mesh": {"dp": dp, "ep": ep, "tp": tp}}
-            for what, impl in (("full", args.impl), ("comm", "comm_only")):
-                layer = ExpertParallel(mesh, EPConfig(strategy, args.transport), impl=impl)
+            for what in ("full", "comm"):
+                layer = ExpertParallel(mesh, LocalExperts(args.impl), EPConfig(strategy, args.transport),
+                                       comm_only=what == "comm")
                 rec["path"] = layer.describe(m)
                 fn = jax.jit(lambda x, ids, wts, w, s, layer=layer: layer(x, ids, wts, *w, 10.0, scales=s))
                 with jax.set_mesh(mesh):

@@ -238,17 +238,17 @@ def _layer_fn(fmt: str, seed: int):
     from flax import nnx
 
     from model import ModelConfig
-    from model.moe import MoE
-    from sharding.expert_parallel import EPConfig, attach, detach
+    from model.moe import LocalExperts, MoE
+    from sharding.placement import ForcedBalance
 
     cfg = ModelConfig.preset("v4-flash").replace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E,
                                                   expert_weights="fp4" if fmt == "fp4" else "dense",
                                                   moe_impl="pallas")
-    layer = MoE(cfg, cfg.layer_spec(cfg.num_hash_layers), rngs=nnx.Rngs(seed), dtype=jnp.bfloat16)
-    graphs = {}
-    for forced in (False, True):
-        attach(layer, None, EPConfig(force_balance=True)) if forced else detach(layer)
-        graphs[forced] = nnx.split(layer)[0]
+    spec = cfg.layer_spec(cfg.num_hash_layers)
+    layer = MoE(cfg, spec, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16)
+    forced_layer = nnx.eval_shape(lambda: MoE(cfg, spec, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16,
+                                              experts=ForcedBalance(LocalExperts(cfg.moe_impl))))
+    graphs = {False: nnx.graphdef(layer), True: nnx.graphdef(forced_layer)}
     state = nnx.state(layer)
 
     @functools.partial(jax.jit, static_argnums=3)

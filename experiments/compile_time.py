@@ -12,7 +12,7 @@ The step functions are experiments/bench.py's (`step_functions`: prefill = `new_
 after `context` cached positions; verify = 1 + num_draft rows per sequence), so the programs are the ones
 bench.py times. Reported per step: trace + lowering seconds, XLA compile seconds, and the compiled
 program's temporary buffer bytes where the backend reports them. With `--mesh dp,ep,tp` the step is compiled
-partitioned (weights, caches and tokens laid out by sharding/rules.py, the mesh hooks attached) and
+partitioned (weights, caches and tokens laid out by the sharding tables, the model on the mesh's runtime) and
 `--collectives` lists what it communicates per device (kind, result shape and bytes, the jax op that made
 it): on a CPU this shows the XLA partitioning of everything but the GPU kernels' custom calls. Output: JSON + markdown under
 experiments/results/compile_time_<stamp>_<backend>.{json,md} (and $OUT when set).
@@ -64,16 +64,12 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
 
     from experiments.bench import Point, Setup, make_mesh, step_functions
     from model.cache import allocate
+    from model.runtime import make_runtime
     from model.transformer import abstract_model
 
     t0 = time.perf_counter()
-    model = abstract_model(cfg, dtype)
     mesh = make_mesh(mesh_shape)
-    if mesh is not None:
-        from sharding import batch_parallel, expert_parallel
-
-        batch_parallel.attach(model, mesh)
-        expert_parallel.attach(model, mesh)
+    model = abstract_model(cfg, dtype, runtime=make_runtime(cfg, mesh))
     setup = Setup(cfg=cfg, preset=cfg.name, dtype=dtype, mesh_shape=tuple(mesh_shape), mesh=mesh, model=model,
                   init_s=0.0)
     point = Point("prefill" if kind == "prefill" else "decode", "deepinfer", batch, context, rows, num_draft,
@@ -83,7 +79,8 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
     cache = jax.eval_shape(lambda: allocate(cfg, batch, max_len, dtype, max(8, num_draft + 2)))
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)
     if mesh is not None:
-        from sharding.rules import batch_sharding, cache_shardings, param_shardings
+        from model.sharded import cache_shardings, param_shardings
+        from sharding.rules import batch_sharding
 
         placed = lambda tree, shardings: jax.tree.map(  # noqa: E731
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)

@@ -59,8 +59,9 @@ class Attention(nnx.Module):
         self.eps = cfg.rms_norm_eps
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
         self.impl = cfg.attention_impl  # "reference" | "pallas" | "mgpu" (_attention_kernel, _topk_kernel)
-        # on a mesh: runs the Pallas kernels per batch shard (sharding.batch_parallel.attach)
-        self.batch_parallel = None
+        # the runner of the Pallas kernels on a mesh (sharding.BatchParallel: once per batch shard, as GSPMD cannot
+        # split a pallas_call; static), from the model's runtime (Transformer._bind); None: on the whole batch
+        self.per_shard = None
 
     def queries(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D] -> (q [B, T, H, Dh] rotated, c_q [B, T, q_lora])."""
@@ -190,9 +191,9 @@ class Attention(nnx.Module):
 
     def _per_sequence(self, fn, batched: tuple, replicated: tuple = ()):
         """fn(*batched, *replicated), on a mesh once per batch shard (GSPMD cannot split a pallas_call)."""
-        if self.batch_parallel is None:
+        if self.per_shard is None:
             return fn(*batched, *replicated)
-        return self.batch_parallel(fn, batched, replicated)
+        return self.per_shard(fn, batched, replicated)
 
     def _attention_kernel(self, q: jax.Array, step: Step, keys: list, ring_pos: jax.Array, own_pos: jax.Array,
                           shared: Shared) -> jax.Array:

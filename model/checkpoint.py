@@ -4,7 +4,8 @@ Official names (MODEL_SPEC 3.7) are the canonical names: our parameter tree mirr
 two mechanical differences handled here — `hc_{attn,ffn,head}_{fn,base,scale}` are the
 submodules `hc_attn.fn` etc., and routed experts are stacked (`ffn.experts.w1` [E, I, D] holds
 `ffn.experts.{e}.w1.weight`). HF names (`model.layers.{l}.self_attn.q_a_proj.weight`, fused
-`mlp.experts.gate_up_proj`, ...) are first translated to official names.
+`mlp.experts.gate_up_proj`, ...) are first translated to official names (`model.sharded.path_to_official`
+gives a state path's official name: the sharding tables use it too).
 
 Loading never executes code: safetensors + JSON only. FP8 (E4M3 + UE8M0 block scales) and FP4
 (E2M1 packed low-nibble-first + UE8M0 per 32) are dequantised tensor by tensor and cast straight
@@ -31,23 +32,14 @@ from pallas_kernels.moe import (FP4_KERNEL_MAX_BYTE, fp4_kernel_scales, fp4_kern
 
 from . import quant_io
 from .config import ModelConfig
+from .runtime import make_runtime
+from .sharded import local_expert_tensors, path_to_official, place_loaded, skipped_expert_names
 from .transformer import Transformer, abstract_model
 
-_HC = re.compile(r"(^|\.)(hc_(?:attn|ffn|head))_(fn|base|scale)$")
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
 # ----------------------------------------------------------------------------- naming
-
-def path_to_official(path: tuple) -> str:
-    """nnx state path -> official name (stacked experts give the pattern with '{e}')."""
-    name = ".".join(str(p) for p in path)
-    name = re.sub(r"(^|\.)(hc_(?:attn|ffn|head))\.(fn|base|scale)$", r"\1\2_\3", name)
-    m = re.match(r"^(.*\.experts)\.([ws])([123])$", name)
-    if m:  # stacked experts; FP4 scales s1..s3 are the official `w1.scale` ...
-        return f"{m.group(1)}.{{e}}.w{m.group(3)}.{'weight' if m.group(2) == 'w' else 'scale'}"
-    return name
-
 
 def _hf_rules() -> list[tuple[re.Pattern, str]]:
     rules = [
@@ -210,9 +202,10 @@ def load_checkpoint(directory, dtype="bfloat16", mesh=None, token_map: np.ndarra
     `num_mtp_layers = 0`. `config_overrides` set runtime options of the config (e.g.
     `engram_placement="host"`, `quant_sim=True`, `attention_impl="pallas"`). `token_map`: the V4.1
     Engram compressed-token map (required when the compressed vocab differs from the vocab).
+    mesh: a (dp, ep, tp) mesh -> arrays born sharded (model/sharded.py's tables) and the mesh's runtime
+    (model/runtime.py); each process reads only the routed experts its devices hold and hands each device
+    only its slice of the rest.
     """
-    # mesh: a (dp, ep, tp) mesh -> arrays born sharded (sharding/rules.py); each process reads only the
-    # routed experts its devices hold and hands each device only its slice of the rest.
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     if config_overrides:
@@ -227,8 +220,6 @@ def load_checkpoint(directory, dtype="bfloat16", mesh=None, token_map: np.ndarra
     if layout == "hf":
         items = _hf_tensors(items)
     if mesh is not None:  # before dequantisation: other processes' experts are never read
-        from sharding.apply import local_expert_tensors
-
         items = local_expert_tensors(items, cfg, mesh)
     return build_from_tensors(cfg, _dequantised(items, cfg), dtype=dtype,
                               source=str(directory), token_map=token_map, mesh=mesh)
@@ -238,13 +229,14 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
                        token_map: np.ndarray | None = None, mesh=None) -> Transformer:
     """Official-named logical tensors (iterable of (name, array) or a dict) -> Transformer.
 
-    With a `mesh`, routed experts held by other processes' devices need not be given, and the arrays
-    are created sharded (sharding.apply.place_loaded).
+    With a `mesh`, routed experts held by other processes' devices need not be given, the arrays are
+    created sharded (model.sharded.place_loaded) and the model runs with the mesh's runtime.
     """
     if token_map is None and cfg.engram_layer_ids and cfg.engram_compressed_vocab_size != cfg.vocab_size:
         raise ValueError(f"{source}: this V4.1 checkpoint needs the tokenizer's Engram token map: pass "
                          "token_map=model.engram.token_map_from_texts([tokenizer.decode([i]) for i in ...])")
-    abstract = abstract_model(cfg, dtype, token_map=token_map)
+    runtime = None if mesh is None else make_runtime(cfg, mesh)   # a layout the mesh cannot hold raises here
+    abstract = abstract_model(cfg, dtype, token_map=token_map, runtime=runtime)
     graphdef, state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(state))
     expected: dict[str, tuple[int, int | None]] = {}  # name -> (leaf index, expert index)
@@ -298,11 +290,7 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
     if unexpected:
         raise ValueError(f"{source}: unexpected tensors (not in a {cfg.name} model): "
                          f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}")
-    elsewhere = set()
-    if mesh is not None:
-        from sharding.apply import skipped_expert_names
-
-        elsewhere = skipped_expert_names(expected, mesh)
+    elsewhere = set() if mesh is None else skipped_expert_names(expected, mesh)
     missing = sorted((set(expected) | set(host_tables)) - seen - elsewhere)
     if missing:
         raise ValueError(f"{source}: missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
@@ -310,8 +298,6 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
         for i, layout in held.items():
             buffers[i] = np.asarray(layout[0](buffers[i]))
     if mesh is not None:
-        from sharding.apply import place_loaded
-
         return place_loaded(graphdef, flat, buffers, mesh)
     leaves = [(path, var.replace(jnp.asarray(buf))) for (path, var), buf in zip(flat, buffers)]
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))

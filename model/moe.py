@@ -4,11 +4,13 @@ Router in float32: s = f(W_g h) with f = sqrt(softplus) (or sigmoid / softmax). 
 pick top-k of s + bias (bias only for choosing); hash layers pick tid2eid[token]. Weights are the
 unbiased s of the chosen experts, normalised to sum 1, times routed_scaling_factor.
 Expert: z = silu(min(W1 x, L)) * clip(W3 x, -L, L); routed z is scaled by its weight before W2.
+The routed experts run as the layer's expert function (`MoE(experts=...)`, from the model's runtime:
+model/runtime.py): `LocalExperts` on one device by default, an expert-parallel dispatch on a mesh.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -161,14 +163,30 @@ def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=
     return ref.moe_experts(x, ids, weights, w1, w2, w3, limit, act_block)
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalExperts:
+    """`routed_experts` of one implementation as a static, hashable expert function (the contract of
+    `sharding.expert_parallel.ExpertFn`): what a layer runs on one device, and on each shard of a mesh."""
+
+    impl: str = "reference"
+
+    def __call__(self, x, ids, weights, w1, w2, w3, limit: float, scales=None, act_block: int = 0,
+                 balanced: bool = False) -> jax.Array:
+        return routed_experts(self.impl, x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block,
+                              balanced=balanced)
+
+
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype):
+    """experts: the routed-expert function (an `ExpertFn`, static); None: LocalExperts(cfg.moe_impl)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype, experts=None):
         self.gate = Gate(cfg, spec, rngs=rngs, dtype=dtype)
         self.experts = Experts(cfg, spec.n_experts, rngs=rngs, dtype=dtype)
         self.shared_experts = MLP(cfg, rngs=rngs, dtype=dtype)
         self.limit = cfg.swiglu_limit
         self.impl = cfg.moe_impl
         self.act_block = cfg.act_quant_block   # the official FP4 expert GEMMs round their inputs (quant_sim)
+        self.expert_fn = LocalExperts(cfg.moe_impl) if experts is None else experts
 
     def route(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D], tokens [B, T] -> expert ids, weights [B, T, k]."""
@@ -180,12 +198,10 @@ class MoE(nnx.Module):
         with jax.named_scope("router"):
             ids, w = self.route(h, tokens)
         x = h.reshape(-1, h.shape[-1])
-        # sharding.expert_parallel.attach sets a static ExpertParallel (experts over the `ep` mesh axis).
-        experts = getattr(self, "expert_parallel", None) or functools.partial(routed_experts, self.impl)
         w1, w2, w3, scales = self.experts.stored()
         with jax.named_scope("experts"):
-            routed = experts(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1), w1, w2, w3, self.limit,
-                             scales=scales, act_block=self.act_block)
+            routed = self.expert_fn(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1), w1, w2, w3,
+                                    self.limit, scales=scales, act_block=self.act_block)
         with jax.named_scope("shared_expert"):
             out = routed + self.shared_experts(x).astype(jnp.float32)
         return out.astype(h.dtype).reshape(h.shape)

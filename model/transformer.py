@@ -28,6 +28,7 @@ from .engram import Engram, EngramHasher
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
 from .moe import MoE
+from .runtime import Runtime
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -195,7 +196,7 @@ def _weights_key(spec: LayerSpec) -> LayerSpec:
 
 def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> list[Piece]:
     """The Transformer's top-level modules in construction order: each draws its random weights from the one
-    `nnx.Rngs` in turn, so building the pieces one by one in this order (sharding.apply.init_sharded: one
+    `nnx.Rngs` in turn, so building the pieces one by one in this order (model.sharded.init_sharded: one
     compiled program per distinct piece) gives the same weights as building the model at once."""
     dtype = resolve_dtype(dtype)
     piece = functools.partial(Piece, fp8_block=cfg.fp8_block if cfg.dense_weights == "fp8" else None,
@@ -243,10 +244,12 @@ def engram_hasher(cfg: ModelConfig, token_map: np.ndarray | None = None,
 
 
 class Transformer(nnx.Module):
-    """The V4 / V4.1 model. `model(tokens)` -> float32 logits [B, T, vocab] (full sequence, no cache)."""
+    """The V4 / V4.1 model. `model(tokens)` -> float32 logits [B, T, vocab] (full sequence, no cache).
+
+    runtime: how the layers run their experts and kernels (model/runtime.py; default: one device)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype="float32", token_map: np.ndarray | None = None,
-                 placeholder_map: bool = False):
+                 placeholder_map: bool = False, runtime: Runtime | None = None):
         dtype = resolve_dtype(dtype)
         self.config = cfg
         self.dtype = dtype
@@ -260,6 +263,21 @@ class Transformer(nnx.Module):
         self.hc_head, = parts["hc_head"]
         self.norm, = parts["norm"]
         self.head, = parts["head"]
+        self._bind(Runtime() if runtime is None else runtime)
+
+    # ---------------------------------------------------------------- runtime
+    def _bind(self, runtime: Runtime) -> None:
+        """Hand the runtime's parts to this model's own layers (at construction, or on a fresh copy)."""
+        self.runtime = runtime.check(self.config)
+        for block in (*self.layers, *self.mtp):
+            block.attn.per_shard = runtime.per_shard
+            block.ffn.expert_fn = runtime.experts_for(block.spec.index, self.config.moe_impl)
+
+    def with_runtime(self, runtime: Runtime) -> "Transformer":
+        """A copy of this model (the same arrays, new modules) that runs with `runtime`; this one is unchanged."""
+        model = nnx.merge(*nnx.split(self))
+        model._bind(runtime)
+        return model
 
     # ---------------------------------------------------------------- pieces
     def logits(self, y: jax.Array) -> jax.Array:
@@ -458,20 +476,6 @@ def _check_room(cache: Cache, n_new: jax.Array) -> None:
                          "allocate a longer cache")
 
 
-def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh=None,
-                token_map: np.ndarray | None = None) -> Transformer:
-    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...).
-
-    With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by
-    sharding/rules.py and the MoE layers run expert parallel (sharding.init_sharded).
-    """
-    if mesh is not None:
-        from sharding.apply import init_sharded
-
-        return init_sharded(cfg, seed, dtype, mesh, token_map=token_map)
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
-
-
 @contextlib.contextmanager
 def _fast_tracing():
     """jax builds an error-message string (walking every traced op) each time flax reads a tracer's
@@ -493,11 +497,12 @@ def _fast_tracing():
         cls._origin_msg = original
 
 
-def abstract_model(cfg: ModelConfig, dtype="bfloat16", token_map: np.ndarray | None = None) -> Transformer:
+def abstract_model(cfg: ModelConfig, dtype="bfloat16", token_map: np.ndarray | None = None,
+                   runtime: Runtime | None = None) -> Transformer:
     """Shapes only (no memory): `nnx.eval_shape` of the model."""
     with _fast_tracing():
         return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0), dtype=dtype, token_map=token_map,
-                                                  placeholder_map=True))
+                                                  placeholder_map=True, runtime=runtime))
 
 
 def parameter_count(model: Transformer, include_drafts: bool = True) -> int:

@@ -21,7 +21,10 @@ from flax import nnx
 
 from model.cache import Cache, allocate
 from model.draft import allocate_draft
+from model.sharded import allocate_cache, on_mesh, shard_model
 from model.transformer import Transformer
+from sharding.apply import shard_batch, to_host as global_to_host
+from sharding.mesh import check_batch, describe as describe_mesh
 
 from .sampler import sample
 from .replay import prefill_with_store
@@ -216,8 +219,8 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
 
     mesh: a (dp, ep, tp) mesh (sharding.ParallelConfig.make_mesh): the batch (a multiple of dp*ep),
     the cache and the activations are split over dp x ep, experts over ep; a model not yet on the mesh
-    is laid out there first (sharding.shard_model). stats["parallel"] records the mesh and the expert
-    parallel strategy of each phase.
+    is laid out there first (model.shard_model, with the mesh's default runtime). stats["parallel"] records
+    the mesh and the expert parallel strategy of each phase.
     """
     replay_tail = None
     if bounded_replay is not False and bounded_replay is not None:
@@ -254,19 +257,17 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
         args = (jnp.asarray(tokens), jnp.asarray(lens), key)
         context, to_host = contextlib.nullcontext(), np.asarray
     else:
-        from sharding import apply, expert_parallel, mesh as mesh_lib
-
-        mesh_lib.check_batch(tokens.shape[0], mesh, "prompt batch")
-        if not apply.on_mesh(model, mesh):
-            model = apply.shard_model(model, mesh)
-        new_cache = lambda: apply.allocate_cache(cfg, tokens.shape[0], max_len, model.dtype, mesh,  # noqa: E731
-                                                  spec_room)
-        args = (apply.shard_batch(tokens, mesh), apply.shard_batch(lens, mesh), key)
-        context, to_host = jax.set_mesh(mesh), apply.to_host
-        plan = expert_parallel.plan_of(model)
-        stats["parallel"] = {**mesh_lib.describe(mesh), "expert_parallel": {
-            "config": dataclasses.asdict(plan.config), "prefill": plan.describe(tokens.size),
-            "decode": plan.describe(tokens.shape[0])}}
+        check_batch(tokens.shape[0], mesh, "prompt batch")
+        if not on_mesh(model, mesh):
+            model = shard_model(model, mesh)
+        new_cache = lambda: allocate_cache(cfg, tokens.shape[0], max_len, model.dtype, mesh,  # noqa: E731
+                                           spec_room)
+        args = (shard_batch(tokens, mesh), shard_batch(lens, mesh), key)
+        context, to_host = jax.set_mesh(mesh), global_to_host
+        plan = model.runtime.expert_parallel
+        stats["parallel"] = {**describe_mesh(mesh), "expert_parallel": {
+            "config": dataclasses.asdict(plan.config), "forced_balance": model.runtime.forced_balance,
+            "prefill": plan.describe(tokens.size), "decode": plan.describe(tokens.shape[0])}}
     if prefix_store is not None:
         if speculative is not None or mesh is not None:
             raise NotImplementedError("prefix reuse is not combined with speculative decoding or meshes yet")

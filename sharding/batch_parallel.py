@@ -7,12 +7,12 @@ runs for the whole batch on each device. Attention and the indexer are independe
 axes of the tables (sharding/rules.py "batch": (dp, ep)) and the rest (e.g. the per-head sink)
 replicated; the outputs stay split the same way, as the surrounding activations are.
 
-Measured on nvidia-h200-x2 before this hook (V4-Flash widths, 4 layers, FP4 experts, 32K context,
+Measured on nvidia-h200-x2 with the kernels left to propagation (V4-Flash widths, 4 layers, FP4 experts, 32K context,
 experiments/results/sweep_h200x2-ep.md): decode B256 on dp=2 took 132.5 ms against 26.9 ms on one GPU.
 
-Hook: `attach(model, mesh)` sets `Attention.batch_parallel` (frozen, hashable: part of the graphdef);
-unset (None), the kernels are called directly. A batch not divisible by the shard count runs unsplit
-(correct, replicated).
+`BatchParallel(mesh)` is a runner over the function it is given (frozen, hashable: the model holds it as
+a static value of its graphdef); without one the kernels are called directly. A batch not divisible by
+the shard count runs unsplit (correct, replicated).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import dataclasses
 from typing import Callable, Sequence
 
 import jax
-from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .mesh import parallel_config
@@ -48,13 +47,3 @@ class BatchParallel:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=split, check_vma=False)(
             *batched, *replicated)
 
-
-def attach(model, mesh: Mesh | None):
-    """Set every attention layer's `batch_parallel` (None without a mesh), in place; returns the model."""
-    from model.attention import Attention
-
-    hook = None if mesh is None else BatchParallel(mesh)
-    for _, mod in nnx.iter_graph(model):
-        if isinstance(mod, Attention):
-            mod.batch_parallel = hook
-    return model

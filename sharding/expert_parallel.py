@@ -29,31 +29,32 @@ Strategies (`EPConfig.strategy`):
   `ExpertParallel.choose(m)` / `describe(m)`, and `generate(..., mesh=...)` puts it in its stats.
 
 With tp > 1 each tp shard computes a slice of the intermediate width and a psum over tp adds them.
-Per shard the experts run as the config says (`cfg.moe_impl`): grouped `ragged_dot`s (the reference's
-arithmetic) or the Pallas grouped-GEMM kernel, which drops the rows of other shards' experts itself
+Per shard the experts run as the function it is given (`ExpertParallel.local`, an `ExpertFn`; the model
+gives its `model.moe.LocalExperts`): grouped `ragged_dot`s (impl "reference", the reference's arithmetic)
+or the Pallas grouped-GEMM kernel (impl "pallas"), which drops the rows of other shards' experts itself
 (ids outside its local range cost nothing). Row-for-row the arithmetic equals
 `pallas_kernels.reference.moe_experts`; only the order in which the k choices (and ep / tp partial sums)
 are added differs (float32, ~1e-7 relative).
 
-Hook: `attach(model, mesh, config)` sets `MoE.expert_parallel` (a frozen, hashable ExpertParallel:
-part of the graphdef, so a different mesh or strategy retraces). `MoE.__call__` calls it instead of
-`reference.moe_experts` when it is set; unset, the single-device reference path runs unchanged.
+An ExpertParallel is frozen and hashable: the model holds it as its static expert function (part of
+the graphdef, so a different mesh or strategy retraces). This module knows nothing of the model; it
+dispatches over whatever expert function it is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pallas_kernels.moe import is_fp4_kernel_layout
 
-from .placement import Placement, forced_balance_ids
+from .placement import Placement
 
 STRATEGIES = ("auto", "all_to_all", "replicate")
 TRANSPORTS = ("auto", "ragged", "padded", "gather")
@@ -64,7 +65,6 @@ class EPConfig:
     strategy: str = "auto"
     transport: str = "auto"
     replicate_max_tokens: int = 8  # "auto": replicate at <= this many tokens per device
-    force_balance: bool = False    # benchmark mode: routing replaced by forced_balance_ids
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -73,18 +73,37 @@ class EPConfig:
             raise ValueError(f"EPConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
 
+class ExpertFn(Protocol):
+    """The routed-expert block on one device: x [M, D], expert ids / weights [M, k], the stacked expert
+    weights as stored (w1, w3 [E, I, D], w2 [E, D, I]; FP4: packed words, `scales` (s1, s2, s3)), the SwiGLU
+    `limit`, `act_block` (act_quant of both GEMMs' inputs, 0 = off), `balanced` (a hint: the ids are
+    forced_balance_ids') -> [M, D] float32. Ids outside [0, E) select no expert. `impl` ("reference" |
+    "pallas") says how it treats them: the Pallas kernel drops such rows itself at no cost."""
+
+    impl: str
+
+    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
+                 w3: jax.Array, limit: float, scales=None, act_block: int = 0, balanced: bool = False
+                 ) -> jax.Array: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """How one MoE layer runs its routed experts (static; attached to the module)."""
+    """How one MoE layer runs its routed experts: `local` on each ep shard's expert slots (static)."""
 
     mesh: Mesh | None
+    local: ExpertFn
     config: EPConfig = EPConfig()
     placement: Placement | None = None
     layer: int = -1
-    record: str | None = None  # key of a load recorder (see `recording`)
-    # the routed-expert implementation ("reference" | "pallas"; "comm_only" skips the expert GEMMs on a mesh,
-    # so that experiments/bench_ep.py can time dispatch and combine alone)
-    impl: str = "reference"
+    record: str | None = None  # key of a load recorder (see `recorded_load`)
+    # skip the expert GEMMs on a mesh (rows come back scaled by their weights), so that experiments/bench_ep.py
+    # can time dispatch and combine alone
+    comm_only: bool = False
+
+    @property
+    def impl(self) -> str:
+        return self.local.impl
 
     # ------------------------------------------------------------------ the choice
     def choose(self, m: int) -> tuple[str, str, tuple[str, ...]]:
@@ -113,15 +132,12 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ the call
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
-                 w3: jax.Array, limit: float, scales=None, act_block: int = 0) -> jax.Array:
-        """Same contract as `model.moe.routed_experts`: x [M, D], ids/weights [M, k], weights as stored
-        (scales (s1, s2, s3) for FP4 experts, else None), act_block (act_quant of both GEMMs' inputs)
-        -> [M, D] float32."""
-        from model.moe import routed_experts
-
+                 w3: jax.Array, limit: float, scales=None, act_block: int = 0, balanced: bool = False) -> jax.Array:
+        """The `ExpertFn` contract over the whole mesh: x [M, D], ids/weights [M, k] (logical experts),
+        weights as stored -> [M, D] float32. `balanced` reaches `local` on one device without a placement
+        (replicas and shards see other row counts)."""
         m, k = ids.shape
-        if self.config.force_balance:
-            ids = forced_balance_ids(m, k, w1.shape[0])
+        local = _COMM_ONLY if self.comm_only else self.local
         if self.record is not None:
             jax.debug.callback(_record_load, self.record, self.layer, w1.shape[0], ids)
         if self.placement is not None and not self.placement.is_identity:
@@ -130,9 +146,8 @@ class ExpertParallel:
             w1, w2, w3 = (jnp.take(w, slots, axis=0) for w in (w1, w2, w3))
             scales = None if scales is None else tuple(jnp.take(s, slots, axis=0) for s in scales)
         if self.mesh is None:
-            balanced = self.config.force_balance and (self.placement is None or self.placement.is_identity)
-            return routed_experts(self.impl, x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block,
-                                  balanced=balanced)
+            balanced = balanced and (self.placement is None or self.placement.is_identity)
+            return local(x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block, balanced=balanced)
         strategy, transport, tok_axes = self.choose(m)
         tok = P(tok_axes if tok_axes else None)
         w13, w2s = P("ep", "tp", None), P("ep", None, "tp")  # FP4: packed weights and UE8M0 bytes split alike
@@ -146,58 +161,66 @@ class ExpertParallel:
             body = _dispatch_body
 
         def run(x, ids, wts, w1, w2, w3, *s):
-            return body(x, ids, wts, w1, w2, w3, s or None, limit=limit, transport=transport, impl=self.impl,
+            return body(x, ids, wts, w1, w2, w3, s or None, limit=limit, transport=transport, local=local,
                         act_block=act_block)
 
         # pallas_call declares no varying-axes type for its outputs, and comm_only's rows do not vary over
         # tp: shard_map's varying-axes check runs with the reference arithmetic only
-        fn = jax.shard_map(run, mesh=self.mesh, out_specs=tok, check_vma=self.impl == "reference",
+        fn = jax.shard_map(run, mesh=self.mesh, out_specs=tok, check_vma=local.impl == "reference",
                            in_specs=(tok, tok, tok, w13, w2s, w13) + ((s13, s2s, s13) if scales else ()))
         return fn(x, ids.astype(jnp.int32), weights.astype(jnp.float32), w1, w2, w3, *(scales or ()))
 
 
 # ----------------------------------------------------------------------------- per-shard bodies
 
-def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, impl, act_block):
-    """Rows [N, D] for this shard's expert slots `slot` [N] (local ids), weights [N], valid [N] ->
-    [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid): `model.moe.routed_experts` with
-    one expert choice per row, an invalid row's slot n_local being outside every expert (the kernel drops it,
-    the reference's grouped GEMMs leave it out; slots without rows cost nothing either way). act_block:
-    act_quant of both GEMMs' inputs."""
-    from model.moe import routed_experts
+@dataclasses.dataclass(frozen=True)
+class _CommOnly:
+    """Stands in for the expert GEMMs when the transport alone is timed: each (row, choice) comes back as it
+    went, scaled by its weight (0 for ids outside [0, E))."""
 
-    if impl == "comm_only":  # benchmarking the transport: rows come back as they went, scaled by their weights
-        return jnp.where(valid[:, None], rows.astype(jnp.float32) * wts[:, None], 0.0)
+    impl: str = "comm_only"
+
+    def __call__(self, x, ids, weights, w1, w2, w3, limit, scales=None, act_block=0, balanced=False):
+        valid = (ids >= 0) & (ids < w1.shape[0])
+        rows = x[:, None, :].astype(jnp.float32) * weights[..., None].astype(jnp.float32)
+        return jnp.sum(jnp.where(valid[..., None], rows, 0.0), axis=1)
+
+
+_COMM_ONLY = _CommOnly()
+
+
+def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, local, act_block):
+    """Rows [N, D] for this shard's expert slots `slot` [N] (local ids), weights [N], valid [N] ->
+    [N, D] float32 = w * W2 swiglu(W1 x, W3 x) per row (0 where not valid): `local` with one expert choice per
+    row, an invalid row's slot n_local being outside every expert (the kernel drops it, the reference's
+    grouped GEMMs leave it out; slots without rows cost nothing either way). act_block: act_quant of both
+    GEMMs' inputs."""
     ids = jnp.where(valid, slot, w1.shape[0])[:, None]
-    y = routed_experts(impl, rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit, scales=scales,
-                       act_block=act_block)
+    y = local(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit, scales=scales, act_block=act_block)
     return jnp.where(valid[:, None], y, 0.0)
 
 
-def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl, act_block):
+def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, local, act_block):
     """Every token [M, D] x its k choices against this shard's slots -> partial [M, D] float32."""
     m, k = ids.shape
     n_local = w1.shape[0]
     slot = ids - jax.lax.axis_index("ep") * n_local
     valid = (slot >= 0) & (slot < n_local)
-    if impl == "pallas":  # the kernel drops the other shards' rows itself (no broadcast copies of x)
-        from model.moe import routed_experts
-
-        return routed_experts(impl, x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit, scales=scales,
-                              act_block=act_block)
+    if local.impl == "pallas":  # the kernel drops the other shards' rows itself (no broadcast copies of x)
+        return local(x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit, scales=scales, act_block=act_block)
     rows = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[-1])).reshape(m * k, -1)
     y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, scales, limit,
-                       impl, act_block)
+                       local, act_block)
     return jnp.sum(y.reshape(m, k, -1), axis=1)
 
 
-def _replicate_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl, act_block):
-    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, impl, act_block), ("ep", "tp"))
+def _replicate_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, local, act_block):
+    return jax.lax.psum(_experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, local, act_block), ("ep", "tp"))
 
 
-def _gather_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl, act_block):
+def _gather_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, local, act_block):
     xg, ig, wg = (jax.lax.all_gather(a, "ep", tiled=True) for a in (x, ids, wts))
-    y = _experts_for_all(xg, ig, wg, w1, w2, w3, scales, limit, impl, act_block)
+    y = _experts_for_all(xg, ig, wg, w1, w2, w3, scales, limit, local, act_block)
     return jax.lax.psum(jax.lax.psum_scatter(y, "ep", scatter_dimension=0, tiled=True), "tp")
 
 
@@ -205,7 +228,7 @@ def _exclusive_cumsum(a, axis=0):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def _dispatch_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl, act_block):
+def _dispatch_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, local, act_block):
     """all-to-all dispatch -> local experts -> all-to-all combine, for this shard's [M_l] tokens."""
     a2a = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_all_to_all_padded
     m, k = ids.shape
@@ -230,7 +253,7 @@ def _dispatch_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, impl, a
     recv_slot = a2a(send_slot, jnp.full((cap,), -1, jnp.int32), axis_name="ep", **args)
     recv_w = a2a(send_w, jnp.zeros((cap,), jnp.float32), axis_name="ep", **args)
     valid = jnp.arange(cap) < jnp.sum(recv_sizes)
-    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, scales, limit, impl,
+    y = _local_experts(recv_rows, recv_slot - me * n_local, recv_w, valid, w1, w2, w3, scales, limit, local,
                        act_block)
     # back: the rows from shard i sit contiguously at sum_{i'<i} recv_sizes[i'] of my buffer
     back = a2a(y, jnp.zeros((n, y.shape[-1]), y.dtype), axis_name="ep",
@@ -255,61 +278,6 @@ def _ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output
     return output.at[dst.reshape(-1)].set(recv, mode="drop")
 
 
-# ----------------------------------------------------------------------------- attaching to a model
-
-def _moe_modules(model):
-    """(layer index, MoE module) of a Transformer's MoE layers; a bare MoE module yields itself as layer -1."""
-    from model.moe import MoE
-
-    for path, mod in nnx.iter_graph(model):
-        if isinstance(mod, MoE):
-            names = [str(p) for p in path]
-            layer = -1
-            if len(names) >= 2 and names[0] == "layers":
-                layer = int(names[1])
-            elif len(names) >= 2 and names[0] == "mtp":
-                layer = model.config.num_layers + int(names[1])
-            yield layer, mod
-
-
-def attach(model, mesh: Mesh | None, config: EPConfig | None = None, placements=None,
-           record: str | None = None):
-    """Set every MoE layer's `expert_parallel` (in place; returns the model).
-
-    placements: None, one Placement for every layer, or {layer index: Placement}.
-    Experts run with the layer's own implementation (`cfg.moe_impl`): on one device (mesh=None, with a
-    placement / force_balance / record), or on each shard of the mesh.
-    """
-    config = config or EPConfig()
-    ep = 1 if mesh is None else int(mesh.shape["ep"])
-    for layer, mod in _moe_modules(model):
-        n = int(mod.experts.w1.shape[0])  # per layer: V4.1 draft layers have their own expert count
-        placement = placements.get(layer) if isinstance(placements, dict) else placements
-        if placement is not None:
-            placement.validate(ep)
-            if placement.num_experts != n:
-                raise ValueError(f"placement for layer {layer} has {placement.num_experts} experts, "
-                                 f"the layer has {n}")
-        elif mesh is not None and n % ep:
-            raise ValueError(f"layer {layer}: {n} routed experts are not divisible by ep={ep}")
-        mod.expert_parallel = ExpertParallel(mesh, config, placement, layer, record, mod.impl)
-    return model
-
-
-def detach(model):
-    """Back to the single-device reference path (in place)."""
-    for _, mod in _moe_modules(model):
-        mod.expert_parallel = None
-    return model
-
-
-def plan_of(model) -> ExpertParallel | None:
-    """The ExpertParallel of the first MoE layer (None if none is attached)."""
-    for _, mod in _moe_modules(model):
-        return getattr(mod, "expert_parallel", None)
-    return None
-
-
 # ----------------------------------------------------------------------------- load recording
 
 _LOADS: dict[str, dict[int, np.ndarray]] = {}
@@ -324,7 +292,7 @@ def _record_load(key, layer, num_experts, ids):
 
 
 def recorded_load(key: str, clear: bool = False) -> dict[int, np.ndarray]:
-    """{layer: per-expert token counts [E]} accumulated by models attached with record=key
+    """{layer: per-expert token counts [E]} accumulated by the ExpertParallels made with record=key
     (counts logical experts, before placement). Padding rows of a chunk are counted too."""
     with _LOCK:
         out = {layer: np.array(v) for layer, v in _LOADS.get(key, {}).items()}

@@ -13,13 +13,16 @@ free slot (longest-processing-time bin packing with equal capacities).
 
 `forced_balance_ids` is the benchmark mode's routing (DeepInfer's DEEPINFER_FORCE_LOAD_BALANCE):
 token row i's choice j goes to expert (i k + j) mod E, so every expert gets the same load whenever
-M k is a multiple of E, and a token's k experts are distinct (k <= E).
+M k is a multiple of E, and a token's k experts are distinct (k <= E). `ForcedBalance(experts)` is an
+expert function (`expert_parallel.ExpertFn`) that runs `experts` with those ids in place of the router's:
+a benchmark switch the experiment hands the model, never part of a model's config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -145,3 +148,20 @@ def forced_balance_ids(m: int, k: int, num_experts: int) -> jax.Array:
 def expert_load(ids, num_experts: int) -> np.ndarray:
     """Per-expert token count of routed ids [..., k] -> [E] int64."""
     return np.bincount(np.asarray(ids).reshape(-1), minlength=num_experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForcedBalance:
+    """An expert function (`expert_parallel.ExpertFn`) that routes by `forced_balance_ids` (over the E experts
+    of w1's leading axis) instead of the ids it is given, then runs `experts` with balanced=True."""
+
+    experts: Any  # an ExpertFn: model.moe.LocalExperts or an expert_parallel.ExpertParallel
+
+    @property
+    def impl(self) -> str:
+        return self.experts.impl
+
+    def __call__(self, x, ids, weights, w1, w2, w3, limit, scales=None, act_block: int = 0, balanced: bool = False):
+        m, k = ids.shape
+        return self.experts(x, forced_balance_ids(m, k, w1.shape[0]), weights, w1, w2, w3, limit, scales=scales,
+                            act_block=act_block, balanced=True)

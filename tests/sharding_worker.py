@@ -115,11 +115,10 @@ def run_meshes(out_path: str, mode: str = "meshes") -> None:
     import jax
     import numpy as np
 
-    from model import init_random
-    from model.checkpoint import load_checkpoint, save_safetensors
+    from model import init_random, load_checkpoint, shard_model
+    from model.checkpoint import save_safetensors
     from sampling import generate
-    from sharding import EPConfig, ParallelConfig, rebalance, shard_batch, shard_model, to_host
-    from sharding.expert_parallel import plan_of
+    from sharding import EPConfig, ParallelConfig, rebalance, shard_batch, to_host
 
     assert jax.device_count() == 8, jax.devices()
     full = mode == "generations"
@@ -149,7 +148,7 @@ def run_meshes(out_path: str, mode: str = "meshes") -> None:
                 out = generate(model_s, prompts, max_new_tokens=new_tokens, mesh=mesh)
                 rec["tokens_equal"] = bool(np.array_equal(out.tokens, ref_tokens))
                 rec["ep_record"] = out.stats["parallel"]["expert_parallel"]
-            plan = plan_of(model_s)
+            plan = model_s.runtime.expert_parallel
             rec["strategy"] = plan.describe(tokens.size)
             rec["seconds"] = time.perf_counter() - t
             results["cases"].append(rec)
@@ -183,10 +182,10 @@ def run_meshes(out_path: str, mode: str = "meshes") -> None:
             # quant_sim: act_quant of the expert GEMM inputs inside each shard (gather transport)
             sim = init_random(cfg.replace(expert_weights="fp4", quant_sim=True), seed=0, dtype="float32")
             case("fp4 quant_sim", mesh, shard_model(sim, mesh), want=np.asarray(sim(tokens)))
-            # Pallas attention + indexer per batch shard (sharding.batch_parallel), the 8 sequences 1 per device
+            # Pallas attention + indexer per batch shard (sharding.BatchParallel), the 8 sequences 1 per device
             attn = init_random(cfg.replace(attention_impl="pallas"), seed=0, dtype="float32")
             case("pallas attention", mesh, shard_model(attn, mesh), want=np.asarray(attn(tokens)),
-                 shards=shard_model(attn, mesh).layers[0].attn.batch_parallel.shards())
+                 shards=shard_model(attn, mesh).layers[0].attn.per_shard.shards())
             # born sharded: init_random(mesh=) and load_checkpoint(mesh=) give the same numbers
             case("init_random(mesh)", mesh, init_random(cfg, seed=0, dtype="float32", mesh=mesh))
             with tempfile.TemporaryDirectory() as d:
@@ -203,7 +202,7 @@ def run_meshes(out_path: str, mode: str = "meshes") -> None:
             mesh = ParallelConfig(2, 4, 1).make_mesh()
             attn = init_random(cfg.replace(attention_impl="pallas"), seed=0, dtype="float32")
             case("pallas attention", mesh, shard_model(attn, mesh), want=np.asarray(attn(tokens)),
-                 shards=shard_model(attn, mesh).layers[0].attn.batch_parallel.shards())
+                 shards=shard_model(attn, mesh).layers[0].attn.per_shard.shards())
         results["timings"][preset] = time.perf_counter() - t0
     Path(out_path).write_text(json.dumps(results, indent=1))
 
@@ -234,8 +233,8 @@ def run_fp8(out_path: str) -> None:
     import jax
     import numpy as np
 
-    from model import init_random
-    from model.checkpoint import load_checkpoint, save_safetensors
+    from model import init_random, load_checkpoint
+    from model.checkpoint import save_safetensors
     from sharding import ParallelConfig, shard_batch, to_host
 
     assert jax.device_count() == 8, jax.devices()
@@ -277,9 +276,8 @@ def run_multihost(out_prefix: str, port: str, pid: str, checkpoint: str) -> None
     import jax
     import numpy as np
 
-    from model.checkpoint import load_checkpoint
-    from sharding import ParallelConfig, shard_batch, to_host
-    from sharding.apply import local_experts
+    from model import load_checkpoint
+    from sharding import ParallelConfig, local_experts, shard_batch, to_host
 
     assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.devices())
     mesh = ParallelConfig(ep=8).make_mesh()

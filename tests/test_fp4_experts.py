@@ -89,7 +89,7 @@ def test_memory_accounting():
     expert weights (the scales are held as bf16, fp4_kernel_scales); the full V4-Flash (bf16 dense, FP4
     experts) needs ~190 GB: two H200s with the experts split (ep=2) hold it."""
     from experiments.roofline import bytes_per_param
-    from sharding.apply import memory_per_device
+    from model.sharded import memory_per_device
 
     cfg = ModelConfig.preset("v4-flash")
     fp4 = memory_per_device(cfg.replace(expert_weights="fp4"), 1, 2, 1, 1, 4096)

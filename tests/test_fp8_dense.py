@@ -159,7 +159,7 @@ def test_memory_and_roofline_formats():
     bytes, and its floors charge the FP8 / FP4-held GEMMs at the FP8 peak (the fastest MMA the format allows)."""
     from experiments.bench import weight_format
     from experiments.roofline import bytes_per_param, gemm_peak, H200_MEASURED
-    from sharding.apply import memory_per_device
+    from model.sharded import memory_per_device
 
     cfg = ModelConfig.preset("v4-flash")
     one = memory_per_device(cfg.replace(dense_weights="fp8", expert_weights="fp4"), 1, 1, 1, 1, 4096)

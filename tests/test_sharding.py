@@ -1,4 +1,4 @@
-"""Sharding (issue 7): meshes, the logical-axis tables, expert parallel MoE, expert placement,
+"""Sharding: meshes, the logical-axis tables, expert parallel MoE, expert placement,
 multi-host start-up.
 
 Checks that need several devices run in subprocesses (tests/sharding_worker.py) with
@@ -28,12 +28,15 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from model import ModelConfig, abstract_model, init_random
 from model.cache import allocate
+from model.moe import LocalExperts
+from model.runtime import make_runtime
+from model.sharded import cache_specs, param_logical_axes, param_specs
 from pallas_kernels import reference as ref
-from sharding import EPConfig, ParallelConfig, Placement, attach, forced_balance_ids, rebalance, recorded_load
+from sharding import EPConfig, ForcedBalance, ParallelConfig, Placement, forced_balance_ids, rebalance, recorded_load
 from sharding.expert_parallel import ExpertParallel
 from sharding.mesh import check_batch, parallel_config
 from sharding.placement import expert_load
-from sharding.rules import cache_specs, logical_to_spec, param_logical_axes, param_specs
+from sharding.rules import logical_to_spec
 
 import sharding_worker  # tests/sharding_worker.py: imports no jax at module level
 
@@ -178,23 +181,48 @@ def test_placement_and_forced_balance_on_one_device():
     w1, w3 = (jnp.asarray(rng.normal(size=(e, i, d)) / 4, jnp.float32) for _ in range(2))
     w2 = jnp.asarray(rng.normal(size=(e, d, i)) / 6, jnp.float32)
     want = ref.moe_experts(x, ids, w, w1, w2, w3, 10.0)
-    placed = ExpertParallel(None, placement=rebalance(expert_load(ids, e), ep=4, num_redundant=4))
+    placed = ExpertParallel(None, LocalExperts(), placement=rebalance(expert_load(ids, e), ep=4, num_redundant=4))
     np.testing.assert_allclose(placed(x, ids, w, w1, w2, w3, 10.0), want, rtol=1e-6, atol=1e-6)
     # forced balance keeps the layer's own implementation (the Pallas kernel, interpreted on CPU)
     balanced = ref.moe_experts(x, forced_balance_ids(m, k, e), w, w1, w2, w3, 10.0)
     for impl in ("reference", "pallas"):
-        forced = ExpertParallel(None, EPConfig(force_balance=True), impl=impl)
+        forced = ForcedBalance(ExpertParallel(None, LocalExperts(impl)))
         np.testing.assert_allclose(forced(x, ids, w, w1, w2, w3, 10.0), balanced, rtol=2e-5, atol=2e-5)
 
     cfg = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1,
                                                 num_mtp_layers=0)
-    model = attach(init_random(cfg, seed=0), None, EPConfig(force_balance=True), record="forced")
+    model = init_random(cfg, seed=0).with_runtime(make_runtime(cfg, record="forced", forced_balance=True))
     recorded_load("forced", clear=True)
     model(np.full((2, 8), 5))  # 16 tokens x 2 choices over 8 experts: 4 each, in every layer
     loads = recorded_load("forced", clear=True)
     assert sorted(loads) == [0, 1, 2]
     for layer, load in loads.items():
         assert load.tolist() == [4] * 8, (layer, load)
+
+
+def test_runtime_is_explicit_and_checked():
+    """The model runs with the runtime it was given: with_runtime copies (the same arrays), the original keeps
+    its own; a runtime made for another config or expert implementation, or an EPConfig without a mesh,
+    raises naming the problem."""
+    from model import Runtime, make_runtime
+
+    cfg = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1,
+                                                num_mtp_layers=0)
+    model = init_random(cfg, seed=0)
+    assert model.runtime == Runtime() and model.layers[0].ffn.expert_fn == LocalExperts("reference")
+    forced = model.with_runtime(make_runtime(cfg, forced_balance=True))
+    assert forced.layers[0].ffn.expert_fn == ForcedBalance(LocalExperts("reference"))
+    assert model.runtime == Runtime() and model.layers[0].ffn.expert_fn == LocalExperts("reference")
+    assert forced.layers[0].ffn.experts.w1[...] is model.layers[0].ffn.experts.w1[...]
+    with pytest.raises(ValueError, match="pass the mesh with it"):
+        make_runtime(cfg, None, EPConfig("replicate"))
+    recording = make_runtime(cfg, record="x")
+    with pytest.raises(ValueError, match=r"expert functions for 3 blocks, tiny-v4 has 7 \(layers \+ draft stages\)"):
+        init_random(ModelConfig.preset("tiny-v4"), seed=0).with_runtime(recording)
+    with pytest.raises(ValueError, match="run 'reference', tiny-v4 asks for moe_impl='pallas'"):
+        init_random(cfg.replace(moe_impl="pallas"), seed=0).with_runtime(recording)
+    with pytest.raises(ValueError, match="placement for layer 0 has 4 experts, the layer has 8"):
+        make_runtime(cfg, placements=Placement.identity(4))
 
 
 def test_born_sharded_build_shares_one_program_per_distinct_piece():

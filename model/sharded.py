@@ -1,0 +1,312 @@
+"""The model built, loaded and placed on one device or a (dp, ep, tp) mesh (DESIGN.md "Sharding by table").
+
+The model names the logical axes of its arrays here, by regex on their names: PARAM_RULES on the
+official-style parameter name (`path_to_official`: `layers.3.attn.wq_b.weight`,
+`layers.3.ffn.experts.{e}.w1.weight`, ...), CACHE_RULES on the cache array's path (`lengths`,
+`layers.3.kv`, `layers.3.comp.proj_a`, ...); `sharding.rules.LOGICAL_AXIS_RULES` maps logical axes to
+mesh axes. On top of those tables and sharding's generic tools:
+
+    init_random(cfg, seed, dtype, mesh)      random weights; on a mesh born sharded, piece by piece
+    shard_model(model, mesh, config, placements)   an existing model laid out on a mesh
+    allocate_cache(cfg, batch, max_len, dtype, mesh)   a cache born sharded
+    local_expert_tensors / skipped_expert_names / place_loaded   `load_checkpoint(mesh=)`: each process
+                                             reads only the routed experts its devices hold
+    memory_per_device(cfg, dp, ep, tp, ...)  bytes per device from abstract shapes (no devices)
+
+A model on a mesh runs with that mesh's runtime (model/runtime.py: expert parallel MoE, the attention
+kernels once per batch shard); every function works with one process or many.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from sharding.apply import local_experts, place
+from sharding.mesh import check_batch
+from sharding.rules import axes_by_name, key_name, logical_to_spec, path_name, tree_shardings
+
+from .cache import allocate, memory_estimate
+from .config import ModelConfig
+from .runtime import make_runtime
+from .transformer import Transformer, _fast_tracing, abstract_model, construction_plan, engram_hasher
+
+# ----------------------------------------------------------------------------- the tables
+
+# First match wins. Logical tuples shorter than the array's rank are padded with None. The UE8M0 block
+# scales of weights held FP8 (cfg.dense_weights="fp8", `<name>.scale` [ceil(out/B), ceil(in/B)]) follow
+# their weight's rule, so a shard holds the scales of its own blocks; a mesh axis must then divide the
+# scale grid too (each shard whole blocks: true at full size, not for every tiny config with tp > 1).
+PARAM_RULES: list[tuple[str, tuple]] = [
+    (r"embed\.weight", ("vocab", "embed")),
+    (r"head\.weight", ("vocab", "embed")),
+    # attention (data parallel; tp splits heads and output groups)
+    (r".*\.attn\.wq_b\.(weight|scale)", ("heads", "q_lora")),
+    (r".*\.attn\.attn_sink", ("heads",)),
+    (r".*\.attn\.wo_a\.(weight|scale)", ("o_groups", None)),
+    (r".*\.attn\.wo_b\.(weight|scale)", ("embed", "o_groups")),
+    (r".*\.attn\.(wq_a|wkv)\.(weight|scale)", (None, "embed")),
+    (r".*\.attn\.(indexer\.)?compressor\.(wkv|wgate)\.weight", ("compressor", "embed")),
+    (r".*\.attn\.(indexer\.)?compressor\.ape", (None, "compressor")),
+    (r".*\.attn\.indexer\.wq_b\.(weight|scale)", ("index_heads", "q_lora")),
+    (r".*\.attn\.indexer\.weights_proj\.weight", ("index_heads", "embed")),
+    (r".*\.attn\.indexer\.wk\.weight", (None, "embed")),                     # [V4.1] own index keys
+    (r".*\.attn\.indexer\.k_norm\.weight", ("norm",)),
+    # MoE: routed experts over ep; router and shared expert replicated
+    (r".*\.ffn\.experts\.\{e\}\.w[13]\.weight", ("experts", "expert_mlp", "embed")),   # FP4: packed alike
+    (r".*\.ffn\.experts\.\{e\}\.w2\.weight", ("experts", "embed", "expert_mlp")),
+    # FP4 scales are held transposed ([E, in/32, out]: pallas_kernels.moe.fp4_kernel_scales)
+    (r".*\.ffn\.experts\.\{e\}\.w[13]\.scale", ("experts", "embed", "expert_mlp")),
+    (r".*\.ffn\.experts\.\{e\}\.w2\.scale", ("experts", "expert_mlp", "embed")),
+    (r".*\.ffn\.gate\.weight", ("router", "embed")),
+    (r".*\.ffn\.gate\.bias", ("router",)),
+    (r".*\.ffn\.gate\.tid2eid", ("vocab", "router")),
+    (r".*\.ffn\.shared_experts\.w[13]\.(weight|scale)", ("mlp", "embed")),
+    (r".*\.ffn\.shared_experts\.w2\.(weight|scale)", ("embed", "mlp")),
+    # norms, hyper-connections, MTP input projections
+    (r"(.*\.)?(norm|attn_norm|ffn_norm|q_norm|kv_norm|enorm|hnorm)\.weight", ("norm",)),
+    (r"(.*\.)?hc_(attn|ffn|head)_(fn|base|scale)", ("hc",)),
+    (r"mtp\.\d+\.(e_proj|h_proj)\.(weight|scale)", (None, "embed")),
+    # [V4.1] Engram: the tables stay replicated (the full-size row counts do not divide evenly by a
+    # mesh; host / sharded Engram placement is its own issue); DSpark heads replicated
+    (r".*\.engram\.embed\.weight", ("engram_rows", None)),
+    (r".*\.engram\.(wkv\.(weight|scale)|k_weight|q_weight)", (None, "embed")),
+    (r"mtp\.\d+\.main_proj\.(weight|scale)", ("embed", None)),
+    (r"mtp\.\d+\.main_norm\.weight", ("norm",)),
+    (r"mtp\.\d+\.(markov_head\.(embed|head)|confidence_head\.proj)\.weight", ("vocab", None)),
+]
+# Parameters no rule names are replicated (never a wrong answer, only memory); strict=True raises.
+DEFAULT_PARAM_AXES: tuple = ()
+
+CACHE_RULES: list[tuple[str, tuple]] = [
+    (r"lengths", ("batch",)),
+    (r".*\.kv", ("batch", "window", "head_dim")),
+    (r".*\.(comp|index)\.proj_[ag]", ("batch", "ring", "compressor")),
+    (r".*\.(comp|index)\.entries", ("batch", "entries", "head_dim")),
+    (r".*", ("batch",)),  # model/cache.py: every cache array has the batch on axis 0
+]
+_WHERE = "model/sharded.py PARAM_RULES"
+
+
+# ----------------------------------------------------------------------------- names
+
+def path_to_official(path: tuple) -> str:
+    """nnx state path -> official name (stacked experts give the pattern with '{e}')."""
+    name = ".".join(str(p) for p in path)
+    name = re.sub(r"(^|\.)(hc_(?:attn|ffn|head))\.(fn|base|scale)$", r"\1\2_\3", name)
+    m = re.match(r"^(.*\.experts)\.([ws])([123])$", name)
+    if m:  # stacked experts; FP4 scales s1..s3 are the official `w1.scale` ...
+        return f"{m.group(1)}.{{e}}.w{m.group(3)}.{'weight' if m.group(2) == 'w' else 'scale'}"
+    return name
+
+
+def _state_name(path) -> str:
+    """A jax pytree path into a model's nnx.State -> the parameter's official name."""
+    keys = [key_name(k) for k in path]
+    if keys and keys[-1] == "value":  # nnx Variables flatten to their value
+        keys = keys[:-1]
+    return path_to_official(tuple(keys))
+
+
+def _state_of(model_or_state) -> nnx.State:
+    return model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+
+
+# ----------------------------------------------------------------------------- specs
+
+def param_spec(name: str, shape: tuple, mesh: Mesh | None = None, strict: bool = False, rules=None) -> P:
+    """PartitionSpec of one parameter, by its official-style name."""
+    logical = axes_by_name(PARAM_RULES, name, None if strict else DEFAULT_PARAM_AXES, "parameter", _WHERE)
+    return logical_to_spec(logical, mesh, shape=tuple(shape), name=name, rules=rules)
+
+
+def param_logical_axes(model_or_state, strict: bool = False) -> dict[str, tuple]:
+    """Official-style name -> logical axes (padded to the rank) of every array in the model's state."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(_state_of(model_or_state))[0]:
+        name = _state_name(path)
+        logical = axes_by_name(PARAM_RULES, name, None if strict else DEFAULT_PARAM_AXES, "parameter", _WHERE)
+        out[name] = logical + (None,) * (len(leaf.shape) - len(logical))
+    return out
+
+
+def param_specs(model_or_state, mesh: Mesh | None = None, strict: bool = False, rules=None):
+    """The model's state (nnx.State) with a PartitionSpec in place of every array."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: param_spec(_state_name(path), leaf.shape, mesh, strict, rules), _state_of(model_or_state))
+
+
+def param_shardings(model_or_abstract, mesh: Mesh, strict: bool = False, rules=None):
+    """Model (concrete or `abstract_model`) or its nnx.State -> the same State with a NamedSharding
+    per array (usable as jit out_shardings or with jax.device_put)."""
+    return tree_shardings(param_specs(model_or_abstract, mesh, strict, rules), mesh)
+
+
+def cache_specs(cache, mesh: Mesh | None = None, rules=None):
+    """Cache pytree (concrete or from jax.eval_shape) -> same structure of PartitionSpecs."""
+
+    def spec(path, leaf):
+        name = path_name(path)
+        return logical_to_spec(axes_by_name(CACHE_RULES, name, what="cache array", where="model/sharded.py "
+                                            "CACHE_RULES"), mesh, shape=tuple(leaf.shape), name=f"cache {name}",
+                               rules=rules)
+
+    return jax.tree_util.tree_map_with_path(spec, cache)
+
+
+def cache_shardings(cache, mesh: Mesh, rules=None):
+    """Cache pytree -> same structure of NamedShardings (batch over dp x ep by default)."""
+    return tree_shardings(cache_specs(cache, mesh, rules), mesh)
+
+
+# ----------------------------------------------------------------------------- building and placing
+
+def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh: Mesh | None = None,
+                token_map: np.ndarray | None = None) -> Transformer:
+    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...).
+
+    With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by the tables and
+    the model runs with the mesh's runtime (`init_sharded`); the values equal those of one device.
+    """
+    if mesh is not None:
+        return init_sharded(cfg, mesh, seed, dtype, token_map=token_map)
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
+
+
+def init_sharded(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype="float32",
+                 token_map: np.ndarray | None = None) -> Transformer:
+    """A random model born sharded, built piece by piece (`model.transformer.construction_plan`: embedding,
+    each layer, draft stages, head) with one compiled program per distinct piece, whose out_shardings are
+    the table's. No full copy on any device (in a multi-process job each process materialises only its own
+    shards), and compile time does not grow with depth: one program for all 43 V4-Flash layers took XLA
+    >430 s on the H200 host (its slow-compile alarm; CPU: 4.6 s per layer). The RNG state is threaded from
+    piece to piece, so the values equal `init_random(cfg, seed, dtype)` on one device."""
+    runtime = make_runtime(cfg, mesh)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, token_map=token_map, runtime=runtime))
+    shardings = param_shardings(state, mesh)
+    hasher = engram_hasher(cfg, token_map, placeholder_map=True)
+    rng_state = nnx.state(nnx.Rngs(params=seed))
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), rng_state)
+    programs: dict = {}
+    with _fast_tracing():
+        for piece in construction_plan(cfg, dtype, hasher):
+            # where the piece's state goes (and its layout): the top level, or one entry of a layer list
+            parent, layout = (state, shardings) if piece.index is None else (state[piece.name], shardings[piece.name])
+            key = piece.name if piece.index is None else piece.index
+            if piece.key not in programs:  # pieces with equal keys share a program (same shapes and layout)
+                def build(rng_state, piece=piece):
+                    rngs = nnx.Rngs(params=seed)
+                    nnx.update(rngs, rng_state)
+                    module = piece.build(rngs)
+                    return (None if module is None else nnx.state(module)), nnx.state(rngs)
+                programs[piece.key] = jax.jit(build, out_shardings=(layout.get(key), replicated))
+            value, rng_state = programs[piece.key](rng_state)
+            if value is not None:
+                parent[key] = value
+    return nnx.merge(graphdef, state)
+
+
+def shard_model(model: Transformer, mesh: Mesh, config=None, placements=None) -> Transformer:
+    """A copy of `model` with its arrays placed by the table on `mesh` (arrays already laid out that way are
+    not copied), running with the mesh's runtime: `make_runtime(cfg, mesh, config, placements)`."""
+    runtime = make_runtime(model.config, mesh, config, placements)
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(place, state, param_shardings(state, mesh))
+    return nnx.merge(graphdef, state).with_runtime(runtime)
+
+
+def on_mesh(model: Transformer, mesh: Mesh) -> bool:
+    """True if the model runs with a runtime made for `mesh` (init_random / shard_model / load_checkpoint)."""
+    return model.runtime.mesh == mesh
+
+
+def allocate_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, mesh: Mesh, spec_room: int = 8):
+    """`model.cache.allocate` born sharded (cache_shardings: batch over dp x ep)."""
+    check_batch(batch, mesh, "cache batch")
+    make = lambda: allocate(cfg, batch, max_len, dtype, spec_room)  # noqa: E731
+    shardings = cache_shardings(jax.eval_shape(make), mesh)
+    return jax.jit(make, out_shardings=shardings)()
+
+
+# ----------------------------------------------------------------------------- loading
+
+_EXPERT_TENSOR = re.compile(r"^(layers|mtp)\.(\d+)\..*\.experts\.(\d+)\.")
+
+
+def local_expert_tensors(items, cfg: ModelConfig, mesh: Mesh):
+    """Filter (official name, array) pairs down to the routed-expert tensors this process's devices
+    hold (weights and scales alike); everything else passes. Placed before dequantisation, so the
+    memory-mapped tensors of other processes' experts are never read."""
+    held: dict[int, frozenset[int]] = {}
+    for name, arr in items:
+        m = _EXPERT_TENSOR.match(name)
+        if m:
+            layer = int(m.group(2)) + (cfg.num_layers if m.group(1) == "mtp" else 0)
+            if layer not in held:
+                held[layer] = local_experts(cfg.layer_spec(layer).n_experts, mesh)
+            if int(m.group(3)) not in held[layer]:
+                continue
+        yield name, arr
+
+
+def skipped_expert_names(expected: dict, mesh: Mesh) -> set[str]:
+    """Of build_from_tensors' {name: (leaf, expert index)}, the expert tensors other processes load."""
+    sizes: dict[int, int] = {}
+    for name, (leaf, e) in expected.items():
+        if e is not None:
+            sizes[leaf] = max(sizes.get(leaf, 0), e + 1)
+    held = {leaf: local_experts(n, mesh) for leaf, n in sizes.items()}
+    return {name for name, (leaf, e) in expected.items() if e is not None and e not in held[leaf]}
+
+
+def place_loaded(graphdef, flat, buffers, mesh: Mesh) -> Transformer:
+    """build_from_tensors' host buffers -> a model with global arrays laid out by the table (each device gets
+    only its slice); `graphdef` carries the runtime (an abstract model made with the mesh's)."""
+    leaves = []
+    for (path, var), buf in zip(flat, buffers):
+        sharding = NamedSharding(mesh, param_spec(path_to_official(path), var.shape, mesh))
+        arr = jax.make_array_from_callback(tuple(var.shape), sharding, lambda idx, b=buf: b[idx])
+        leaves.append((path, var.replace(arr)))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+# ----------------------------------------------------------------------------- memory
+
+def memory_per_device(cfg: ModelConfig, dp: int = 1, ep: int = 1, tp: int = 1, seqs_per_device: int = 1,
+                      max_len: int = 131072, dtype="bfloat16") -> dict:
+    """Bytes per device of parameters and caches from abstract shapes (no devices needed) under the
+    table's layout. `params` holds weights as this model keeps them (`dtype`, or as shipped where the config
+    says: FP8 + block scales with cfg.dense_weights="fp8", FP4 + scales with cfg.expert_weights="fp4");
+    `params_fp4_experts` counts routed experts as released (FP4 + one UE8M0 scale per 32 values; an FP4 model
+    holds the scales as bf16, one byte more per 32 values);
+    `engram` is the part of `params` in replicated Engram tables (V4.1, device placement);
+    `cache` is `seqs_per_device` sequences of `max_len` positions (each sequence lives on one device)."""
+    shape = {"dp": dp, "ep": ep, "tp": tp}
+    state = nnx.state(abstract_model(cfg, dtype))
+    specs = param_specs(state)
+    out = {"params": 0, "params_fp4_experts": 0, "engram": 0}
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(state)[0], flat_specs):
+        n = 1
+        for entry in spec:
+            for a in ((entry,) if isinstance(entry, str) else (entry or ())):
+                n *= shape.get(a, 1)
+        count = int(np.prod(leaf.shape)) // n
+        size = count * np.dtype(leaf.dtype).itemsize
+        name = _state_name(path)
+        out["params"] += size
+        if ".experts." in name and name.endswith(".scale"):   # FP4 models' scales: one UE8M0 byte as released
+            out["params_fp4_experts"] += count                 # (held as bf16, fp4_kernel_scales)
+        elif ".experts." in name and jnp.issubdtype(leaf.dtype, jnp.floating):   # dense experts as released
+            out["params_fp4_experts"] += count * (0.5 + 1 / 32)
+        else:
+            out["params_fp4_experts"] += size
+        if ".engram." in name:
+            out["engram"] += size
+    out["cache"] = seqs_per_device * memory_estimate(cfg, max_len)["bytes_per_sequence_at_max_len"]
+    return out

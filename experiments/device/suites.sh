@@ -8,7 +8,8 @@
 #   step-release          release format (FP8 dense + FP4 experts), V4 and V4.1: verify 8 / 64 / 256 x 4,
 #                         prefill 1 / 2 x 4096
 #   step-release-targets  the same at the target points only (V4: verify 8 / 64 / 256, prefill 2; V4.1: verify 64,
-#                         prefill 1)
+#                         prefill 1); step-release-targets-fp8: the same with the FP8 projections multiplied from
+#                         their bytes (--dense-impl pallas)
 #   step-bf16             V4 in bf16 (dense and experts): verify 8 / 64 / 256 x 4, prefill 1 / 4 x 4096; verify
 #                         256 x 4 with the bf16 LM head (V4.1's bf16 experts do not fit one GPU)
 #   step-fp4-experts      V4, bf16 dense + FP4 experts: verify 8 / 64 / 256 x 4, prefill 1 / 2 / 4 x 4096; verify
@@ -93,10 +94,12 @@ for suite in "${suites[@]}"; do
             --context 32768 --kernel-times 2
         bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 1,2 \
             --context 32768 --kernel-times 2 ;;
-    step-release-targets)
-        bench 280 v4_release $V4 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 2 --context 32768 \
+    step-release-targets|step-release-targets-fp8)
+        fmt=$RELEASE tag=release
+        [ "$suite" = step-release-targets-fp8 ] && fmt="$RELEASE --dense-impl pallas" tag=release_fp8_kernels
+        bench 280 "v4_$tag" $V4 $fmt --phase decode,prefill --batch 8,64,256 --prefill-batch 2 --context 32768 \
             --kernel-times 2
-        bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
+        bench 280 "v41_$tag" $V41 $fmt --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
             --kernel-times 2 ;;
     launch-gap)
         for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \

@@ -38,22 +38,14 @@ def hc_coefficients(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Arr
     post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
-    comb = comb / (_axis_sum(comb, -2) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (_axis_sum(comb, -1) + hc_eps)
-        comb = comb / (_axis_sum(comb, -2) + hc_eps)
+    comb = comb / (comb.sum(-2, keepdims=True) + hc_eps)
+
+    def sinkhorn_step(_, c):
+        c = c / (c.sum(-1, keepdims=True) + hc_eps)
+        return c / (c.sum(-2, keepdims=True) + hc_eps)
+
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_step, comb)
     return pre, post, comb
-
-
-def _axis_sum(c: jax.Array, axis: int) -> jax.Array:
-    """c summed over `axis` (kept), as a chain of adds in index order. Sinkhorn's sums run over the n = hc_mult
-    streams only: written as elementwise adds (and the iterations unrolled), the whole normalisation is one fused
-    kernel on a GPU instead of a device loop of tiny reductions (two kernels an iteration, and a loop's trips)."""
-    parts = jnp.split(c, c.shape[axis], axis=axis)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
 
 
 def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:

@@ -403,32 +403,3 @@ def test_float32_linear_of_bf16_operands(seed):
         assert np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref) < 2e-6
     text = str(jax.make_jaxpr(float32_linear)(x, w))
     assert "convert_element_type" not in text and "preferred_element_type=float32" in text
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_sinkhorn_unrolled_matches_the_loop_and_has_no_loop(seed):
-    """mHC's Sinkhorn runs unrolled with its n-stream sums as adds (one fused kernel on a GPU): the loop form's
-    numbers to float32 rounding, and no while loop left in the compiled program."""
-    from model.layers import rms_normalize
-    from model.mhc import hc_coefficients
-
-    rng = np.random.default_rng(seed)
-    n, d, eps = 4, 32, 1e-6
-    fn = jnp.asarray(rng.standard_normal(((2 + n) * n, n * d)) * 0.05, jnp.float32)
-    base = jnp.asarray(rng.standard_normal((2 + n) * n) * 0.2, jnp.float32)
-    scale = jnp.asarray(rng.uniform(0.3, 0.7, 3), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((2, 5, n, d)), jnp.float32)
-
-    def loop_form(x):
-        m = jnp.einsum("...k,ok->...o", rms_normalize(x.reshape(*x.shape[:-2], -1), eps), fn)
-        c = jax.nn.softmax((m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n), -1) + eps
-        c = c / (c.sum(-2, keepdims=True) + eps)
-
-        def step(_, c):
-            c = c / (c.sum(-1, keepdims=True) + eps)
-            return c / (c.sum(-2, keepdims=True) + eps)
-        return jax.lax.fori_loop(0, 19, step, c)
-
-    coefficients = jax.jit(lambda x: hc_coefficients(fn, base, scale, x, norm_eps=eps, hc_eps=eps, sinkhorn_iters=20))
-    np.testing.assert_allclose(np.asarray(coefficients(x)[2]), np.asarray(loop_form(x)), rtol=0, atol=3e-7)
-    assert " while(" not in coefficients.lower(x).compile().as_text()

@@ -58,8 +58,10 @@ class PrefixStore:
     max_bytes / max_entries: capacity (None = unbounded); inserting past it evicts least recently
       used entries (a lookup hit or a re-insert refreshes an entry). An entry larger than max_bytes
       on its own is not stored.
-    min_length: hits shorter than this many tokens are not adopted (reported as misses), e.g. the
-      sliding window for V4.1 encoder replay (V41_NOTES 3.3: hits <= 128 are misses). Per-lookup
+    min_length: hits shorter than this many tokens are not adopted (reported as misses); a hit of exactly
+      min_length is adopted. V4.1 encoder replay asks for the sliding window W: it replays the W tokens
+      before the hit, and a hit of exactly W replays from position 0, which rebuilds the window exactly (the
+      engines of V41_NOTES 3.3 treat hits <= W as misses; adopting H = W costs nothing). Per-lookup
       override with `lookup(tokens, min_length=...)`.
 
     stats (dict): hits, misses, hit_tokens (sum of adopted hit lengths), short (hits rejected for
@@ -178,8 +180,7 @@ class PrefixStore:
 
 
 # ============================================================================ bounded replay
-# Decoder-side and encoder-side SWA bounded replay (MODEL_SPEC 3.4; V41_NOTES 3.2, 3.3) go below
-# this line (another engineer's part of issue 9).
+# Decoder-side and encoder-side SWA bounded replay (MODEL_SPEC 3.4; V41_NOTES 3.2, 3.3).
 
 
 @functools.partial(nnx.jit, static_argnames=("last_only", "replay_tail", "write_global"), donate_argnames="cache")

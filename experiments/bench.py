@@ -1118,6 +1118,8 @@ def main(argv=None) -> list[dict]:
     import jax
 
     backend = jax.default_backend()
+    if args.kernel_times and backend != "gpu":
+        raise ValueError(f"--kernel-times records per-kernel times under CUPTI and needs a GPU; the backend is {backend}")
     d = defaults(backend, args.quick)
     preset = args.preset or d["preset"]
     dtype = args.dtype or d["dtype"]

@@ -34,6 +34,7 @@ from pallas_kernels.moe import (FP4_KERNEL_MAX_BYTE, fp4_kernel_scales, fp4_kern
 
 from . import quant_io
 from .config import ModelConfig
+from .footprint import check_fits
 from .transformer import Transformer, abstract_model
 
 _HC = re.compile(r"(^|\.)(hc_(?:attn|ffn|head))_(fn|base|scale)$")
@@ -251,6 +252,8 @@ def load_checkpoint(directory, dtype="bfloat16", mesh=None, token_map: np.ndarra
         raise ValueError(f"{directory}: checkpoint holds no tensors")
     if not any(official_name(n).startswith("mtp.") for n in names):
         cfg = cfg.replace(num_mtp_layers=0, compress_ratios=cfg.compress_ratios[:cfg.num_layers])
+    if mesh is None:
+        check_fits(cfg, dtype)
     items = _official_tensors(quant_io.iter_checkpoint_tensors(directory))
     if mesh is not None:  # before dequantisation: other processes' experts are never read
         from sharding.apply import local_expert_tensors

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from typing import Callable
 
 import jax
@@ -25,6 +26,7 @@ from .attention import Attention, Shared
 from .cache import Cache, LayerCache, Step, allocate, allocate_layer, ring_gather, ring_write
 from .config import LayerSpec, ModelConfig
 from .engram import Engram, EngramHasher
+from .footprint import check_fits
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
 from .moe import MoE
@@ -38,6 +40,15 @@ def resolve_dtype(dtype) -> jnp.dtype:
             raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
         return DTYPES[dtype]
     return jnp.dtype(dtype)
+
+
+def _warn_if_interpreted(cfg: ModelConfig) -> None:
+    """Kernel paths off a GPU run in Pallas interpret mode: say so (once per trace) rather than run slowly."""
+    backend = jax.default_backend()
+    if backend != "gpu" and (cfg.attention_impl != "reference" or cfg.moe_impl != "reference"):
+        warnings.warn(f"{cfg.name}: attention_impl={cfg.attention_impl!r}, moe_impl={cfg.moe_impl!r} on the {backend} "
+                      "backend run the Pallas kernels in interpret mode (a correctness path, orders of magnitude "
+                      "slower than 'reference')", stacklevel=3)
 
 
 class Block(nnx.Module):
@@ -308,6 +319,7 @@ class Transformer(nnx.Module):
         floor [B] / write_global: see `Step` (encoder-side replay).
         """
         cfg = self.config
+        _warn_if_interpreted(cfg)
         step = Step.make(cache.lengths, n_new, tokens.shape[1], floor, write_global)
         ids = None
         if self.hasher is not None:
@@ -334,7 +346,7 @@ class Transformer(nnx.Module):
             layers.append(layer_cache)
             if block.spec.indexer:
                 topk[i] = shared.topk
-        cache = cache.replace(lengths=step.end, layers=tuple(layers))
+        cache = cache.advanced(step.end, tuple(layers))
         extras = {"residual": x, "pre": pre, "topk": topk, "row_start": step.start, "rows": step.n_new}
         if shared.candidates is not None:
             extras["candidates"] = shared.candidates
@@ -457,7 +469,8 @@ def _check_room(cache: Cache, n_new: jax.Array) -> None:
 
 def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh=None,
                 token_map: np.ndarray | None = None) -> Transformer:
-    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...).
+    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...). Without a mesh, a
+    model that cannot fit the device raises MemoryError before anything is built (`footprint.check_fits`).
 
     With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by
     sharding/rules.py and the MoE layers run expert parallel (sharding.init_sharded).
@@ -466,6 +479,7 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh=None,
         from sharding.apply import init_sharded
 
         return init_sharded(cfg, seed, dtype, mesh, token_map=token_map)
+    check_fits(cfg, dtype)
     return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
 
 

@@ -19,9 +19,15 @@ def is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
+def _item(x):
+    """A 0-d numpy / jax array as its Python scalar (other values unchanged)."""
+    return x.item() if isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0 else x
+
+
 def check_sampling(temperature, top_k, top_p) -> None:
     """ValueError naming the knob unless temperature is a finite number >= 0, top_k an integer >= 0 and top_p
-    a number in (0, 1]."""
+    a number in (0, 1] (Python or numpy scalars, or 0-d arrays)."""
+    temperature, top_k, top_p = _item(temperature), _item(top_k), _item(top_p)
     if not is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not isinstance(top_k, numbers.Integral) or isinstance(top_k, (bool, np.bool_)) or top_k < 0:

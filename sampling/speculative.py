@@ -53,7 +53,7 @@ jax.tree_util.register_dataclass(SpecParams, data_fields=["temperature", "top_k"
 
 # Drafts one MTP-1 proposal may hold: MTP-1 is trained to predict one token ahead, further drafts chain it on its
 # own output streams (their acceptance falls off quickly), and each one unrolls another MTP block into the
-# compiled loop (tiny-v4 on a CPU: ~7 s of compile per draft).
+# compiled loop (compile time grows with every draft).
 MAX_MTP_DRAFTS = 8
 
 
@@ -264,16 +264,14 @@ def prefill_and_propose(model: Transformer, cache: Cache, dc, tokens, lengths, k
     """Prompt prefill + the first token + the drafter's state and first proposal."""
     start = cache.lengths
     logits, cache, extras = model.step(tokens, cache, lengths, last_only=True, replay_tail=sp.replay_tail)
-    k_first, k_prop = jax.random.split(key)
-    first = sample(logits[:, 0], k_first, sp.temperature, sp.top_k, sp.top_p)
-    dc, commit_out = commit_rows(model, dc, extras, tokens, start, first, sp)
-    return cache, dc, first, _propose(model, dc, first, commit_out, k_prop, sp)
+    dc, first, proposal = first_proposal(model, dc, logits[:, 0], extras, tokens, start, key, sp)
+    return cache, dc, first, proposal
 
 
 def first_proposal(model: Transformer, dc, logits, extras: dict, tokens, start, key, sp: SpecParams):
-    """After a prefill that ran outside the loop (prefix store): the first token from the last rows' logits
-    [B, V], the drafter's commit of the last chunk (`commit_rows`) and its first proposal, with the keys
-    `prefill_and_propose` uses. -> (dc, first, proposal)."""
+    """After the prompt's last prefill chunk (tokens [B, S] from `start`, its extras): the first token from the
+    last rows' logits [B, V], the drafter's commit of the chunk (`commit_rows`) and its first proposal.
+    -> (dc, first, proposal)."""
     k_first, k_prop = jax.random.split(key)
     first = sample(logits, k_first, sp.temperature, sp.top_k, sp.top_p)
     dc, commit_out = commit_rows(model, dc, extras, tokens, start, first, sp)

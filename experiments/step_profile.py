@@ -233,10 +233,11 @@ def cupti_steps(run_once: Callable[[], Any], steps: int) -> list[list[tuple[str,
     `mosaic.gpu.profiler.measure` wraps; `measure` itself runs its function twice on the same arguments, which a
     step that donates its cache cannot do)."""
     import jax
+
+    if jax.default_backend() != "gpu":  # before the import: CPU-only jax builds lack the Mosaic GPU bindings
+        raise RuntimeError(f"CUPTI needs a GPU (backend: {jax.default_backend()})")
     from jax._src.lib import mosaic_gpu as mgpu_lib
 
-    if jax.default_backend() != "gpu":
-        raise RuntimeError(f"CUPTI needs a GPU (backend: {jax.default_backend()})")
     if mgpu_lib is None:
         raise RuntimeError("CUPTI is reached through jax's Mosaic GPU library, absent here")
     ext = mgpu_lib._mosaic_gpu_ext

@@ -1114,6 +1114,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def kernel_times_note(backend: str, steps: int) -> str | None:
+    """What --kernel-times will not do on this backend (said before the run; each record keeps the reason)."""
+    if steps and backend != "gpu":
+        return (f"--kernel-times {steps}: per-kernel times need CUPTI on a GPU; on {backend} the steps are timed as "
+                "usual and each record's profile says why it has no kernels")
+    return None
+
+
 def stub_record(preset: str, cfg, dtype: str, pt: Point, status: str, reason: str) -> dict:
     """The record of a configuration that did not run (refused before building the model, or out of time)."""
     return {"bench": "bench", "key": pt.key(), "preset": preset, "config": cfg.name, "layers": cfg.num_layers,
@@ -1145,6 +1153,8 @@ def main(argv=None) -> list[dict]:
     env = environment(command_line(argv))
     progress.log(f"{env['device']} x{env['device_count']} ({backend}), jax {env['jax']}; {cfg.name}, {dtype}, "
                  f"attention {cfg.attention_impl}, moe {cfg.moe_impl}")
+    if note := kernel_times_note(backend, args.kernel_times):
+        progress.log(note)
     # mode-major order (deepinfer decode, deepinfer prefill, realistic ...): with --time-budget the most
     # important configurations come first
     points = [Point(phase, mode, b, c, new_tokens, args.num_draft, args.step or "", args.replay, args.mesh)

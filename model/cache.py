@@ -27,6 +27,7 @@ from flax import struct
 from pallas_kernels.reference import mxfp4_row_bytes
 
 from .config import ModelConfig
+from .footprint import require
 
 @struct.dataclass
 class CompressorCache:
@@ -47,15 +48,41 @@ class Cache:
     lengths: jax.Array  # [B] int32
     layers: tuple
     tokens: jax.Array | None = None  # [V4.1 Engram] ring of raw token ids [B, R_t] (n-gram history)
+    # [B] int32: the shortest length a rollback may keep. The rings hold spec_room slots beyond what a step
+    # reads, so rows written past the kept length clobber nothing only while the furthest row written is at
+    # most spec_room positions ahead: the floor is (furthest row written + 1) - spec_room, or a prefix import's
+    # length (the import brings exactly the rows a resume at that length reads).
+    rollback_floor: jax.Array | None = None
     max_len: int = struct.field(pytree_node=False, default=0)
+    spec_room: int = struct.field(pytree_node=False, default=0)
 
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
 
+    def advanced(self, end: jax.Array, layers: tuple) -> "Cache":
+        """The cache after a step wrote every position below `end` [B]."""
+        floor = None if self.rollback_floor is None else jnp.maximum(self.rollback_floor, end - self.spec_room)
+        return self.replace(lengths=end, layers=layers, rollback_floor=floor)
+
     def rollback(self, lengths: jax.Array) -> "Cache":
-        """Keep only the first `lengths[b]` positions of each sequence (must not exceed the current)."""
-        return self.replace(lengths=jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths))
+        """Keep only the first `lengths[b]` positions of each sequence (never more than the current).
+
+        Undoing more than the rings can (below `rollback_floor`: more than spec_room positions behind the
+        furthest row written) raises ValueError when the lengths are concrete. Inside jit the caller
+        guarantees it: speculative verification writes at most spec_room rows past the kept length."""
+        new = jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths)
+        if self.rollback_floor is not None and not isinstance(new, jax.core.Tracer) \
+                and not isinstance(self.rollback_floor, jax.core.Tracer):
+            floor, kept = np.asarray(self.rollback_floor), np.asarray(new)
+            if (kept < floor).any():
+                b = int(np.argmax(kept < floor))
+                raise ValueError(f"cannot roll sequence {b} back to length {kept[b]}: its rings hold spec_room="
+                                 f"{self.spec_room} slots beyond the window, and rows up to position "
+                                 f"{floor[b] + self.spec_room - 1} were written (or a prefix was imported at "
+                                 f"{floor[b]}), so no length below {floor[b]} can be restored; allocate the cache "
+                                 "with a larger spec_room")
+        return self.replace(lengths=new)
 
 
 @struct.dataclass
@@ -188,12 +215,17 @@ def allocate_layer(cfg: ModelConfig, index: int, batch: int, max_len: int, dtype
 
 
 def allocate(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, spec_room: int = 8) -> Cache:
-    """An empty cache for `batch` sequences of up to `max_len` positions (backbone layers)."""
+    """An empty cache for `batch` sequences of up to `max_len` positions (backbone layers). Called outside jit,
+    a cache that cannot fit the device raises MemoryError before anything is allocated."""
+    if not isinstance(jnp.zeros(()), jax.core.Tracer):  # traced (eval_shape, born-sharded jit): nothing is held
+        need = batch * memory_estimate(cfg, max_len, dtype, spec_room)["bytes_per_sequence_at_max_len"]
+        require(int(need), f"a {cfg.name} cache of {batch} x {max_len} positions ({np.dtype(dtype).name})")
     layers = tuple(allocate_layer(cfg, i, batch, max_len, dtype, spec_room) for i in range(cfg.num_layers))
     tokens = None
     if cfg.engram_layer_ids:
         tokens = jnp.zeros((batch, cfg.engram_max_ngram_size - 1 + spec_room), jnp.int32)
-    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers, tokens=tokens, max_len=max_len)
+    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers, tokens=tokens,
+                 rollback_floor=jnp.zeros((batch,), jnp.int32), max_len=max_len, spec_room=spec_room)
 
 
 def packed_entry_bytes(cfg: ModelConfig, part: str) -> float:
@@ -426,7 +458,9 @@ def import_prefix(cache: Cache, cfg: ModelConfig, row: int, state: PrefixState) 
         if tokens is None:
             raise ValueError("the prefix carries an Engram token history but the cache has no token ring")
         tokens = _put_ring(tokens[..., None], row, state.tokens[:, None], length, "Engram token history")[..., 0]
-    return cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens)
+    floor = None if cache.rollback_floor is None else cache.rollback_floor.at[row].set(length)
+    return cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens,
+                         rollback_floor=floor)
 
 
 def set_token_history(cache: Cache, tokens: np.ndarray, before: np.ndarray) -> Cache:

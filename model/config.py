@@ -35,6 +35,15 @@ EXPERT_WEIGHTS = ("dense", "fp4")
 DENSE_WEIGHTS = ("model", "fp8")
 HEAD_DTYPES = ("float32", "bfloat16")
 INDEX_KEY_FORMATS = ("model", "fp4")
+ENGRAM_PLACEMENTS = ("device", "host")
+# config.json fields this architecture fixes: the readers raise on any other value instead of ignoring it
+FIXED_FIELDS = {"tie_word_embeddings": (False,), "attention_bias": (False,), "mlp_bias": (False,),
+                "hidden_act": ("silu",), "topk_method": ("noaux_tc",)}
+FIXED_FIELDS_WHY = {"tie_word_embeddings": "a separate LM head, head.weight",
+                    "attention_bias": "no bias in any attention projection",
+                    "mlp_bias": "no bias in any expert projection",
+                    "hidden_act": "clamped SwiGLU experts",
+                    "topk_method": "the router's bias chooses experts only, the weights come from the scores"}
 
 
 @dataclass(frozen=True)
@@ -217,6 +226,8 @@ class ModelConfig:
         need(self.csa_ratio > 0, "csa_ratio must be positive")
         if self.generation == "v41":
             self._validate_v41(need)
+        need(self.engram_placement in ENGRAM_PLACEMENTS,
+             f"engram_placement must be one of {ENGRAM_PLACEMENTS}, got {self.engram_placement!r}")
         for f, allowed in (("attention_impl", ATTENTION_IMPLS), ("moe_impl", IMPLS), ("dense_impl", IMPLS)):
             need(getattr(self, f) in allowed, f"{f} must be one of {allowed}, got {getattr(self, f)!r}")
         need(self.dense_impl == "reference" or self.dense_weights == "fp8",
@@ -277,8 +288,12 @@ class ModelConfig:
             need(c in srcs, f"candidate_source_layer_id {c} must be a KV source layer")
             need(self.candidate_topk_blocks > 0 and self.candidate_block_size > 0,
                  "candidate_topk_blocks and candidate_block_size must be positive with a candidate source")
-        need(self.engram_placement in ("device", "host"),
-             f"engram_placement must be 'device' or 'host', got {self.engram_placement!r}")
+        if self.engram_layer_ids and srcs:
+            late = [i for i in self.engram_layer_ids if i > max(srcs)]
+            need(not late, f"Engram layers {late} lie after the last KV source (layer {max(srcs)}): decoder-side "
+                           f"bounded replay runs layers from {max(srcs) + 1} on only a tail of the rows, and an Engram "
+                           "layer needs the hash ids of every row; Engram layers must be at or before the last KV "
+                           "source")
         if self.engram_layer_ids:
             for f in ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
                       "engram_compressed_vocab_size"):
@@ -578,6 +593,10 @@ def _config_from_dict(raw: dict, where: str) -> ModelConfig:
         if raw.get("num_hash_layers") or raw.get("n_hash_layers"):
             raise ValueError(f"{where}: V4.1 has no hash-routed layers, but num_hash_layers is set")
         n_hash = 0
+    for f, allowed in FIXED_FIELDS.items():
+        if raw.get(f) is not None and raw[f] not in allowed:
+            raise ValueError(f"{where}: {f}={raw[f]!r} is not supported (this model has {f}={allowed[0]!r}: "
+                             f"{FIXED_FIELDS_WHY[f]})")
     if int(get("num_key_value_heads", default=1)) != 1:
         raise ValueError(f"{where}: num_key_value_heads must be 1 (shared-KV MQA)")
     eos = get("eos_token_id", default=1)

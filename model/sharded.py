@@ -33,6 +33,7 @@ from sharding.rules import axes_by_name, key_name, logical_to_spec, path_name, t
 
 from .cache import allocate, memory_estimate
 from .config import ModelConfig
+from .footprint import check_fits
 from .runtime import make_runtime
 from .transformer import Transformer, _fast_tracing, abstract_model, construction_plan, engram_hasher
 
@@ -168,13 +169,15 @@ def cache_shardings(cache, mesh: Mesh, rules=None):
 
 def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh: Mesh | None = None,
                 token_map: np.ndarray | None = None) -> Transformer:
-    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...).
+    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...). Without a mesh, a
+    model that cannot fit the device raises MemoryError before anything is built (`footprint.check_fits`).
 
     With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by the tables and
     the model runs with the mesh's runtime (`init_sharded`); the values equal those of one device.
     """
     if mesh is not None:
         return init_sharded(cfg, mesh, seed, dtype, token_map=token_map)
+    check_fits(cfg, dtype)
     return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from typing import Callable
 
 import jax
@@ -39,6 +40,15 @@ def resolve_dtype(dtype) -> jnp.dtype:
             raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
         return DTYPES[dtype]
     return jnp.dtype(dtype)
+
+
+def _warn_if_interpreted(cfg: ModelConfig) -> None:
+    """Kernel paths off a GPU run in Pallas interpret mode: say so (once per trace) rather than run slowly."""
+    backend = jax.default_backend()
+    if backend != "gpu" and (cfg.attention_impl != "reference" or cfg.moe_impl != "reference"):
+        warnings.warn(f"{cfg.name}: attention_impl={cfg.attention_impl!r}, moe_impl={cfg.moe_impl!r} on the {backend} "
+                      "backend run the Pallas kernels in interpret mode (a correctness path, orders of magnitude "
+                      "slower than 'reference')", stacklevel=3)
 
 
 class Block(nnx.Module):
@@ -329,6 +339,7 @@ class Transformer(nnx.Module):
         floor [B] / write_global: see `Step` (encoder-side replay).
         """
         cfg = self.config
+        _warn_if_interpreted(cfg)
         step = Step.make(cache.lengths, n_new, tokens.shape[1], floor, write_global)
         ids = None
         if self.hasher is not None:
@@ -355,7 +366,7 @@ class Transformer(nnx.Module):
             layers.append(layer_cache)
             if block.spec.indexer:
                 topk[i] = shared.topk
-        cache = cache.replace(lengths=step.end, layers=tuple(layers))
+        cache = cache.advanced(step.end, tuple(layers))
         extras = {"residual": x, "pre": pre, "topk": topk, "row_start": step.start, "rows": step.n_new}
         if shared.candidates is not None:
             extras["candidates"] = shared.candidates

@@ -1,13 +1,39 @@
 """logits -> token: greedy, temperature, top-k, top-p. Explicit PRNG keys; deterministic given a key.
 
-All knobs are traced values (changing them does not recompile): temperature <= 0 means greedy,
-top_k <= 0 disables top-k, top_p >= 1 disables top-p.
+The knobs are scalars, traced under jit (changing them does not recompile): temperature 0 means greedy
+(a `lax.cond`, so greedy decoding never sorts the vocabulary), top_k 0 disables top-k, top_p 1 disables
+top-p. `check_sampling` validates them before anything is traced.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _item(x):
+    """A 0-d numpy / jax array as its Python scalar (other values unchanged)."""
+    return x.item() if isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0 else x
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """ValueError naming the knob unless temperature is a finite number >= 0, top_k an integer >= 0 and top_p
+    a number in (0, 1] (Python or numpy scalars, or 0-d arrays)."""
+    temperature, top_k, top_p = _item(temperature), _item(top_k), _item(top_p)
+    if not is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, (bool, np.bool_)) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k), got {top_k!r}")
+    if not is_real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1] (1 = no top-p), got {top_p!r}")
 
 
 def filter_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
@@ -27,7 +53,11 @@ def filter_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_k=0, top_p=1.0) -> jax.Array:
-    """logits [B, V] -> tokens [B] int32."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.random.categorical(key, filter_logits(logits, temperature, top_k, top_p), axis=-1)
-    return jnp.where(jnp.asarray(temperature) > 0, drawn.astype(jnp.int32), greedy)
+    """logits [B, V] -> tokens [B] int32 (scalar knobs, Python or traced)."""
+    def greedy(logits, key):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def drawn(logits, key):
+        return jax.random.categorical(key, filter_logits(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.asarray(temperature) > 0, drawn, greedy, logits, key)

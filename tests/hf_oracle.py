@@ -13,7 +13,8 @@ Extra helpers: ``hf_prefill_decode_logits`` (prefill + teacher-forced 1-token de
 cache), ``hf_greedy_reference`` (cache-free greedy), ``official_state_dict`` /
 ``save_official_checkpoint`` (same tensors under the official checkpoint names),
 ``discrete_margins`` / ``check_no_near_ties`` (smallest relative gap at every indexer top-k cut, every
-router top-k cut and every logits argmax), ``perturb_weights_``.  ``python tests/hf_oracle.py`` runs
+router top-k cut and every logits argmax), ``first_near_ties`` (per batch row, the first position with a
+near-tie at a top-k cut, in float64), ``perturb_weights_``.  ``python tests/hf_oracle.py`` runs
 a self-check.
 
 ===================================================================================================
@@ -307,6 +308,7 @@ loader against that format.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -327,6 +329,7 @@ __all__ = [
     "hf_greedy",
     "hf_greedy_reference",
     "discrete_margins",
+    "first_near_ties",
     "check_no_near_ties",
     "perturb_weights_",
 ]
@@ -797,6 +800,62 @@ def discrete_margins(model, tokens) -> dict[str, float]:
     top2 = logits.topk(2, dim=-1).values
     res["argmax"] = float(((top2[..., 0] - top2[..., 1]) / top2[..., 0].abs().clamp_min(1e-30)).min())
     return res
+
+
+@torch.no_grad()
+def first_near_ties(model, tokens, bound: float = 1e-4) -> np.ndarray:
+    """Per batch row, the first position with a near-tie at a top-k cut, computed in float64 (a copy of the model):
+    a CSA indexer cut (k-th vs (k+1)-th causally valid score) or a score-routed MoE cut (on sqrtsoftplus /
+    sigmoid(logits) + bias) whose gap is at most `bound` x the larger score (exact ties included, e.g. the
+    all-zero scores of few indexer heads). Float32 noise may flip such a choice, and a flip at position p
+    changes every later position (its KV), so a parity test compares rows before it. -> [B] int (T: none)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
+
+    m = copy.deepcopy(model).double()
+    m.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    ids = _ids(tokens)
+    B, T = ids.shape
+    first = np.full(B, T)
+    pos = torch.arange(T)
+
+    def record(scores: torch.Tensor, valid: torch.Tensor, k: int):
+        s = scores.masked_fill(~valid, float("-inf"))
+        if s.shape[-1] <= k:
+            return
+        top = s.topk(k + 1, dim=-1).values
+        a, b = top[..., k - 1], top[..., k]
+        tie = torch.isfinite(b) & ((a - b) <= bound * torch.maximum(a.abs(), b.abs()))
+        for row in range(B):
+            at = torch.nonzero(tie[row]).flatten()
+            if len(at):
+                first[row] = min(first[row], int(at[0]))
+
+    hooks = []
+    for layer in m.model.layers:
+        comp = getattr(layer.self_attn, "compressor", None)
+        if isinstance(comp, M.DeepseekV4CSACompressor):
+            idx = comp.indexer
+
+            def _h(mod, args, out, idx=idx):
+                n = out.shape[-1]
+                valid = torch.arange(n)[None, None, :] < ((pos + 1) // idx.compress_rate)[None, :, None]
+                record(out, valid.expand(B, T, n), idx.index_topk)
+
+            hooks.append(idx.scorer.register_forward_hook(_h))
+        gate = layer.mlp.gate
+        if isinstance(gate, M.DeepseekV4TopKRouter):
+
+            def _g(mod, args, out, gate=gate):
+                sc = (gate.score_fn(out[0]) + gate.e_score_correction_bias).reshape(B, T, -1)
+                record(sc, torch.ones_like(sc, dtype=torch.bool), gate.top_k)
+
+            hooks.append(gate.register_forward_hook(_g))
+    try:
+        m(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return first
 
 
 def check_no_near_ties(model, tokens, tol: float = 1e-5) -> dict[str, float]:

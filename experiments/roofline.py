@@ -1,6 +1,6 @@
 """Roofline accounting for one forward step on any GPU and mesh: bytes, FLOPs and bytes sent between GPUs by
 component, the floors on a hardware profile, a calibrated estimate, and per-device memory (BENCHMARKS.md
-sections 1 and 4; MODEL_SPEC 2.4-2.8, 2.10, 2.13, 3.1-3.3; V41_NOTES 3.1).
+sections 1 and 4; docs/model.md §4, §4.5, §5, §6, §7, §8, §9, §10, §13, §13.3, §13.7, §17.1).
 
   python -m experiments.roofline --preset v4-flash --phase decode --batch 64 --context 131072 \\
       --num-draft 3 --weights fp4-experts [--json out.json]
@@ -28,7 +28,7 @@ Model of the bytes (a floor: what a perfect kernel must move through HBM)
   * Weights: every dense tensor once per step (re-read per sequential drafter pass); routed experts:
     the expected number of *distinct* experts hit times one expert's bytes: forced balance
     min(E, picks), uniform random routing E * (1 - (1 - 1/E)^picks), picks = batch*rows*k of the EP
-    group (batch/dp sequences). Formats as released (MODEL_SPEC 3.7, V41_NOTES 4): "bf16" = all 2 B;
+    group (batch/dp sequences). Formats as released (docs/model.md §14, §17): "bf16" = all 2 B;
     "fp8" = FP8 E4M3 + UE8M0 block scales (128x128 V4, 32x32 V4.1) for wq_a, wq_b, wkv, wo_a, wo_b,
     indexer wq_b, shared and routed experts, Engram wkv, MTP/DSpark projections; "fp4-experts" = the
     same with routed experts in packed E2M1 + UE8M0 per 32 (0.53 B/param). This engine's formats (its XLA
@@ -50,11 +50,11 @@ Model of the bytes (a floor: what a perfect kernel must move through HBM)
     kernel today runs one program per query row and so reads window and HCA keys T times per sequence;
     the floor assumes a kernel that shares them across the rows of a sequence. Formats by `kv_dtype`:
     "bf16" (our cache today: 1024 B rows, 256 B index keys), "fp8" (FP8 rows + scales: V4 584 B
-    FlashMLA row, V4.1 528 B; FP8 index keys 132 B), "packed" (the trained formats of MODEL_SPEC 2.7:
+    FlashMLA row, V4.1 528 B; FP8 index keys 132 B), "packed" (the trained formats of docs/model.md §13.7:
     V4 584 B rows and 68 B MXFP4 keys; V4.1 528 B window rows, 288 B FP4 entries, 68 B keys).
   * KV written: each layer's own window rows (last min(T, W)), emitted compressed entries and index
     keys (decode: T / r per sequence on average; prefill: exact), and the fp32 compressor carry rows
-    (MODEL_SPEC 3.2; under "compressor").
+    (docs/model.md §13.3; under "compressor").
   * Draft-stage weights count in the per-device memory when the step verifies drafts (or with
     `drafter=True`); the MTP / DSpark stages share the backbone's embedding and head.
   * Activations are assumed to stay on chip / be fused (not counted); so are indexer scores (a fused
@@ -274,7 +274,7 @@ class _Acc:
         self.comp = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         self.resident = defaultdict(float)      # bytes per device, by component
         self.params = defaultdict(float)        # logical parameters (whole model), by component
-        self.active = 0.0                       # parameters used per token (MODEL_SPEC-style "active")
+        self.active = 0.0                       # parameters used per token (docs/model.md §17.1 "active")
         self.group = None                       # when set ("drafter"), every add goes to that component
         self.count_resident = True
         self.sent = defaultdict(float)          # (group, part) -> bytes this device sends (roofline_mesh)
@@ -337,7 +337,7 @@ class _Step:
 
 
 def _visible(p, r):
-    """Compressed entries visible to a query at position p (MODEL_SPEC 2.5): j < (p + 1) // r."""
+    """Compressed entries visible to a query at position p (docs/model.md §5, §6, §8): j < (p + 1) // r."""
     return (p + 1) // r
 
 
@@ -387,7 +387,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
     if tp > 1:  # wo_b's partial sums over the heads' slices
         acc.send({("tp", "attn_all_reduce"): roofline_mesh.all_reduce_bytes(rows * D * 2.0, tp)})
 
-    # ---- attention core: window + compressed candidates (MODEL_SPEC 2.4-2.6, 3.3)
+    # ---- attention core: window + compressed candidates (docs/model.md §4, §4.5, §5, §6, §7, §8)
     r = spec.compress_ratio
     kind = spec.attention
     end = ctx + T
@@ -456,7 +456,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
             if spec.indexer:
                 acc.add("kv_write", "index_keys", kv_write_bytes=emitted * kvb["index"] * S)
 
-    # ---- Engram (V4.1, before the block; V41_NOTES 2.5)
+    # ---- Engram (V4.1, before the block; docs/model.md §10)
     if spec.engram:
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         hd = cfg.engram_head_dim
@@ -473,7 +473,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
             acc.resident["engram"] += tab_rows * row_bytes / devices
             acc.params["engram"] += tab_rows * hd
 
-    # ---- MoE: router, routed experts (distinct experts touched), shared expert (MODEL_SPEC 2.8)
+    # ---- MoE: router, routed experts (distinct experts touched), shared expert (docs/model.md §9)
     E, k, I = spec.n_experts, spec.n_experts_per_tok, cfg.moe_intermediate_size
     acc.tensor("router", "gate", E * D, matrix_class("ffn.gate"), rows)
     if not spec.hash_routed:  # aux-loss-free selection bias ([V4.1] + the image bias_vl)
@@ -697,7 +697,7 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
         "active_per_token": acc.active,  # backbone, head included, embedding excluded
     }
     if cfg.generation == "v41" and phase == "prefill" and cfg.candidate_source_layer_id >= 0:
-        notes.append("decoder-side bounded replay (V41_NOTES 3.2) not modelled: every layer runs on all rows")
+        notes.append("decoder-side bounded replay (docs/model.md §15.1) not modelled: every layer runs on all rows")
     if cfg.engram_layer_ids and cfg.engram_placement == "device":
         notes.append("Engram tables counted in HBM, column-sharded over all dp*ep*tp devices")
     # data-parallel attention: every device of a tp group holds and reads the same non-expert weights

@@ -1,4 +1,4 @@
-"""One attention block driven by `LayerSpec` (MODEL_SPEC 2.4-2.6): [V4] SWA, CSA (own compressor +
+"""One attention block driven by `LayerSpec` (docs/model.md §4, §5, §6, §7, §8): [V4] SWA, CSA (own compressor +
 indexer top-k) or HCA (own compressor, all entries); [V4.1] SWA, Full, Reindex or Reuse (CSA2).
 
 Common path: c_q = RMSNorm(W_qa h); q = W_qb c_q -> [H, Dh] ([V4] per-head weightless RMS norm),
@@ -28,7 +28,7 @@ from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_kernel_lin
 
 @struct.dataclass
 class Shared:
-    """[V4.1] what sources hand down the stack within one step (MODEL_SPEC 2.6, V41_NOTES 2.3)."""
+    """[V4.1] what sources hand down the stack within one step (docs/model.md §7, §7.2, §8)."""
 
     kv: jax.Array | None = None  # latest source's global KV store [B, N, Dh]
     keys: jax.Array | None = None  # its index keys [B, N, DI] (or MXFP4 rows uint8 [B, N, DI/2 + DI/32])

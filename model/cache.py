@@ -1,4 +1,4 @@
-"""The cache pytree: position-indexed rings and stores (MODEL_SPEC 3.1-3.3, 3.5).
+"""The cache pytree: position-indexed rings and stores (docs/model.md §4.5, §13, §13.3, §13.6).
 
 Everything is indexed by absolute position, so chunked prefill, speculative rollback and prefix
 resume are length updates:
@@ -230,7 +230,7 @@ def allocate(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, spe
 
 def packed_entry_bytes(cfg: ModelConfig, part: str) -> float:
     """Bytes of one global-KV entry ("comp") or index key ("index") in the trained storage formats
-    (MODEL_SPEC 2.7): [V4] FP8 nope + bf16 rope + UE8M0 scales (FlashMLA 584 B row) / MXFP4 keys;
+    (docs/model.md §13.7): [V4] FP8 nope + bf16 rope + UE8M0 scales (FlashMLA 584 B row) / MXFP4 keys;
     [V4.1] E2M1 + one E4M3 scale per 16 / MXFP4 (E2M1 + UE8M0 per 32) keys."""
     if part == "index":
         return cfg.index_head_dim / 2 + cfg.index_head_dim / 32
@@ -271,7 +271,7 @@ def describe_memory(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bf
 
 
 # ----------------------------------------------------------------------------- prefix export / import
-# MODEL_SPEC 3.5, V41_NOTES 3.1/3.3: what resuming a sequence at position `length` needs, copied to
+# docs/model.md §13.6, §13.7, §15.2: what resuming a sequence at position `length` needs, copied to
 # the host. Every ring segment is "the rows of positions [length - n, length)" (n = its first axis),
 # every entry store "entries [0, n)", so a state carries no slot numbers and imports into a cache of
 # any ring size or max_len.
@@ -351,7 +351,7 @@ def _export_compressor(comp: CompressorCache, ratio: int, overlap: bool, row: in
 
 
 def export_prefix(cache: Cache, cfg: ModelConfig, row: int, length: int, include_window: bool) -> PrefixState:
-    """Copy to the host what resuming sequence `row` at position `length` needs (MODEL_SPEC 3.5).
+    """Copy to the host what resuming sequence `row` at position `length` needs (docs/model.md §13.6).
 
     For every KV-owning layer: entries [0, length // r) of the global KV (and of the V4 indexer keys /
     V4.1 index keys), plus the projection rows a later block still pools ([V4] `length` may end inside

@@ -1,6 +1,6 @@
 """Checkpoints: safetensors in every layout transformers reads for this model; orbax.
 
-Official names (MODEL_SPEC 3.7) are the canonical names: our parameter tree mirrors them, with
+Official names (docs/model.md §14) are the canonical names: our parameter tree mirrors them, with
 two mechanical differences handled here — `hc_{attn,ffn,head}_{fn,base,scale}` are the
 submodules `hc_attn.fn` etc., and routed experts are stacked (`ffn.experts.w1` [E, I, D] holds
 `ffn.experts.{e}.w1.weight`). Stored names are translated name by name (`official_name`): official

@@ -1,4 +1,4 @@
-"""Token-to-entry compression and the lightning indexer (MODEL_SPEC 2.5 [V4], 2.6 [V4.1]).
+"""Token-to-entry compression and the lightning indexer (docs/model.md §5, §6, §8 [V4]; §7, §8 [V4.1]).
 
 Compressor (ratio r, width d): per token, in float32, a_t = W_kv h_t and a gate score g_t
 (W_gate h_t, plus the learned in-block bias ape[t mod r] in V4). Entry j pools its block

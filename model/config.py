@@ -128,7 +128,7 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     generation: str = "v4"
-    # [V4.1] CSA2 roles (MODEL_SPEC 1.2/1.3), Engram, DSpark, router temperature.
+    # [V4.1] CSA2 roles (docs/model.md §0.2, §0.3), Engram, DSpark, router temperature.
     kv_source_layer_ids: tuple[int, ...] = ()
     index_source_layer_ids: tuple[int, ...] = ()
     candidate_source_layer_id: int = -1
@@ -313,7 +313,7 @@ class ModelConfig:
 
     @property
     def fp8_block(self) -> int:
-        """Edge B of the square FP8 weight-scale blocks: 128 (V4) or 32 (V4.1) (MODEL_SPEC 3.7)."""
+        """Edge B of the square FP8 weight-scale blocks: 128 (V4) or 32 (V4.1) (docs/model.md §14)."""
         return 128 if self.generation == "v4" else 32
 
     @property
@@ -343,7 +343,7 @@ class ModelConfig:
             own = index if ratio > 0 else None
             return LayerSpec(attention=kind, overlap=kind == "csa", indexer=kind == "csa", kv_source=own,
                              topk_source=index if kind == "csa" else None, **common)
-        # V4.1, the generic rule of MODEL_SPEC 1.3
+        # V4.1, the generic rule of docs/model.md §0.3
         if ratio == 0 or mtp:
             return LayerSpec(attention="swa", overlap=False, indexer=False, engram=index in self.engram_layer_ids,
                              **common)
@@ -669,7 +669,7 @@ def _v4_flash() -> ModelConfig:
 
 
 def _tiny_v41() -> ModelConfig:
-    """MODEL_SPEC 1.4 TINY-V41: SWA, SWA+Engram, Full(r2)+Engram, Reuse, Reuse, Full(r1)+candidate source,
+    """docs/model.md §0.4 TINY-V41: SWA, SWA+Engram, Full(r2)+Engram, Reuse, Reuse, Full(r1)+candidate source,
     Reuse, Reindex with candidates; 3 DSpark stages."""
     return ModelConfig(
         vocab_size=96, hidden_size=128, num_layers=8, num_heads=4, head_dim=64, rope_head_dim=16,

@@ -1,4 +1,4 @@
-"""Drafters: MTP-1 [V4] and DSpark [V4.1] (MODEL_SPEC 2.11, 2.12, 3.6).
+"""Drafters: MTP-1 [V4] and DSpark [V4.1] (docs/model.md §12.1, §12.2, §16.2).
 
 Both keep their own position-indexed state (`DraftCache`: one SWA ring per stage plus the number of
 context positions written), so a speculative step is: `commit` the rows the target just accepted,

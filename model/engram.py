@@ -1,5 +1,5 @@
 """V4.1 Engram: n-gram hashing (numpy reference; the same in jnp on 32-bit lanes inside the step) and the gated
-memory module (MODEL_SPEC 2.10).
+memory module (docs/model.md §10).
 
 Hashing (pure function of token ids; int64 in numpy, (hi, lo) uint32 pairs on the device):
   * raw id -> compressed id through a tokenizer-derived map (identity for random models);
@@ -129,7 +129,7 @@ def hash_multipliers(layer_ids: Sequence[int], max_ngram_size: int, compressed_v
 
 def normalize_token_text(text: str) -> str:
     """The compressed-vocabulary key of a decoded token: NFKC -> NFD -> strip accents -> lowercase ->
-    collapse whitespace -> strip (MODEL_SPEC 2.10)."""
+    collapse whitespace -> strip (docs/model.md §10)."""
     t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
     t = "".join(c for c in t if unicodedata.category(c) != "Mn").lower()
     return " ".join(t.split())
@@ -237,7 +237,7 @@ class EngramHasher:
         if token_map is None:
             if vocab is None or (vc is not None and int(vc) != int(vocab)):
                 raise ValueError(f"config: engram_compressed_vocab_size {vc} != vocab_size {vocab}; the "
-                                 "real model needs the tokenizer-derived token_map (MODEL_SPEC 2.10)")
+                                 "real model needs the tokenizer-derived token_map (docs/model.md §10)")
             token_map = np.arange(int(vocab), dtype=np.int64)
         h = cls(layer_ids=layer_ids,
                 max_ngram_size=_get(config, "engram_max_ngram_size"),
@@ -473,7 +473,7 @@ def engram_gate(x: jax.Array, key: jax.Array, qk: jax.Array, eps: float, clamp: 
 
 
 class Engram(nnx.Module):
-    """One Engram layer (MODEL_SPEC 2.10), applied to the residual streams before its block.
+    """One Engram layer (docs/model.md §10), applied to the residual streams before its block.
 
     x [B, T, n, D], ids [B, T, C] (this layer's slice of `EngramHasher.hash_ids`), optional
     token_mask [B, T] (False -> gate 0) -> x + gamma * val, computed in fp32, cast to x.dtype.

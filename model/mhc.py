@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (MODEL_SPEC 2.2).
+"""Manifold-constrained hyper-connections (docs/model.md §2).
 
 The residual is n streams X [..., n, D]. For each sublayer, coefficients come from X:
 rho = rsqrt(mean(flat(X)^2) + eps), m = rho * (fn @ flat(X)) (fp32), then

@@ -1,4 +1,4 @@
-"""Mixture of experts (MODEL_SPEC 2.8): router (score / hash), clamped SwiGLU experts, shared expert.
+"""Mixture of experts (docs/model.md §9): router (score / hash), clamped SwiGLU experts, shared expert.
 
 Router in float32: s = f(W_g h) with f = sqrt(softplus) (or sigmoid / softmax). Score-routed layers
 pick top-k of s + bias (bias only for choosing); hash layers pick tid2eid[token]. Weights are the

@@ -1,4 +1,4 @@
-"""Block and Transformer (MODEL_SPEC 2.1, 2.2, 2.9-2.12).
+"""Block and Transformer (docs/model.md §1.1, §2, §10, §11, §12.1, §12.2).
 
 tokens -> ([V4.1] Engram hash ids) -> embed -> n residual streams -> per block:
   ([V4.1] Engram) mHC(attn) collapse -> attn_norm -> Attention -> expand;
@@ -333,7 +333,7 @@ class Transformer(nnx.Module):
         valid). Unused extras cost nothing under jit.
         Rows i >= n_new[b] are padding: computed, never written to the cache, outputs meaningless.
 
-        [V4.1] replay_tail (decoder-side bounded replay, MODEL_SPEC 3.4): layers after the last KV source
+        [V4.1] replay_tail (decoder-side bounded replay, docs/model.md §15): layers after the last KV source
         run only on each sequence's last min(tail, n_new) rows, whose window is floored at the first kept
         position when rows were dropped; the returned rows (logits, extras) are those kept rows.
         floor [B] / write_global: see `Step` (encoder-side replay).

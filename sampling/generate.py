@@ -315,7 +315,7 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     nearly flat). Lossless: greedy output equals plain greedy output, sampled output has the target's
     distribution.
 
-    bounded_replay [V4.1]: decoder-side SWA bounded replay in prefill (MODEL_SPEC 3.4): True keeps the last
+    bounded_replay [V4.1]: decoder-side SWA bounded replay in prefill (docs/model.md §15): True keeps the last
     window (+ num_draft with speculative decoding) rows per prompt after the last KV-source layer; an int
     sets that tail. An approximation (measured by experiments/replay_error.py); False is exact.
 

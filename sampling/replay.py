@@ -1,4 +1,4 @@
-"""Prefix reuse and bounded replay (MODEL_SPEC 3.4, 3.5; V41_NOTES 3.2, 3.3).
+"""Prefix reuse and bounded replay (docs/model.md §13.6, §15, §15.1, §15.2).
 
 `PrefixStore` is a host-resident, size-limited, LRU store of `model.cache.PrefixState`s keyed by token
 prefixes at page granularity: the key of a prefix of k pages is a hash chain
@@ -61,7 +61,7 @@ class PrefixStore:
     min_length: hits shorter than this many tokens are not adopted (reported as misses); a hit of exactly
       min_length is adopted. V4.1 encoder replay asks for the sliding window W: it replays the W tokens
       before the hit, and a hit of exactly W replays from position 0, which rebuilds the window exactly (the
-      engines of V41_NOTES 3.3 treat hits <= W as misses; adopting H = W costs nothing). Per-lookup
+      engines described in docs/model.md §15.2 treat hits <= W as misses; adopting H = W costs nothing). Per-lookup
       override with `lookup(tokens, min_length=...)`.
 
     stats (dict): hits, misses, hit_tokens (sum of adopted hit lengths), short (hits rejected for
@@ -180,7 +180,7 @@ class PrefixStore:
 
 
 # ============================================================================ bounded replay
-# Decoder-side and encoder-side SWA bounded replay (MODEL_SPEC 3.4; V41_NOTES 3.2, 3.3).
+# Decoder-side and encoder-side SWA bounded replay (docs/model.md §15, §15.1, §15.2).
 
 
 _DRAFTER_EXTRAS = ("residual", "main_hidden", "row_start", "rows")  # what a drafter commit reads of a chunk
@@ -206,7 +206,7 @@ def _rows(tokens: np.ndarray, start: np.ndarray, count: np.ndarray, bucket: int 
 
 def prefill_with_store(model, cache, tokens: np.ndarray, lengths: np.ndarray, store: PrefixStore,
                        replay_tail: int | None = None, commit=None):
-    """Prefill prompts reusing the longest cached prefix of each (MODEL_SPEC 3.5).
+    """Prefill prompts reusing the longest cached prefix of each (docs/model.md §13.6).
 
     [V4] a hit restores global KV, compressor carries and SWA rows: the resume is exact.
     [V4.1] a hit restores global KV and index keys; encoder-side replay then rebuilds the window state by

@@ -1,4 +1,4 @@
-"""Speculative decoding inside the jitted loop: propose -> verify -> accept -> rollback (MODEL_SPEC 3.6).
+"""Speculative decoding inside the jitted loop: propose -> verify -> accept -> rollback (docs/model.md §16.2).
 
 Each iteration the target verifies [pending, d_1..d_m] as one causal chunk. Greedy: accept the longest
 prefix with d_j equal to the target's argmax, then the target's own token (correction or bonus).

@@ -22,10 +22,10 @@ a self-check.
 ===================================================================================================
 * logits are finite, std 1.01, max|.| 4.4.  hf_logits(use_cache=False) and the one-shot cached
   prefill give identical logits (bitwise).
-* An independent float64 re-implementation of MODEL_SPEC 2.1-2.5/2.8/2.9 (own code, scratch file,
+* An independent float64 re-implementation of docs/model.md §1-§6, §8, §9, §11 (own code, scratch file,
   reads official_state_dict names, *with* the indexer Hadamard) matches HF's fp32 logits to max|d|
   1.3e-5 (relative 2.9e-6), with the same argmax everywhere; running it without the Hadamard gives the
-  same result.  So, with quant-sim off, HF == MODEL_SPEC V4 except for the points in section 4.
+  same result.  So, with quant-sim off, HF == the V4 model of docs/model.md except for the points in section 4.
   This also checks the key table of section 3 (w1/w3 order, wo_a grouping, ...).
 * Cache consistency: prefill 183 + 37 single-token decodes vs full forward: max|d| 7.5e-6 (this
   crosses CSA emissions and the HCA ratio-16 emissions at p=191, 207); chunked prefill 37/50/61/72
@@ -82,8 +82,8 @@ max_position_embeddings: HF uses it (a) in _compute_yarn_parameters ONLY when `f
 (factor = max_pos/orig); we give factor=4, so it is not used.  A config validator then logs "factor
 4.0 does not match max_pos/orig = 16"; the explicit factor wins, and hf_tiny_config silences the
 warning.  (b) In DeepseekV4RotaryEmbedding.max_seq_len_cached, which only the dynamic/longrope
-rope types read.  There is no position limit.  512 is safe, and T=600 runs.  max_pos=128 (MODEL_SPEC
-1.4) would also work and makes the warning go away (128/32 = 4).
+rope types read.  There is no position limit.  512 is safe, and T=600 runs.  max_pos=128
+(docs/model.md §0.4) would also work and makes the warning go away (128/32 = 4).
 
 config.json written by save_hf_model (save_pretrained) - exact key set:
   architectures ["DeepseekV4ForCausalLM"], attention_bias, attention_dropout, bos_token_id,
@@ -133,7 +133,7 @@ nn.Linear-style [out, in], the same orientation as the official checkpoint, so N
 needed anywhere.  Experts are STACKED, and gate+up are FUSED (gate first).
 Layer sets: all = 0..5, CSA = {2,4}, HCA = {3}, hash = {0,1}, scored = {2,3,4,5}.
 
- HF key (shape for TINY)                                           official name (MODEL_SPEC 3.7)
+ HF key (shape for TINY)                                           official name (docs/model.md §14)
  ----------------------------------------------------------------  ---------------------------------
  model.embed_tokens.weight [256,128]                               embed.weight
  lm_head.weight [256,128]  (untied)                                head.weight
@@ -193,7 +193,7 @@ HF nor official: "model.layers.{l}.attn.wq_a.weight", per-expert "model.layers.{
 loader against that format.
 
 ===================================================================================================
-4. SEMANTICS: HF (modeling_deepseek_v4.py) vs MODEL_SPEC (V4).  "SAME" means verified equal
+4. SEMANTICS: HF (modeling_deepseek_v4.py) vs docs/model.md (V4).  "SAME" means verified equal
    (section 0); the real differences are marked DIFF.
 ===================================================================================================
 4.1  RoPE [DeepseekV4RotaryEmbedding, apply_rotary_pos_emb]: SAME.  Interleaved pairs
@@ -334,7 +334,7 @@ __all__ = [
     "perturb_weights_",
 ]
 
-# Per-layer compress ratios of TINY-V4, including the trailing MTP slot (MODEL_SPEC 1.4).
+# Per-layer compress ratios of TINY-V4, including the trailing MTP slot (docs/model.md §0.4).
 TINY_COMPRESS_RATIOS = (0, 0, 4, 16, 4, 0, 0)
 
 _SWA, _CSA, _HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -548,7 +548,7 @@ def save_hf_model(model, directory: str, original_format: bool = False) -> list[
 
 
 def official_state_dict(model) -> dict[str, torch.Tensor]:
-    """HF model -> tensors under the official DeepSeek-V4 checkpoint names (MODEL_SPEC 3.7),
+    """HF model -> tensors under the official DeepSeek-V4 checkpoint names (docs/model.md §14),
     unquantised (fp32), no ``model.`` prefix, experts split per expert, no MTP tensors.
     Inverse of transformers' ``conversion_mapping['deepseek_v4']``."""
     out: dict[str, torch.Tensor] = {}

@@ -35,7 +35,7 @@ def tiny_hasher(vocab=96) -> EngramHasher:
 
 
 def naive_hash_ids(h: EngramHasher, seq: list[int], dead: set[int] = frozenset()) -> np.ndarray:
-    """Per-position Python-int reimplementation straight from MODEL_SPEC 2.10 (one sequence)."""
+    """Per-position Python-int reimplementation straight from docs/model.md §10 (one sequence)."""
     out = np.zeros((len(seq), h.n_layers, h.n_columns), np.int64)
     for p in range(len(seq)):
         taus, blocked = [], False
@@ -87,7 +87,7 @@ def test_real_config_table_sizes():
 
 
 def test_real_config_multipliers_and_vectors():
-    """Multipliers and hash ids for compressed ids [5, 17, 99091, 0, 42] (V41_NOTES 2.5 vectors)."""
+    """Multipliers and hash ids for compressed ids [5, 17, 99091, 0, 42] (docs/model.md §10 vectors)."""
     h = real_hasher()
     assert h.multipliers.tolist() == [[76632096046245, 4839876093313, 35959672319349, 73987337458391],
                                       [67716810739261, 51510806800915, 30921347202721, 82619226485591]]

@@ -1,4 +1,4 @@
-"""`quant_sim` block by block against the official model's quantisation steps (MODEL_SPEC 3.7), written out
+"""`quant_sim` block by block against the official model's quantisation steps (docs/model.md §14), written out
 here in numpy from the spec, on hand-made inputs that sit on the rules' edges: amax clamps and floors,
 power-of-two scale boundaries, round-to-nearest-even ties, saturation, zero blocks.
 

@@ -234,7 +234,7 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
     `quant_sim` (the official numerics: act_quant'd FP8 GEMM inputs, KV fake-quant): the ModelConfig fields."""
     from model import ModelConfig
 
-    from .roofline import scale_layers
+    from .layer_scaling import scale_layers
 
     cfg = ModelConfig.preset(preset)
     if layers:
@@ -854,7 +854,8 @@ def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float, dev
 def roofline_of(cfg, dtype: str, p: Point, rec: dict) -> tuple[dict, float, dict]:
     """Roofline of the step (per device), achieved fraction = floor / median, and throughput figures."""
     from .hardware import H200_DATASHEET
-    from .roofline import roofline, uniform_mma
+    from .roofline import roofline
+    from .roofline_formats import uniform_mma
 
     def floors(ceilings=None):
         return roofline(cfg, p.phase, p.batch, p.context, p.rows, weight_format(cfg), "bf16", p.mesh,

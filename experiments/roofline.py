@@ -15,8 +15,8 @@ drafter, transport, dispatch_dtype, redundant_experts)` returns a dict (JSON-rea
 (the memory, compute and communication floors, `floor_s` and `floor_serial_s`, the bound and the component that
 sets it), `communication` (bytes sent per device, over NVLink and beyond), `placement` (expert slots and
 balance), `replication`, `memory` (weights + cache per device) and `params`; `with_estimate(res)` adds the
-calibrated estimate and the record's `floor_ms` / `estimate_ms`. `experiments.layer_scaling.scale_layers(cfg, n)` builds the same model
-with n layers keeping the layer pattern (`--layers n`).
+calibrated estimate and the record's `floor_ms` / `estimate_ms`. `experiments.layer_scaling.scale_layers(cfg, n)`
+builds the same model with n layers keeping the layer pattern (`--layers n`).
 
 What a step is
   * prefill: `batch` sequences each append `new_tokens` rows after `context` cached positions; logits

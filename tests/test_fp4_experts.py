@@ -90,7 +90,7 @@ def test_memory_accounting():
     """Resident bytes of an FP4 model = the released-format estimate of the dense one plus one byte per 32
     expert weights (the scales are held as bf16, fp4_kernel_scales); the full V4-Flash (bf16 dense, FP4
     experts) needs ~190 GB: two H200s with the experts split (ep=2) hold it."""
-    from experiments.roofline import bytes_per_param
+    from experiments.roofline_formats import bytes_per_param
     from model.sharded import memory_per_device
 
     cfg = ModelConfig.preset("v4-flash")

@@ -377,7 +377,7 @@ def test_fp8_rows_quantiser_matches_quant_io():
     np.testing.assert_array_equal(np.asarray(dequant_fp8_rows(q_jnp, s_jnp)), q.dequant_fp8_rows(q_np, s_np))
 
 
-@pytest.mark.parametrize("tables", ["model", "fp8"])
+@pytest.mark.parametrize("tables", ["fp8", pytest.param("model", marks=pytest.mark.slow)])
 def test_placements_equal_on_one_device(tables):
     """On one device every placement gathers the same rows: prefill and decode logits equal bitwise; host tables
     live in host memory (pinned_host), gathered there inside the step."""
@@ -398,9 +398,9 @@ def test_placements_equal_on_one_device(tables):
         np.testing.assert_array_equal(got[1], want[1], err_msg=placement)
 
 
-def test_fp8_tables_saved_as_shipped_and_loaded_any_way(tmp_path):
-    """FP8 tables save as the release's tensors (E4M3 rows + UE8M0 per 32); loaded dequantised ("model"), as FP8
-    rows or into host memory, the logits are the FP8 model's bitwise."""
+def test_fp8_tables_saved_as_shipped_and_loaded_back(tmp_path):
+    """FP8 tables save as the release's tensors (E4M3 rows + UE8M0 per 32); loaded dequantised ("model") onto the
+    device or as FP8 rows into host memory, the logits are the FP8 model's bitwise."""
     from model.checkpoint import load_checkpoint, official_tensors, save_safetensors
 
     fp8 = _engram_model()
@@ -412,7 +412,7 @@ def test_fp8_tables_saved_as_shipped_and_loaded_any_way(tmp_path):
     save_safetensors(fp8, tmp_path)
     prompts = np.random.default_rng(10).integers(3, 94, (2, 7))
     want = np.asarray(fp8(prompts))
-    for tables, placement in (("model", "device"), ("fp8", "device"), ("fp8", "host"), ("model", "host")):
+    for tables, placement in (("model", "device"), ("fp8", "host")):
         model = load_checkpoint(tmp_path, dtype="float32", engram_tables=tables, engram_placement=placement)
         np.testing.assert_array_equal(np.asarray(model(prompts)), want, err_msg=f"{tables} {placement}")
         if tables == "fp8":  # kept as shipped, and saved back the same

@@ -33,14 +33,17 @@ from flax import nnx
 from pallas_kernels.moe import (FP4_KERNEL_MAX_BYTE, fp4_kernel_scales, fp4_kernel_weights, fp4_scale_bytes,
                                  fp4_weight_bytes)
 
+from sharding.row_lookup import HOST_MEMORY
+
 from . import quant_io
 from .config import ModelConfig
 from .footprint import check_fits
 from .runtime import make_runtime
-from .sharded import local_expert_tensors, path_to_official, place_loaded, skipped_expert_names
+from .sharded import host_resident, local_expert_tensors, path_to_official, place_loaded, skipped_expert_names
 from .transformer import Transformer, abstract_model
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+_ENGRAM_TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.(weight|scale)$")   # [V4.1] a table and its scales
 
 
 # ----------------------------------------------------------------------------- naming
@@ -177,11 +180,14 @@ def _kernel_layout(path: tuple, var) -> tuple | None:
 
 def _held_format(cfg: ModelConfig, name: str) -> str | None:
     """How `cfg` holds the official tensor `name`: "fp4" (routed experts, cfg.expert_weights), "fp8" (the
-    release's FP8 matrices, cfg.dense_weights) or None (dequantised to the model dtype)."""
+    release's FP8 matrices, cfg.dense_weights), "fp8_rows" ([V4.1] Engram tables, cfg.engram_tables) or None
+    (dequantised to the model dtype)."""
     if cfg.expert_weights == "fp4" and _EXPERT.match(name):
         return "fp4"
     if cfg.dense_weights == "fp8" and quant_io.release_fp8(name):
         return "fp8"
+    if cfg.engram_tables == "fp8" and _ENGRAM_TABLE.match(name):
+        return "fp8_rows"
     return None
 
 
@@ -201,13 +207,16 @@ def _as_held(pair: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[st
     if fmt == "fp4":
         stored = w.dtype in (np.int8, np.uint8)
     else:
-        grid = tuple(-(-n // cfg.fp8_block) for n in w.shape)
+        grid = (tuple(-(-n // cfg.fp8_block) for n in w.shape) if fmt == "fp8" else
+                (*w.shape[:-1], -(-w.shape[-1] // 32)))   # FP8 rows: one scale per 32 values of a row
         stored = w.dtype == quant_io.F8_E4M3 and scale is not None and np.shape(scale) == grid
     if stored and scale is not None and np.asarray(scale).dtype in (quant_io.F8_E8M0, np.uint8):
         w, qs = w.view(np.int8) if fmt == "fp4" else w, np.asarray(scale)
     else:
         (_, dense), = quant_io.dequantize_official(pair).items()
-        w, qs = quant_io.quantize_fp4(dense) if fmt == "fp4" else quant_io.quantize_fp8_blocks(dense, cfg.fp8_block)
+        quantize = {"fp4": quant_io.quantize_fp4, "fp8_rows": quant_io.quantize_fp8_rows,
+                    "fp8": lambda d: quant_io.quantize_fp8_blocks(d, cfg.fp8_block)}[fmt]
+        w, qs = quantize(dense)
     qs = qs.view(np.uint8)
     if fmt == "fp4" and qs.size and qs.max() > FP4_KERNEL_MAX_BYTE:
         warnings.warn(f"{sname}: FP4 scales up to 2^{int(qs.max()) - 127}; the model holds routed experts' FP4 "
@@ -305,21 +314,10 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
             filled[i] = np.zeros(var.shape[0], bool)
         else:
             expected[name] = (i, None)
-    host_tables = {f"layers.{i}.engram.embed.weight": block.engram.embed.host
-                   for i, block in enumerate(abstract.layers)
-                   if block.engram is not None and block.engram.embed.host is not None}
     seen: set[str] = set()
     unexpected: list[str] = []
     items = tensors.items() if isinstance(tensors, dict) else tensors
     for name, arr in items:
-        if name in host_tables:  # host-resident Engram table: filled in place, never on the device
-            table = host_tables[name]
-            if tuple(arr.shape) != table.shape:
-                raise ValueError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {table.shape}")
-            _check_tensor(source, name, arr, np.dtype(table.dtype), check_finite)
-            table.array = np.asarray(arr).astype(table.dtype)
-            seen.add(name)
-            continue
         if name not in expected:
             unexpected.append(name)
             continue
@@ -344,15 +342,17 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
         raise ValueError(f"{source}: unexpected tensors (not in a {cfg.name} model): "
                          f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}")
     elsewhere = set() if mesh is None else skipped_expert_names(expected, mesh)
-    missing = sorted((set(expected) | set(host_tables)) - seen - elsewhere)
+    missing = sorted(set(expected) - seen - elsewhere)
     if missing:
         raise ValueError(f"{source}: missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     with jax.default_device(jax.devices("cpu")[0]):   # host buffers stay on the host
         for i, layout in held.items():
             buffers[i] = np.asarray(layout[0](buffers[i]))
     if mesh is not None:
-        return place_loaded(graphdef, flat, buffers, mesh)
-    leaves = [(path, var.replace(jnp.asarray(buf))) for (path, var), buf in zip(flat, buffers)]
+        return place_loaded(graphdef, flat, buffers, mesh, cfg)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY)
+    leaves = [(path, var.replace(jax.device_put(buf, host) if host_resident(cfg, path_to_official(path)) else
+                                 jnp.asarray(buf))) for (path, var), buf in zip(flat, buffers)]
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
@@ -368,6 +368,8 @@ def official_tensors(model: Transformer) -> dict[str, np.ndarray]:
         if layout := _kernel_layout(path, var):
             arr = layout[1](arr)
         arr = np.asarray(jax.device_get(arr))
+        if m := _ENGRAM_TABLE.match(name):
+            arr = arr[:model.layers[int(m.group(1))].engram.embed.rows]   # a split table's padding rows dropped
         if arr.dtype == np.uint8:  # UE8M0 exponent bytes in memory
             arr = arr.view(quant_io.F8_E8M0)
         if "{e}" in name:
@@ -375,9 +377,6 @@ def official_tensors(model: Transformer) -> dict[str, np.ndarray]:
                 out[name.format(e=e)] = arr[e]
         else:
             out[name] = arr
-    for i, block in enumerate(model.layers):
-        if block.engram is not None and block.engram.embed.host is not None:
-            out[f"layers.{i}.engram.embed.weight"] = block.engram.embed.host.array
     return out
 
 

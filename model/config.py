@@ -35,7 +35,10 @@ EXPERT_WEIGHTS = ("dense", "fp4")
 DENSE_WEIGHTS = ("model", "fp8")
 HEAD_DTYPES = ("float32", "bfloat16")
 INDEX_KEY_FORMATS = ("model", "fp4")
-ENGRAM_PLACEMENTS = ("device", "host")
+# [V4.1] Engram tables: where they live, how they are held, how a split table's rows travel (model/engram.py)
+ENGRAM_PLACEMENTS = ("device", "sharded", "host")
+ENGRAM_TABLES = ("model", "fp8")
+ENGRAM_EXCHANGES = ("all_to_all", "all_gather")
 # config.json fields this architecture fixes: the readers raise on any other value instead of ignoring it
 FIXED_FIELDS = {"tie_word_embeddings": (False,), "attention_bias": (False,), "mlp_bias": (False,),
                 "hidden_act": ("silu",), "topk_method": ("noaux_tc",)}
@@ -149,7 +152,15 @@ class ModelConfig:
     dspark_n_routed_experts: int = 0
     dspark_n_experts_per_tok: int = 0
     gate_temp: float = 1.0
-    engram_placement: str = "device"  # "device" (HBM, shardable) or "host" (numpy, rows gathered per step)
+    # [V4.1] Engram tables (ENGRAM_PLACEMENTS): "device" (a copy in every device's memory), "sharded" (rows split over
+    # every device of the mesh, dp x ep x tp) or "host" (host memory, split alike over the devices' host memory on a
+    # mesh; rows gathered on the host). engram_tables: held in the model dtype ("model") or as the release ships them
+    # ("fp8": E4M3 rows + one UE8M0 byte per 32 values, dequantised per gathered row). engram_exchange: how a split
+    # table's rows reach the tokens' devices (sharding.row_lookup: "all_to_all" of the requested ids and of the rows,
+    # or "all_gather" of the ids and a reduce-scatter of the masked local rows).
+    engram_placement: str = "device"
+    engram_tables: str = "model"
+    engram_exchange: str = "all_to_all"
     # Fake-quant steps of the official model (FP8 window KV, FP4 compressed KV / indexer q,k, and act_quant of
     # the inputs of its FP8 / FP4 GEMMs: the release's FP8 linears but wo_a, the routed experts): on for
     # fidelity to the trained model, off for exactness tests.
@@ -294,12 +305,17 @@ class ModelConfig:
                            f"bounded replay runs layers from {max(srcs) + 1} on only a tail of the rows, and an Engram "
                            "layer needs the hash ids of every row; Engram layers must be at or before the last KV "
                            "source")
+        for f, allowed in (("engram_tables", ENGRAM_TABLES), ("engram_exchange", ENGRAM_EXCHANGES)):
+            need(getattr(self, f) in allowed, f"{f} must be one of {allowed}, got {getattr(self, f)!r}")
         if self.engram_layer_ids:
             for f in ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
                       "engram_compressed_vocab_size"):
                 need(getattr(self, f) > 0, f"{f} must be positive with Engram layers")
             need(len(self.engram_num_embeddings) in (0, len(self.engram_layer_ids)),
                  "engram_num_embeddings must list one table size per Engram layer")
+            need(self.engram_tables == "model" or self.engram_head_dim % 32 == 0,
+                 f"engram_tables='fp8' needs engram_head_dim ({self.engram_head_dim}) to be a multiple of 32 (one "
+                 "scale per 32 values of a row)")
         if self.num_mtp_layers:
             need(self.dspark_block_size > 0, "V4.1 draft stages need dspark_block_size > 0")
             need(len(self.dspark_target_layer_ids) > 0 and all(0 <= i < n for i in self.dspark_target_layer_ids),
@@ -413,7 +429,7 @@ class ModelConfig:
             del d["num_hash_layers"]
             for f in dataclasses.fields(self):
                 if (f.name.startswith(("kv_source", "index_source", "candidate_", "engram_", "dspark_"))
-                        and f.name != "engram_placement"):
+                        and f.name not in ("engram_placement", "engram_tables", "engram_exchange")):
                     v = getattr(self, f.name)
                     d[f.name] = list(v) if isinstance(v, tuple) else v
             d["dspark_num_experts_per_tok"] = d.pop("dspark_n_experts_per_tok")

@@ -32,6 +32,7 @@ from sharding.batch_parallel import BatchParallel
 from sharding.expert_parallel import EPConfig, ExpertFn, ExpertParallel
 from sharding.mesh import parallel_config
 from sharding.placement import ForcedBalance, Placement
+from sharding.row_lookup import RowLookup
 
 from .config import ModelConfig
 from .moe import LocalExperts
@@ -42,18 +43,27 @@ class Runtime:
     """mesh: what the runtime was made for (None: one device). experts: one expert function per block (the
     backbone layers, then the draft stages), or () for LocalExperts(cfg.moe_impl) everywhere. per_shard: the
     runner of the Pallas attention / indexer kernels (None: called on the whole batch). forced_balance: route
-    by forced_balance_ids (benchmark mode)."""
+    by forced_balance_ids (benchmark mode). engram: [V4.1] the lookup of Engram tables split over the mesh
+    (cfg.engram_placement "sharded" / "host" on a mesh), None where each table is whole on every device."""
 
     mesh: Mesh | None = None
     experts: tuple[ExpertFn, ...] = ()
     per_shard: Callable[..., Any] | None = None
     forced_balance: bool = False
+    engram: RowLookup | None = None
 
     def check(self, cfg: ModelConfig) -> "Runtime":
         """Raise ValueError unless this runtime fits a model of `cfg`."""
         if self.experts and len(self.experts) != cfg.num_blocks:
             raise ValueError(f"the runtime has expert functions for {len(self.experts)} blocks, {cfg.name} has "
                              f"{cfg.num_blocks} (layers + draft stages): make it with make_runtime(cfg, ...)")
+        split = cfg.engram_layer_ids and cfg.engram_placement != "device" and self.mesh is not None
+        if split and (self.engram is None or self.engram.mesh != self.mesh):
+            raise ValueError(f"{cfg.name}: engram_placement={cfg.engram_placement!r} splits the Engram tables over the "
+                             "mesh: the runtime needs their lookup (make it with make_runtime(cfg, mesh))")
+        if not split and self.engram is not None:
+            raise ValueError(f"{cfg.name}: the runtime looks up split Engram tables, but engram_placement="
+                             f"{cfg.engram_placement!r}{' on one device' if self.mesh is None else ''} keeps them whole")
         for block, fn in enumerate(self.experts):
             if fn.impl != cfg.moe_impl:
                 raise ValueError(f"the runtime's experts of block {block} run {fn.impl!r}, {cfg.name} asks for "
@@ -104,4 +114,7 @@ def make_runtime(cfg: ModelConfig, mesh: Mesh | None = None, config: EPConfig | 
             raise ValueError(f"layer {block}: {n} routed experts are not divisible by ep={ep}")
         experts.append(ExpertParallel(mesh, LocalExperts(cfg.moe_impl), config or EPConfig(), placement, block,
                                       record))
-    return Runtime(mesh, tuple(experts), None if mesh is None else BatchParallel(mesh), forced_balance)
+    engram = None
+    if mesh is not None and cfg.engram_layer_ids and cfg.engram_placement != "device":
+        engram = RowLookup(mesh, cfg.engram_exchange)
+    return Runtime(mesh, tuple(experts), None if mesh is None else BatchParallel(mesh), forced_balance, engram)

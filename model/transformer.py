@@ -25,7 +25,7 @@ from . import quant_io
 from .attention import Attention, Shared
 from .cache import Cache, LayerCache, Step, allocate, allocate_layer, ring_gather, ring_write
 from .config import LayerSpec, ModelConfig
-from .engram import Engram, EngramHasher
+from .engram import Engram, EngramHasher, engram_rows
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
 from .moe import MoE
@@ -61,7 +61,8 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, spec, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, spec, rngs=rngs, dtype=dtype)
         self.engram = (Engram.from_hasher(hasher, spec.index, cfg.hidden_size, cfg.hc_mult, cfg.engram_head_dim,
-                                          cfg.rms_norm_eps, rngs=rngs, dtype=dtype, placement=cfg.engram_placement)
+                                          cfg.rms_norm_eps, rngs=rngs, dtype=dtype, placement=cfg.engram_placement,
+                                          tables=cfg.engram_tables)
                        if spec.engram else None)
         self.spec = spec
         self.single_pass = cfg.generation == "v41"
@@ -341,10 +342,12 @@ class Transformer(nnx.Module):
         cfg = self.config
         _warn_if_interpreted(cfg)
         step = Step.make(cache.lengths, n_new, tokens.shape[1], floor, write_global)
-        ids = None
+        ids = rows = None
         if self.hasher is not None:
             with jax.named_scope("engram"):
                 ids, cache = self.engram_ids(tokens, step, cache)
+                rows = engram_rows([self.layers[i].engram.embed for i in self.hasher.layer_ids], ids,
+                                   self.runtime.engram)
         with jax.named_scope("embed"):
             x = self.embed_streams(tokens)
         pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)  # one-hot: streams start equal
@@ -359,7 +362,8 @@ class Transformer(nnx.Module):
                                                                            shared, main_hidden)
             if block.engram is not None:
                 with jax.named_scope("engram"):
-                    x = block.engram(x, ids[:, :, self.hasher.layer_index(i)])
+                    j = self.hasher.layer_index(i)
+                    x = block.engram(x, ids[:, :, j], rows=rows[j])
             if i in cfg.dspark_target_layer_ids:
                 main_hidden.append(jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype))
             x, layer_cache, shared, pre = block(x, step, tokens, layer_cache, shared, pre)

@@ -45,6 +45,10 @@
 #                         XLA with Triton GEMMs off, PyTorch grouped GEMMs)
 #   kernels               the four above (four device commands)
 #   gpu-tests             the GPU tests (pytest -m gpu)
+# Engram (experiments.bench_engram, V4.1 widths: 2 layers x 24 columns of FP8 rows, 16M-row tables):
+#   engram                the rows' fetch per step for 1 / 64 / 256 / 4096 tokens, alone and beside a GEMM workload:
+#                         device, host and host-callback tables on one GPU; on [x2] also split tables (sharded and
+#                         host, each exchange)
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
 # Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound.
 set -u
@@ -183,6 +187,9 @@ for suite in "${suites[@]}"; do
         XLA_FLAGS=--xla_gpu_enable_triton_gemm=false limit 90 python -m experiments.probes.vendor_gemm_ceiling \
             --dtypes fp8 2>&1 | grep -v Warning
         limit 90 python -m experiments.probes.vendor_gemm_ceiling --torch 2>&1 | grep -v Warning ;;
+    engram)
+        limit 560 python -m experiments.bench_engram --rows 16000000 --tokens 1,64,256,4096 --repeats 20 \
+            --out "$OUTDIR" 2>&1 | grep -E "^\| |rror" ;;
     gpu-tests)
         limit 560 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -15 ;;
     *)

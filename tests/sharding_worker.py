@@ -287,14 +287,14 @@ ENGRAM_NEW_TOKENS = 5
 
 
 def engram_config():
-    """tiny-v41 cut to SWA, Full (r=2: the KV and index source) + Engram, SWA + Engram and one DSpark stage: two
+    """tiny-v41 cut to SWA + Engram, Full (r=2: the KV and index source) + Engram, SWA and one DSpark stage: two
     tables (one exchange for both) of 358 and 522 rows (padded to a multiple of the devices), held as the release
-    ships them."""
+    ships them; the Engram layers at or before the KV source, as bounded replay needs."""
     from model import ModelConfig
 
     return ModelConfig.preset("tiny-v41").replace(
         num_layers=3, compress_ratios=(0, 2, 0, 0), kv_source_layer_ids=(1,), index_source_layer_ids=(1,),
-        candidate_source_layer_id=-1, engram_layer_ids=(1, 2), engram_vocab_size=44, num_mtp_layers=1,
+        candidate_source_layer_id=-1, engram_layer_ids=(0, 1), engram_vocab_size=44, num_mtp_layers=1,
         dspark_target_layer_ids=(1, 2), engram_tables="fp8", name="v41-engram")
 
 
@@ -421,7 +421,7 @@ def run_engram(out_path: str, full: bool) -> None:
                 model = shard_model(init_random(cfg.replace(engram_placement=placement, engram_exchange=exchange),
                                                 seed=0, dtype="float32"), mesh)
             got = outputs(model, mesh, which)
-            table = model.layers[1].engram.embed.stored()[0]
+            table = model.layers[0].engram.embed.stored()[0]
             text = traced_decode(model, mesh)
             results["cases"].append({
                 "mesh": list(shape), "placement": placement, "exchange": exchange, "built": how,
@@ -438,7 +438,7 @@ def run_engram(out_path: str, full: bool) -> None:
             rec = {"mesh": list(shape), "placement": placement,
                    "tables_equal": all(np.array_equal(a, b) for x, y in zip(held(born), held(one))
                                        for a, b in zip(x, y)),
-                   "table_memory": born.layers[1].engram.embed.stored()[0].sharding.memory_kind}
+                   "table_memory": born.layers[0].engram.embed.stored()[0].sharding.memory_kind}
             if full:   # the rest of a born-sharded model matches one device's to float32 rounding, not bitwise
                 ref = init_random(cfg, seed=0, dtype="float32", mesh=mesh)
                 rec["prefill_equal_born_device"] = bool(np.array_equal(outputs(born, mesh, ("prefill",))["prefill"],

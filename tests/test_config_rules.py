@@ -18,7 +18,7 @@ def test_engram_layer_after_the_replay_cut():
 
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
 def test_engram_placement_is_validated_for_every_generation(preset):
-    with pytest.raises(ValueError, match=r"engram_placement must be one of \('device', 'host'\), got 'gpu'"):
+    with pytest.raises(ValueError, match=r"engram_placement must be one of \('device', 'sharded', 'host'\), got 'gpu'"):
         ModelConfig.preset(preset).replace(engram_placement="gpu")
 
 

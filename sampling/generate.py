@@ -26,7 +26,7 @@ from model.transformer import Transformer
 from sharding.apply import shard_batch, to_host as global_to_host
 from sharding.mesh import check_batch, describe as describe_mesh
 
-from .sampler import sample
+from .sampler import fold_in, sample, sequence_keys
 from .replay import prefill_with_store
 from . import speculative as spec
 from .speculative import SpecParams, check_spec, default_cost, run_loop, summarize
@@ -84,7 +84,7 @@ def prepare_prompts(prompts, lengths=None) -> tuple[np.ndarray, np.ndarray]:
 
 def _prefill_phase(model: Transformer, cache: Cache, tokens, lengths, key, params: SamplingParams):
     logits, cache, _ = model.step(tokens, cache, lengths, last_only=True, replay_tail=params.replay_tail)
-    first = sample(logits[:, 0], jax.random.fold_in(key, 0), params.temperature, params.top_k, params.top_p)
+    first = sample(logits[:, 0], fold_in(key, 0), params.temperature, params.top_k, params.top_p)
     return first, cache
 
 
@@ -102,7 +102,7 @@ def _decode_phase(model: Transformer, cache: Cache, first, key, stop_tokens, par
     def body(state):
         i, cache, last, done, out, n_gen = state
         logits, cache, _ = model.step(last[:, None], cache, jnp.ones((b,), jnp.int32))
-        tok = sample(logits[:, 0], jax.random.fold_in(key, i), params.temperature, params.top_k, params.top_p)
+        tok = sample(logits[:, 0], fold_in(key, i), params.temperature, params.top_k, params.top_p)
         tok = jnp.where(done, -1, tok)
         out = out.at[:, i].set(tok)
         n_gen = n_gen + (~done).astype(jnp.int32)
@@ -192,13 +192,30 @@ def _decode_jit(model, cache, first, key, stop_tokens, params, max_new_tokens):
     return out, n_gen, steps
 
 
+def request_key(cfg, seed: int, sequence_ids: Sequence[int] | None, batch: int) -> jax.Array:
+    """The PRNG key of a request: per-sequence keys [B, 2] from `seed` and the sequence ids (given, or the rows
+    under cfg.batch_invariant), else one key [2] for the batch. ValueError for ids that do not fit the prompts."""
+    if sequence_ids is None and not cfg.batch_invariant:
+        return jax.random.PRNGKey(seed)
+    ids = np.arange(batch) if sequence_ids is None else np.asarray(sequence_ids)
+    if ids.shape != (batch,) or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"sequence_ids must be {batch} integers (one per prompt), got {sequence_ids!r}")
+    if ids.min() < 0 or ids.max() >= 2 ** 32:
+        raise ValueError(f"sequence_ids must be in [0, 2^32), got range [{ids.min()}, {ids.max()}]")
+    return sequence_keys(seed, ids.astype(np.uint32))
+
+
 def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None, lengths=None,
              timing: bool = False, speculative: str | None = None, num_draft: int = 3, policy: str = "fixed",
              verify_cost: Sequence[float] | None = None, bounded_replay: bool | int = False, mesh=None,
-             prefix_store=None) -> GenerateOutput:
+             prefix_store=None, sequence_ids: Sequence[int] | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt. Prompts: a list of token sequences (any lengths) or
     a padded [B, S] array with `lengths`. Greedy when temperature == 0.
+
+    sequence_ids: one id per prompt (ints in [0, 2^32)): each sequence then draws its randomness from `seed` and
+    its own id alone, never from its batch row (`sampler.sequence_keys`); a batch-invariant model
+    (cfg.batch_invariant) always does, its ids defaulting to the rows. Without either, one key serves the batch.
 
     speculative: None, "mtp" (V4) or "dspark" (V4.1) with `num_draft` drafts per step and `policy`
     "fixed" or "confidence" (DSpark; `verify_cost[w-1]` = cost of a verify step of width w, e.g. measured
@@ -248,7 +265,7 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     max_len = min(_round_up(need, 64), cfg.max_position_embeddings)
     tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1]))).astype(np.int32)
     params = SamplingParams(float(temperature), int(top_k), float(top_p), replay_tail)
-    key = jax.random.PRNGKey(seed)
+    key = request_key(cfg, seed, sequence_ids, tokens.shape[0])
     stops = jnp.asarray(list(stop_tokens) if stop_tokens else [-2], jnp.int32)
     stats: dict[str, Any] = {"prompt_lengths": lens.tolist(), "max_len": max_len}
     spec_room = max(8, num_draft + 2)
@@ -272,7 +289,7 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
         if speculative is not None or mesh is not None:
             raise NotImplementedError("prefix reuse is not combined with speculative decoding or meshes yet")
         logits, cache, hits = prefill_with_store(model, new_cache(), tokens, lens, prefix_store, replay_tail)
-        first = sample(logits, jax.random.fold_in(key, 0), params.temperature, params.top_k, params.top_p)
+        first = sample(logits, fold_in(key, 0), params.temperature, params.top_k, params.top_p)
         out, n_gen, steps = _decode_jit(model, cache, first, key, stops, params, max_new_tokens)
         stats.update(prefix_hits=hits.tolist(), prefix_store=prefix_store.stats, steps=int(steps))
         return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(n_gen), stats=stats)

@@ -26,7 +26,7 @@ from model import draft as D
 from model.cache import Cache
 from model.transformer import Transformer
 
-from .sampler import filter_logits, sample
+from .sampler import categorical, filter_logits, fold_in, sample, split, uniform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ def default_cost(num_draft: int) -> tuple[float, ...]:
 
 def _propose(model, dc, pending, commit_out, key, sp: SpecParams) -> D.Proposal:
     def choose(logits, j):
-        return sample(logits, jax.random.fold_in(key, j), sp.temperature, sp.top_k, sp.top_p)
+        return sample(logits, fold_in(key, j), sp.temperature, sp.top_k, sp.top_p)
 
     if sp.kind == "mtp":
         logits, streams = commit_out
@@ -123,8 +123,8 @@ def accept(target_logits: jax.Array, proposal: D.Proposal, n_verify: jax.Array, 
                          -1).reshape(b, w, v)  # the distributions the drafts were sampled from
     pt_d = jnp.take_along_axis(p_t[:, :w], drafts[..., None], -1)[..., 0]
     pd_d = jnp.take_along_axis(p_d, drafts[..., None], -1)[..., 0]
-    k_u, k_s = jax.random.split(key)
-    u = jax.random.uniform(k_u, (b, w))
+    k_u, k_s = split(key)
+    u = uniform(k_u, (b, w))
     ok = (u * pd_d < pt_d) & (j < n_verify[:, None])
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_a = jnp.take_along_axis(p_t, a[:, None, None], 1)[:, 0]  # target distribution at row a
@@ -133,7 +133,7 @@ def accept(target_logits: jax.Array, proposal: D.Proposal, n_verify: jax.Array, 
     residual = jnp.maximum(p_a - jnp.where(rejected[:, None], q_a, 0.0), 0.0)
     mass = jnp.sum(residual, -1, keepdims=True)
     residual = jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), p_a)  # empty residual: fall back
-    nxt = jax.random.categorical(k_s, jnp.log(jnp.maximum(residual, 1e-38)), axis=-1).astype(jnp.int32)
+    nxt = categorical(k_s, jnp.log(jnp.maximum(residual, 1e-38)))
     nxt = jnp.where(residual.max(-1) > 0, nxt, jnp.argmax(p_a, -1).astype(jnp.int32))
     return a, nxt
 
@@ -208,7 +208,7 @@ def spec_step(model: Transformer, cache: Cache, dc, pending, proposal: D.Proposa
     """Verify the proposal, accept, roll back, commit the drafter, propose again.
 
     -> (cache, dc, emitted tokens [B, k+1] (first a+1 valid), a [B], n_verify [B], next pending, proposal)."""
-    k_acc, k_prop = jax.random.split(key)
+    k_acc, k_prop = split(key)
     cache, emitted, n_verify, v = verify(model, cache, pending, proposal, k_acc, sp)
     dc, proposal = draft(model, dc, v, k_prop, sp)
     return cache, dc, emitted, v.a, n_verify, v.nxt, proposal
@@ -218,7 +218,7 @@ def prefill_and_propose(model: Transformer, cache: Cache, dc, tokens, lengths, k
     """Prompt prefill + the first token + the drafter's state and first proposal."""
     start = cache.lengths
     logits, cache, extras = model.step(tokens, cache, lengths, last_only=True, replay_tail=sp.replay_tail)
-    k_first, k_prop = jax.random.split(key)
+    k_first, k_prop = split(key)
     first = sample(logits[:, 0], k_first, sp.temperature, sp.top_k, sp.top_p)
     # under bounded replay the returned rows are each prompt's kept tail: the drafter starts there
     rows = extras["rows"]
@@ -236,7 +236,7 @@ def init_state(model: Transformer, cache: Cache, dc, tokens, lengths, key, stop_
     """Prefill + first proposal -> the loop state (output buffer, per-sequence progress, statistics)."""
     b = tokens.shape[0]
     k = sp.num_draft
-    cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, jax.random.fold_in(key, 0), sp)
+    cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, fold_in(key, 0), sp)
     out = jnp.full((b, max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(first)
     n_out = jnp.ones((b,), jnp.int32)
     done = jnp.isin(first, stop_tokens) | (n_out >= max_new_tokens)
@@ -252,7 +252,7 @@ def verify_phase(model: Transformer, s: dict, key, stop_tokens, sp: SpecParams, 
     """Verification and the bookkeeping of one iteration (emitted tokens, stops, statistics)."""
     b, width = s["out"].shape
     k = sp.num_draft
-    k_acc, _ = jax.random.split(jax.random.fold_in(key, s["i"]))
+    k_acc, _ = split(fold_in(key, s["i"]))
     cache, emitted, n_verify, v = verify(model, s["cache"], s["pending"], s["proposal"], k_acc, sp)
     a = v.a
     active = ~s["done"]
@@ -279,7 +279,7 @@ def verify_phase(model: Transformer, s: dict, key, stop_tokens, sp: SpecParams, 
 
 def draft_phase(model: Transformer, s: dict, v: Verified, key, sp: SpecParams) -> dict:
     """The drafter's half of the iteration whose verification produced `v` (s["i"] already advanced)."""
-    _, k_prop = jax.random.split(jax.random.fold_in(key, s["i"] - 1))
+    _, k_prop = split(fold_in(key, s["i"] - 1))
     dc, proposal = draft(model, s["dc"], v, k_prop, sp)
     return dict(s, dc=dc, proposal=proposal)
 

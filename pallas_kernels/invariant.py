@@ -158,5 +158,15 @@ def expert_slots(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: ja
         y = product((ref.fp8_fake_quant(z, act_block) if act_block else z).astype(w2.dtype), w2)
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * ROWS, axis=0)
 
-    out = jax.lax.fori_loop(0, plan.num_tiles, tile, jnp.zeros((tiles * ROWS, x.shape[-1]), jnp.float32))
+    out0 = _zeros_varying_as((tiles * ROWS, x.shape[-1]), x, expert_ids, weights, w1, w2, w3)
+    out = jax.lax.fori_loop(0, plan.num_tiles, tile, out0)
     return jnp.take(out, plan.dest.reshape(-1), axis=0, mode="fill", fill_value=0.0).reshape(m, k, -1)
+
+
+def _zeros_varying_as(shape: tuple[int, ...], *operands: jax.Array) -> jax.Array:
+    """float32 zeros of `shape` that vary over every mesh axis any operand varies over: inside a shard_map a loop's
+    carry must have its body's type, which the operands make varying (an exact zero added per operand)."""
+    out = jnp.zeros(shape, jnp.float32)
+    for a in operands:
+        out = out + jnp.zeros_like(a, shape=(), dtype=jnp.float32)
+    return out

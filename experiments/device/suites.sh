@@ -42,6 +42,10 @@
 #                         XLA with Triton GEMMs off, PyTorch grouped GEMMs)
 #   kernels               the four above (four device commands)
 #   gpu-tests             the GPU tests (pytest -m gpu)
+# Batch invariance (docs/batch_invariance.md):
+#   batch-invariance      its GPU tests (tests/test_batch_invariance.py -m gpu), then the release-format steps with
+#                         the switch off and on in the same call (--batch-invariant both): V4 verify 8 / 64 x 4 and
+#                         prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
 # Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound.
 set -u
@@ -172,6 +176,10 @@ for suite in "${suites[@]}"; do
         limit 90 python -m experiments.probes.vendor_gemm_ceiling --torch 2>&1 | grep -v Warning ;;
     gpu-tests)
         limit 560 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -15 ;;
+    batch-invariance)
+        limit 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance.py 2>&1 | tail -5
+        bench 380 v4_release_batch_invariant $V4 $RELEASE --batch-invariant both --phase decode,prefill --batch 8,64 \
+            --prefill-batch 1 --context 32768 --time-budget 340 ;;
     *)
         echo "unknown suite $suite"; exit 2 ;;
     esac

@@ -3,10 +3,10 @@ same alone and at any row of any batch, in a ragged batch, under any chunking of
 verify step and on any (dp, ep) mesh; sampling draws from the seed and the sequence's id.
 
 Every check compares with `np.array_equal` (bitwise); the batch-invariant path is also compared with the default
-path within float tolerance (the same products, summed in another order). The default suite runs the primitives,
-the switch's validation and one forward check (row 1 of 3) on cut-down tiny-v4 in bf16 (tests/common.py); the model-level
-checks on the other presets and dtypes, the steps, generation, speculative decoding, the golden checkpoints and the
-8-device meshes are `slow` (every model-level check compiles the invariant loops anew: minutes on 2 cores). The
+path within float tolerance (the same products, summed in another order). The default suite runs the primitives
+and the switch's validation; every model-level check (forward rows on the cut-down presets of tests/common.py and
+on the full ones, the steps, generation, speculative decoding, the golden checkpoints, the 8-device meshes) is
+`slow`: each compiles the invariant loops anew, tens of seconds to minutes on 2 cores. The
 8-device checks run in a subprocess (tests/invariance_worker.py), as in tests/test_sharding.py; the `gpu` ones
 repeat the model-level checks on the GPU.
 """
@@ -204,6 +204,7 @@ def _check_forward_rows(model, rows, length: int = 20) -> np.ndarray:
     return alone, seq
 
 
+@pytest.mark.slow
 def test_forward_rows(case):
     """model(tokens): a sequence alone and at a row of a batch (other rows arbitrary), and close to the default
     path."""

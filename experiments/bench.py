@@ -29,6 +29,10 @@ Phases
            mode the cache then keeps num_draft positions (about the assumed 3.25 accepted tokens), so the
            context grows by num_draft per step; in realistic mode it keeps 1 + accepted.
 
+Batch invariance (`--batch-invariant on|both`): ModelConfig.batch_invariant, which runs the reference paths with
+every reduction in a batch-independent order (docs/batch_invariance.md); "both" times each configuration in the
+fast mode as asked and then batch-invariant in the same call, for the cost table.
+
 Synthetic context (the default): the cache stores (SWA rings, compressed-entry stores, indexer keys, the
 compressors' projection rings, the drafter's rings) are filled with random values and `lengths` set to the
 context, instead of prefilling up to 128K tokens: attention / indexer work and bytes are the same as after a
@@ -76,6 +80,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODES = ("deepinfer", "realistic")
 PHASES = ("prefill", "decode")
 STEPS = ("verify", "spec")
+INVARIANCE = ("off", "on", "both")
 DEEPINFER_ACCEPTED = 3.25
 HOST_FILL_BYTES = 64 << 20  # synthetic caches up to this size are filled by numpy (no compilation)
 MEMORY_HEADROOM = 0.92  # refuse above this fraction of the device memory (XLA workspace, fragmentation)
@@ -248,6 +253,14 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
             raise ValueError(f"--engram-vocab: {cfg.name} has no Engram layers")
         changes.update(engram_vocab_size=int(engram_vocab), engram_num_embeddings=())
     return cfg.replace(**changes) if changes else cfg
+
+
+def invariance_variants(cfg, which: str) -> list:
+    """The configurations `--batch-invariant` asks for: "off" cfg as given, "on" its batch-invariant mode (which
+    runs the reference implementations: ModelConfig.batch_invariant), "both" the two, fast mode first."""
+    invariant = cfg.replace(batch_invariant=True, attention_impl="reference", moe_impl="reference",
+                            dense_impl="reference")
+    return {"off": [cfg], "on": [invariant], "both": [cfg, invariant]}[which]
 
 
 def weight_format(cfg) -> str:
@@ -658,7 +671,8 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
     cfg = setup.cfg
     rec: dict[str, Any] = {
         "bench": "bench", "key": p.key(), "preset": setup.preset, "config": cfg.name, "generation": cfg.generation,
-        "layers": cfg.num_layers, "dtype": setup.dtype, "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
+        "layers": cfg.num_layers, "dtype": setup.dtype, "batch_invariant": cfg.batch_invariant,
+        "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
         "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl, "quant_sim": cfg.quant_sim,
         "head_dtype": cfg.head_dtype, "index_key_format": cfg.index_key_format,
         "engram_vocab_size": cfg.engram_vocab_size or None,
@@ -917,8 +931,10 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
     for r in recs:
         mesh = "x".join(str(r["mesh"][a]) for a in ("dp", "ep", "tp"))
         dtype = weight_label(r)
+        invariant = " batch-invariant" if r.get("batch_invariant") else ""
         head = (f"| {r['phase']} | {r['mode']} | {r['step']} | {r['config']} | {dtype} | "
-                f"{r['attention_impl']}/{r['moe_impl']} | {mesh} | {r['batch']} | {r['context']} | {r['new_tokens']} |")
+                f"{r['attention_impl']}/{r['moe_impl']}{invariant} | {mesh} | {r['batch']} | {r['context']} | "
+                f"{r['new_tokens']} |")
         if r["status"] != "ok":
             out.append(head + f" — | | | | | | | | | | {r['status']}: {r.get('reason', '')[:160]} |")
             continue
@@ -1090,6 +1106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "inputs (FP8 x FP8 kernels) and the KV fake-quant steps")
     p.add_argument("--head-dtype", choices=("float32", "bfloat16"),
                    help="LM head GEMM inputs: float32 (the official model, default) or bfloat16 (f32 accumulation)")
+    p.add_argument("--batch-invariant", choices=INVARIANCE, default="off",
+                   help="the fast mode (off), the batch-invariant mode (on: ModelConfig.batch_invariant on the "
+                        "reference paths) or both in one call, each configuration fast mode first")
     p.add_argument("--index-keys", choices=("model", "fp4"),
                    help="indexer key cache: model dtype (default) or MXFP4 rows as the release stores them")
     p.add_argument("--kernel-times", type=int, default=0, metavar="STEPS",
@@ -1126,7 +1145,8 @@ def kernel_times_note(backend: str, steps: int) -> str | None:
 def stub_record(preset: str, cfg, dtype: str, pt: Point, status: str, reason: str) -> dict:
     """The record of a configuration that did not run (refused before building the model, or out of time)."""
     return {"bench": "bench", "key": pt.key(), "preset": preset, "config": cfg.name, "layers": cfg.num_layers,
-            "dtype": dtype, "moe_impl": cfg.moe_impl, "attention_impl": cfg.attention_impl, "mode": pt.mode,
+            "dtype": dtype, "batch_invariant": cfg.batch_invariant, "moe_impl": cfg.moe_impl,
+            "attention_impl": cfg.attention_impl, "mode": pt.mode,
             "phase": pt.phase, "step": pt.kind, "mesh": dict(zip(("dp", "ep", "tp"), pt.mesh)), "batch": pt.batch,
             "context": pt.context, "new_tokens": pt.rows, "status": status, "reason": reason}
 
@@ -1175,27 +1195,29 @@ def main(argv=None) -> list[dict]:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     stem = f"bench_{stamp}_{backend}{'_quick' if args.quick else ''}{'_' + args.tag if args.tag else ''}"
     recs: list[dict] = []
-    setup = None
-    if len(recs_refused) < len(points):
-        setup = build(cfg, preset, dtype, args.mesh, args.seed, args.checkpoint, progress, warmup=warm,
-                      repeats_prefill=reps["prefill"], repeats_decode=reps["decode"],
-                      real_prefill=args.real_prefill, kernel_steps=args.kernel_times)
-    for i, pt in enumerate(points):
-        progress.log(f"[{i + 1}/{len(points)}] {pt.label()}")
-        if args.time_budget and time.perf_counter() - progress.t0 > args.time_budget and pt not in recs_refused:
-            rec = stub_record(preset, cfg, dtype, pt, "skipped", f"--time-budget {args.time_budget:g} s spent")
-        elif pt in recs_refused:
-            rec = stub_record(preset, cfg, dtype, pt, "refused", recs_refused[pt])
-        else:
-            rec = run_point(setup, pt, check_memory=not args.no_memory_check)
-        recs.append(rec)
-        if rec["status"] == "ok":
-            progress.log(f"  {rec['step_ms']['median']:.3f} ms/step, {rec['tokens_per_s']:,.0f} tokens/s, "
-                         f"{100 * rec['roofline_fraction']:.1f}% of the roofline "
-                         f"(floor {rec['roofline']['floor_ms']:.3f} ms)")
-        elif rec["status"] != "refused":
-            progress.log(f"  {rec['status']}: {rec.get('reason')}")
-        paths = write_results(env, recs, stem, Path(args.out) if args.out else None)
+    for variant in invariance_variants(cfg, args.batch_invariant):
+        setup = None
+        if len(recs_refused) < len(points):
+            setup = build(variant, preset, dtype, args.mesh, args.seed, args.checkpoint, progress, warmup=warm,
+                          repeats_prefill=reps["prefill"], repeats_decode=reps["decode"],
+                          real_prefill=args.real_prefill, kernel_steps=args.kernel_times)
+        for i, pt in enumerate(points):
+            progress.log(f"[{i + 1}/{len(points)}] {pt.label()}{' batch-invariant' * variant.batch_invariant}")
+            if args.time_budget and time.perf_counter() - progress.t0 > args.time_budget and pt not in recs_refused:
+                rec = stub_record(preset, variant, dtype, pt, "skipped",
+                                  f"--time-budget {args.time_budget:g} s spent")
+            elif pt in recs_refused:
+                rec = stub_record(preset, variant, dtype, pt, "refused", recs_refused[pt])
+            else:
+                rec = run_point(setup, pt, check_memory=not args.no_memory_check)
+            recs.append(rec)
+            if rec["status"] == "ok":
+                progress.log(f"  {rec['step_ms']['median']:.3f} ms/step, {rec['tokens_per_s']:,.0f} tokens/s, "
+                             f"{100 * rec['roofline_fraction']:.1f}% of the roofline "
+                             f"(floor {rec['roofline']['floor_ms']:.3f} ms)")
+            elif rec["status"] != "refused":
+                progress.log(f"  {rec['status']}: {rec.get('reason')}")
+            paths = write_results(env, recs, stem, Path(args.out) if args.out else None)
     md = markdown(env, recs)
     print(md)
     if recs:

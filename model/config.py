@@ -192,6 +192,11 @@ class ModelConfig:
     # them: DI/2 packed E2M1 bytes + one UE8M0 byte per 32, 68 B at DI = 128; quantised on write, read by the
     # fused indexer kernel as stored). With quant_sim the keys are FP4 values already: the same numbers.
     index_key_format: str = "model"
+    # Batch-invariant numerics (docs/batch_invariance.md): every reduction in an order fixed by the weight shapes
+    # and the sequence's own rows, never by the batch's size or composition, so a sequence's logits are bitwise
+    # the same alone, at any row of any batch, under any chunking of its prefill and on any (dp, ep) mesh (the
+    # reference paths; pallas_kernels/invariant.py).
+    batch_invariant: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -270,6 +275,13 @@ class ModelConfig:
             di = self.index_head_dim
             need(di >= 32 and di & (di - 1) == 0,
                  f"index_key_format='fp4' needs index_head_dim a power of two >= 32 (one scale per 32), got {di}")
+        need(isinstance(self.batch_invariant, bool),
+             f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant:
+            kernels = {f: getattr(self, f) for f in ("attention_impl", "moe_impl", "dense_impl")
+                       if getattr(self, f) != "reference"}
+            need(not kernels, f"batch_invariant=True runs the reference paths, whose reductions it fixes; the Pallas "
+                              f"kernels have no invariant tilings yet: got {kernels} (use 'reference')")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
 

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import reference as ref
+from pallas_kernels.invariant import row_blocks
 from sharding.row_lookup import RowLookup, take_table
 
 from .config import ENGRAM_PLACEMENTS, ENGRAM_TABLES
@@ -556,6 +557,7 @@ class Engram(nnx.Module):
         self.wkv = Linear(self.n_columns * self.head_dim, self.dim * (self.hc_mult + 1), rngs=rngs, dtype=dtype)
         self.q_weight = nnx.Param(normal_init(rngs, (self.hc_mult, self.dim), 0.3, mean=1.0))
         self.k_weight = nnx.Param(normal_init(rngs, (self.hc_mult, self.dim), 0.3, mean=1.0))
+        self.batch_invariant = False  # cfg.batch_invariant: the gate's sums on fixed blocks of tokens
 
     @classmethod
     def from_hasher(cls, hasher: EngramHasher, layer_id: int, dim: int, hc_mult: int, head_dim: int,
@@ -587,7 +589,9 @@ class Engram(nnx.Module):
             raise ValueError(f"Engram: ids leading shape {ids.shape[:-1]} != x leading shape {x.shape[:-2]}")
         key, value = self.key_value(ids, rows)
         qk = self.q_weight[...].astype(jnp.float32) * self.k_weight[...].astype(jnp.float32)
-        gate = engram_gate(x, key, qk, self.eps, self.clamp_value)  # [..., n]
+        def gate_of(x, key):
+            return engram_gate(x, key, qk, self.eps, self.clamp_value)  # [..., n]
+        gate = row_blocks(gate_of, x, key, lead=x.ndim - 2) if self.batch_invariant else gate_of(x, key)
         if token_mask is not None:
             gate = jnp.where(token_mask[..., None], gate, 0.0)
         h = x.astype(jnp.float32)

@@ -68,11 +68,15 @@ class Runtime:
             if fn.impl != cfg.moe_impl:
                 raise ValueError(f"the runtime's experts of block {block} run {fn.impl!r}, {cfg.name} asks for "
                                  f"moe_impl={cfg.moe_impl!r}")
+            if fn.per_slot != cfg.batch_invariant:
+                raise ValueError(f"the runtime's experts of block {block} were made for batch_invariant="
+                                 f"{fn.per_slot}, {cfg.name} has batch_invariant={cfg.batch_invariant}: make it with "
+                                 "make_runtime(cfg, ...)")
         return self
 
-    def experts_for(self, block: int, impl: str) -> ExpertFn:
-        """The expert function block `block` runs (its MoE's `expert_fn`)."""
-        fn = self.experts[block] if self.experts else LocalExperts(impl)
+    def experts_for(self, block: int, impl: str, per_slot: bool = False) -> ExpertFn:
+        """The expert function block `block` runs (its MoE's `expert_fn`); per_slot: cfg.batch_invariant."""
+        fn = self.experts[block] if self.experts else LocalExperts(impl, per_slot)
         return ForcedBalance(fn) if self.forced_balance else fn
 
     @property
@@ -92,9 +96,15 @@ def make_runtime(cfg: ModelConfig, mesh: Mesh | None = None, config: EPConfig | 
     every MoE layer counts its routed load (`sharding.recorded_load`); forced_balance: benchmark routing.
     On one device the experts run as LocalExperts(cfg.moe_impl), through an ExpertParallel without a mesh
     where a placement or a recorder asks for one. Raises ValueError for a layout the mesh cannot hold.
+    cfg.batch_invariant: each choice's expert output comes home on its own and is added in expert-id order, so
+    the mesh, the strategy and the placement do not change a token's numbers; tp must be 1 (tp shards would add
+    partial sums of the experts' inner products).
     """
     if mesh is None and config is not None:
         raise ValueError("an EPConfig says how experts run over a mesh; pass the mesh with it")
+    if cfg.batch_invariant and mesh is not None and int(mesh.shape["tp"]) > 1:
+        raise ValueError(f"batch_invariant needs tp=1 (got tp={int(mesh.shape['tp'])}): tp shards add partial sums "
+                         "of the experts' and projections' inner products, in an order the mesh decides")
     if mesh is None and placements is None and record is None:
         return Runtime(forced_balance=forced_balance)
     ep = 1 if mesh is None else int(mesh.shape["ep"])
@@ -112,8 +122,8 @@ def make_runtime(cfg: ModelConfig, mesh: Mesh | None = None, config: EPConfig | 
                 raise ValueError(f"placement for layer {block} has {placement.num_experts} experts, the layer has {n}")
         elif n % ep:
             raise ValueError(f"layer {block}: {n} routed experts are not divisible by ep={ep}")
-        experts.append(ExpertParallel(mesh, LocalExperts(cfg.moe_impl), config or EPConfig(), placement, block,
-                                      record))
+        experts.append(ExpertParallel(mesh, LocalExperts(cfg.moe_impl, cfg.batch_invariant), config or EPConfig(),
+                                      placement, block, record))
     engram = None
     if mesh is not None and cfg.engram_layer_ids and cfg.engram_placement != "device":
         engram = RowLookup(mesh, cfg.engram_exchange)

@@ -67,10 +67,12 @@ class Block(nnx.Module):
         self.spec = spec
         self.single_pass = cfg.generation == "v41"
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        self.batch_invariant = cfg.batch_invariant
 
     def _coefficients(self, hc: HyperConnection, x: jax.Array):
         return hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, norm_eps=self.norm_eps,
-                               hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
+                               hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
+                               batch_invariant=self.batch_invariant)
 
     def sublayers(self, x: jax.Array, pre_prev: jax.Array | None, attend, tokens: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
@@ -78,20 +80,21 @@ class Block(nnx.Module):
 
         x [B, S, n, D]; `pre_prev` [B, S, n] is the previous sublayer's pre vector (V4.1 single-pass
         mHC collapses with it). -> (x, this block's FFN pre vector)."""
+        bi = self.batch_invariant
         with jax.named_scope("mhc"):
             pre, post, comb = self._coefficients(self.hc_attn, x)
-            h = collapse(x, pre_prev if self.single_pass else pre)
+            h = collapse(x, pre_prev if self.single_pass else pre, bi)
         with jax.named_scope("attention"):
             a = attend(self.attn_norm(h))
         with jax.named_scope("mhc"):
-            x = expand(x, a, post, comb)
+            x = expand(x, a, post, comb, bi)
             pre_attn = pre
             pre, post, comb = self._coefficients(self.hc_ffn, x)
-            h = collapse(x, pre_attn if self.single_pass else pre)
+            h = collapse(x, pre_attn if self.single_pass else pre, bi)
         with jax.named_scope("moe"):
             f = self.ffn(self.ffn_norm(h), tokens)
         with jax.named_scope("mhc"):
-            return expand(x, f, post, comb), pre
+            return expand(x, f, post, comb, bi), pre
 
     def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache, shared: Shared,
                  pre_prev: jax.Array | None) -> tuple[jax.Array, LayerCache, Shared, jax.Array]:
@@ -128,7 +131,7 @@ class MTPBlock(Block):
         x = self.h_proj(self.hnorm(residual)) + e[:, :, None, :]
         x, cache, _, _ = super().__call__(x.astype(residual.dtype), step, next_tokens, cache, Shared(), None)
         y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], x,
-                             norm_eps=self.norm_eps, hc_eps=self.hc_eps)
+                             norm_eps=self.norm_eps, hc_eps=self.hc_eps, batch_invariant=self.batch_invariant)
         return self.norm(y), x, cache
 
 
@@ -168,7 +171,8 @@ class Piece:
     description it is built from (`key`: pieces with equal keys build equal shapes, e.g. layers of one
     spec) and `make(rngs)`. `build` also holds the release's FP8 matrices as FP8 when the config asks
     (`fp8_block`), multiplies them from their bytes where they are whole scale blocks (`fp8_kernel`,
-    cfg.dense_impl="pallas"), and gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`)."""
+    cfg.dense_impl="pallas"), gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`) and
+    runs every Linear and RMSNorm on fixed blocks of rows under cfg.batch_invariant (`batch_invariant`)."""
 
     name: str
     index: int | None
@@ -177,6 +181,7 @@ class Piece:
     fp8_block: int | None
     act_block: int = 0
     fp8_kernel: bool = False
+    batch_invariant: bool = False
 
     @property
     def path(self) -> str:
@@ -184,6 +189,10 @@ class Piece:
 
     def build(self, rngs: nnx.Rngs) -> nnx.Module | None:
         module = self.make(rngs)
+        if module is not None and self.batch_invariant:
+            for _, sub in nnx.iter_modules(module):
+                if isinstance(sub, (Linear, RMSNorm, Engram)):
+                    sub.batch_invariant = True
         if module is not None and (self.fp8_block or self.act_block):
             for path, sub in nnx.iter_modules(module):
                 name = ".".join(map(str, (self.path, *path, "weight")))
@@ -211,7 +220,8 @@ def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> l
     compiled program per distinct piece) gives the same weights as building the model at once."""
     dtype = resolve_dtype(dtype)
     piece = functools.partial(Piece, fp8_block=cfg.fp8_block if cfg.dense_weights == "fp8" else None,
-                              act_block=cfg.act_quant_block, fp8_kernel=cfg.dense_impl == "pallas")
+                              act_block=cfg.act_quant_block, fp8_kernel=cfg.dense_impl == "pallas",
+                              batch_invariant=cfg.batch_invariant)
     d, spec = cfg.hidden_size, cfg.layer_spec
     plan = [piece("embed", None, ("embed",), lambda r: Embedding(cfg.vocab_size, d, rngs=r, dtype=dtype))]
     plan += [piece("layers", i, ("layers", _weights_key(spec(i))),
@@ -282,7 +292,8 @@ class Transformer(nnx.Module):
         self.runtime = runtime.check(self.config)
         for block in (*self.layers, *self.mtp):
             block.attn.per_shard = runtime.per_shard
-            block.ffn.expert_fn = runtime.experts_for(block.spec.index, self.config.moe_impl)
+            block.ffn.expert_fn = runtime.experts_for(block.spec.index, self.config.moe_impl,
+                                                      self.config.batch_invariant)
 
     def with_runtime(self, runtime: Runtime) -> "Transformer":
         """A copy of this model (the same arrays, new modules) that runs with `runtime`; this one is unchanged."""
@@ -303,10 +314,10 @@ class Transformer(nnx.Module):
         """Residual streams [.., n, D] (+ the last FFN pre vector [.., n]) -> normed hidden [.., D]."""
         cfg = self.config
         if self.hc_head is None:
-            y = collapse(residual, pre)
+            y = collapse(residual, pre, cfg.batch_invariant)
         else:
             y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], residual,
-                                 norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+                                 norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, batch_invariant=cfg.batch_invariant)
         return self.norm(y)
 
     def engram_ids(self, tokens: jax.Array, step: Step, cache: Cache) -> tuple[jax.Array, Cache]:

@@ -31,7 +31,7 @@ from sharding.mesh import check_batch, describe as describe_mesh
 
 from . import speculative as spec
 from .replay import PrefixStore, prefill_with_store
-from .sampler import is_real, check_sampling, sample
+from .sampler import check_sampling, fold_in, is_real, sample, sequence_keys
 from .speculative import SpecParams, check_spec, default_cost, run_loop, summarize
 
 DEFAULT_NUM_DRAFT = 3
@@ -107,7 +107,7 @@ def prepare_prompts(prompts, lengths=None) -> tuple[np.ndarray, np.ndarray]:
 
 def _prefill_phase(model: Transformer, cache: Cache, tokens, lengths, key, params: SamplingParams):
     logits, cache, _ = model.step(tokens, cache, lengths, last_only=True, replay_tail=params.replay_tail)
-    first = sample(logits[:, 0], jax.random.fold_in(key, 0), params.temperature, params.top_k, params.top_p)
+    first = sample(logits[:, 0], fold_in(key, 0), params.temperature, params.top_k, params.top_p)
     return first, cache
 
 
@@ -125,7 +125,7 @@ def _decode_phase(model: Transformer, cache: Cache, first, key, stop_tokens, par
     def body(state):
         i, cache, last, done, out, n_gen = state
         logits, cache, _ = model.step(last[:, None], cache, jnp.ones((b,), jnp.int32))
-        tok = sample(logits[:, 0], jax.random.fold_in(key, i), params.temperature, params.top_k, params.top_p)
+        tok = sample(logits[:, 0], fold_in(key, i), params.temperature, params.top_k, params.top_p)
         tok = jnp.where(done, -1, tok)
         out = out.at[:, i].set(tok)
         n_gen = n_gen + (~done).astype(jnp.int32)
@@ -299,15 +299,32 @@ def check_request(cfg: ModelConfig, max_new_tokens: int = 32, temperature: float
     return replay_tail
 
 
+def request_key(cfg, seed: int, sequence_ids: Sequence[int] | None, batch: int) -> jax.Array:
+    """The PRNG key of a request: per-sequence keys [B, 2] from `seed` and the sequence ids (given, or the rows
+    under cfg.batch_invariant), else one key [2] for the batch. ValueError for ids that do not fit the prompts."""
+    if sequence_ids is None and not cfg.batch_invariant:
+        return jax.random.PRNGKey(seed)
+    ids = np.arange(batch) if sequence_ids is None else np.asarray(sequence_ids)
+    if ids.shape != (batch,) or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"sequence_ids must be {batch} integers (one per prompt), got {sequence_ids!r}")
+    if ids.min() < 0 or ids.max() >= 2 ** 32:
+        raise ValueError(f"sequence_ids must be in [0, 2^32), got range [{ids.min()}, {ids.max()}]")
+    return sequence_keys(seed, ids.astype(np.uint32))
+
+
 def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None, lengths=None,
              timing: bool = False, speculative: str | None = None, num_draft: int | None = None,
              policy: str = "fixed", verify_cost: Sequence[float] | None = None, bounded_replay: bool | int = False,
-             mesh=None, prefix_store=None) -> GenerateOutput:
+             mesh=None, prefix_store=None, sequence_ids: Sequence[int] | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt. Prompts: a list of token sequences (any lengths) or
     a padded [B, S] array with `lengths` (integer token ids). Greedy when temperature == 0. Every option is
     checked before anything is traced (`check_request`); the sampling knobs are traced, so new values of
     temperature, top_k or top_p reuse the compiled loop.
+
+    sequence_ids: one id per prompt (ints in [0, 2^32)): each sequence then draws its randomness from `seed` and
+    its own id alone, never from its batch row (`sampler.sequence_keys`); a batch-invariant model
+    (cfg.batch_invariant) always does, its ids defaulting to the rows. Without either, one key serves the batch.
 
     speculative: None, "mtp" (V4) or "dspark" (V4.1) with `num_draft` drafts per step (default 3; at most
     MAX_MTP_DRAFTS for MTP, the block size for DSpark) and `policy` "fixed" or "confidence" (DSpark;
@@ -346,7 +363,7 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     width = min(_round_up(tokens.shape[1], 16), cfg.max_position_embeddings)  # bucketed: fewer compilations
     tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1]))).astype(np.int32)
     params = SamplingParams(*_knobs(temperature, top_k, top_p), replay_tail)
-    key = jax.random.PRNGKey(seed)
+    key = request_key(cfg, seed, sequence_ids, tokens.shape[0])
     stops = jnp.asarray(list(stop_tokens) if stop_tokens else [-2], jnp.int32)
     stats: dict[str, Any] = {"prompt_lengths": lens.tolist(), "max_len": max_len}
     spec_room = max(8, num_draft + 2) if speculative is not None else 8
@@ -391,7 +408,7 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
         return GenerateOutput(tokens=to_host(out), lengths=to_host(n_gen), stats=stats)
     if prefix_store is not None:
         logits, cache, hits = prefill_with_store(model, new_cache(), tokens, lens, prefix_store, replay_tail)
-        first = _sample_jit(logits, jax.random.fold_in(key, 0), params)
+        first = _sample_jit(logits, fold_in(key, 0), params)
         out, n_gen, steps = _decode_jit(model, cache, first, key, stops, params, max_new_tokens)
         stats.update(prefix_hits=hits.tolist(), prefix_store=prefix_store.stats, steps=int(steps))
         return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(n_gen), stats=stats)

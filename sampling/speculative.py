@@ -30,7 +30,7 @@ from model.config import ModelConfig
 from model.transformer import Transformer
 
 from .replay import prefill_with_store
-from .sampler import filter_logits, sample
+from .sampler import categorical, filter_logits, fold_in, sample, split, uniform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ def default_cost(num_draft: int) -> tuple[float, ...]:
 
 def _propose(model, dc, pending, commit_out, key, sp: SpecParams) -> D.Proposal:
     def choose(logits, j):
-        return sample(logits, jax.random.fold_in(key, j), sp.temperature, sp.top_k, sp.top_p)
+        return sample(logits, fold_in(key, j), sp.temperature, sp.top_k, sp.top_p)
 
     if sp.kind == "mtp":
         logits, streams = commit_out
@@ -155,8 +155,8 @@ def _accept_sampled(target_logits, proposal, drafts, n_verify, key, sp: SpecPara
                          -1).reshape(b, w, v)  # the distributions the drafts were sampled from
     pt_d = jnp.take_along_axis(p_t[:, :w], drafts[..., None], -1)[..., 0]
     pd_d = jnp.take_along_axis(p_d, drafts[..., None], -1)[..., 0]
-    k_u, k_s = jax.random.split(key)
-    u = jax.random.uniform(k_u, (b, w))
+    k_u, k_s = split(key)
+    u = uniform(k_u, (b, w))
     ok = (u * pd_d < pt_d) & (j < n_verify[:, None])
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_a = jnp.take_along_axis(p_t, a[:, None, None], 1)[:, 0]  # target distribution at row a
@@ -165,7 +165,7 @@ def _accept_sampled(target_logits, proposal, drafts, n_verify, key, sp: SpecPara
     residual = jnp.maximum(p_a - jnp.where(rejected[:, None], q_a, 0.0), 0.0)
     mass = jnp.sum(residual, -1, keepdims=True)
     residual = jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), p_a)  # empty residual: fall back
-    nxt = jax.random.categorical(k_s, jnp.log(jnp.maximum(residual, 1e-38)), axis=-1).astype(jnp.int32)
+    nxt = categorical(k_s, jnp.log(jnp.maximum(residual, 1e-38)))
     nxt = jnp.where(residual.max(-1) > 0, nxt, jnp.argmax(p_a, -1).astype(jnp.int32))
     return a, nxt
 
@@ -243,7 +243,7 @@ def spec_step(model: Transformer, cache: Cache, dc, pending, proposal: D.Proposa
     """Verify the proposal, accept, roll back, commit the drafter, propose again.
 
     -> (cache, dc, emitted tokens [B, k+1] (first a+1 valid), a [B], n_verify [B], next pending, proposal)."""
-    k_acc, k_prop = jax.random.split(key)
+    k_acc, k_prop = split(key)
     cache, emitted, n_verify, v = verify(model, cache, pending, proposal, k_acc, sp)
     dc, proposal = draft(model, dc, v, k_prop, sp)
     return cache, dc, emitted, v.a, n_verify, v.nxt, proposal
@@ -272,7 +272,7 @@ def first_proposal(model: Transformer, dc, logits, extras: dict, tokens, start, 
     """After the prompt's last prefill chunk (tokens [B, S] from `start`, its extras): the first token from the
     last rows' logits [B, V], the drafter's commit of the chunk (`commit_rows`) and its first proposal.
     -> (dc, first, proposal)."""
-    k_first, k_prop = jax.random.split(key)
+    k_first, k_prop = split(key)
     first = sample(logits, k_first, sp.temperature, sp.top_k, sp.top_p)
     dc, commit_out = commit_rows(model, dc, extras, tokens, start, first, sp)
     return dc, first, _propose(model, dc, first, commit_out, k_prop, sp)
@@ -308,7 +308,7 @@ def prefill_with_store_and_propose(model: Transformer, cache: Cache, dc, tokens:
 
     logits, cache, hits = prefill_with_store(model, cache, tokens, lengths, store, sp.replay_tail, commit)
     dc, first, proposal = _first_proposal_jit(model, dc, logits, last["extras"], last["rows"], last["start"],
-                                              jax.random.fold_in(key, 0), sp)
+                                              fold_in(key, 0), sp)
     return cache, dc, first, proposal, hits
 
 
@@ -317,7 +317,7 @@ def prefill_with_store_and_propose(model: Transformer, cache: Cache, dc, tokens:
 def init_state(model: Transformer, cache: Cache, dc, tokens, lengths, key, stop_tokens, sp: SpecParams,
                max_new_tokens: int) -> dict:
     """Prefill + first proposal -> the loop state (output buffer, per-sequence progress, statistics)."""
-    cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, jax.random.fold_in(key, 0), sp)
+    cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, fold_in(key, 0), sp)
     return start_state(cache, dc, first, proposal, stop_tokens, sp, max_new_tokens)
 
 
@@ -341,7 +341,7 @@ def verify_phase(model: Transformer, s: dict, key, stop_tokens, sp: SpecParams, 
     """Verification and the bookkeeping of one iteration (emitted tokens, stops, statistics)."""
     b, width = s["out"].shape
     k = sp.num_draft
-    k_acc, _ = jax.random.split(jax.random.fold_in(key, s["i"]))
+    k_acc, _ = split(fold_in(key, s["i"]))
     cache, emitted, n_verify, v = verify(model, s["cache"], s["pending"], s["proposal"], k_acc, sp)
     a = v.a
     active = ~s["done"]
@@ -368,7 +368,7 @@ def verify_phase(model: Transformer, s: dict, key, stop_tokens, sp: SpecParams, 
 
 def draft_phase(model: Transformer, s: dict, v: Verified, key, sp: SpecParams) -> dict:
     """The drafter's half of the iteration whose verification produced `v` (s["i"] already advanced)."""
-    _, k_prop = jax.random.split(jax.random.fold_in(key, s["i"] - 1))
+    _, k_prop = split(fold_in(key, s["i"] - 1))
     dc, proposal = draft(model, s["dc"], v, k_prop, sp)
     return dict(s, dc=dc, proposal=proposal)
 

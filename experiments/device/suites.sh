@@ -49,6 +49,10 @@
 #   engram                the rows' fetch per step for 1 / 64 / 256 / 4096 tokens, alone and beside a GEMM workload:
 #                         device, host and host-callback tables on one GPU; on [x2] also split tables (sharded and
 #                         host, each exchange)
+# Batch invariance (docs/batch_invariance.md):
+#   batch-invariance      its GPU tests (tests/test_batch_invariance.py -m gpu), then the release-format steps with
+#                         the switch off and on in the same call (--batch-invariant both): V4 verify 8 / 64 x 4 and
+#                         prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
 # Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound.
 set -u
@@ -192,6 +196,10 @@ for suite in "${suites[@]}"; do
             --out "$OUTDIR" 2>&1 | grep -E "^\| |rror" ;;
     gpu-tests)
         limit 560 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -15 ;;
+    batch-invariance)
+        limit 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance.py 2>&1 | tail -5
+        bench 380 v4_release_batch_invariant $V4 $RELEASE --batch-invariant both --phase decode,prefill --batch 8,64 \
+            --prefill-batch 1 --context 32768 --time-budget 340 ;;
     *)
         echo "unknown suite $suite"; exit 2 ;;
     esac

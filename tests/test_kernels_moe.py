@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from common import rel_err, seed_of_test
+from moe_tilings import FP8_ROWS, FP8_ROWS_3WG
 from pallas_kernels import common as C
 from pallas_kernels import moe as K
 from pallas_kernels import reference as R

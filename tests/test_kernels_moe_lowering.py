@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from moe_tilings import FP8_ROWS, FP8_ROWS_3WG
 from pallas_kernels import moe as K
 
 GPU = jax.default_backend() == "gpu"
@@ -202,11 +203,6 @@ def test_lower_for_cuda_v4_flash(backend, fmt, tokens, layout, cfg):
     target = "mosaic_gpu" if backend == "mgpu" else "__gpu$xla.gpu.triton"
     assert text.count(target) >= 2, f"no {backend} kernels in the lowered module"
     assert time.time() - t0 < 30
-
-
-FP8_ROWS = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=64, block_k=128, block_n_down=128, block_k_down=128,
-                        max_concurrent_steps=6)   # FP8 x FP8 row tiles: a K step is one 128-wide scale block
-FP8_ROWS_3WG = dataclasses.replace(FP8_ROWS, block_m=192, compute_wgs=3, max_concurrent_steps=4)
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")

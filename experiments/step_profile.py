@@ -179,10 +179,11 @@ def attribute(kernels: list[tuple[str, float]], info: dict, custom_calls: list[s
     return out
 
 
-def summarise(steps: list[list[dict]], wall_ms: float) -> dict:
+def summarise(steps: list[list[dict]], wall_ms: float, devices: int = 1) -> dict:
     """Attributed kernels of several steps + the step's wall-clock median -> per-step components, kinds, gap,
-    and the kernels ranked (mean ms per step)."""
-    n = len(steps)
+    and the kernels ranked (mean ms per step), per device: CUPTI times every device's kernels of the process, so a
+    mesh's kernel times are divided by its `devices` (which run the same program side by side)."""
+    n = len(steps) * devices
     by_comp: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     per_kernel: dict[tuple, list] = {}
     for step in steps:
@@ -192,7 +193,7 @@ def summarise(steps: list[list[dict]], wall_ms: float) -> dict:
             per_kernel.setdefault(key, [0.0, 0, r["op_name"]])
             per_kernel[key][0] += r["ms"] / n
             per_kernel[key][1] += 1 / n
-    kernel_ms = float(np.median([sum(r["ms"] for r in s) for s in steps]))
+    kernel_ms = float(np.median([sum(r["ms"] for r in s) for s in steps])) / devices
     comps = {c: {"ms": round(sum(by_comp[c].values()), 4),
                  "by_kind": {k: round(v, 4) for k, v in sorted(by_comp[c].items(), key=lambda kv: -kv[1])}}
              for c in COMPONENTS if c in by_comp}
@@ -201,7 +202,8 @@ def summarise(steps: list[list[dict]], wall_ms: float) -> dict:
         for k, v in c.items():
             kinds[k] += v
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
-    return {"steps": n, "wall_ms": round(wall_ms, 4), "kernel_ms_per_step": round(kernel_ms, 4),
+    return {"steps": len(steps), "devices": devices, "per_device": True, "wall_ms": round(wall_ms, 4),
+            "kernel_ms_per_step": round(kernel_ms, 4),
             "gap_ms": round(wall_ms - kernel_ms, 4), "components": comps,
             "kinds": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [[k[0][:80], k[1], k[2], round(v[0], 4), round(v[1], 2), v[2]] for k, v in ranked[:80]]}
@@ -219,6 +221,8 @@ def from_kernel_names(kernels: dict, wall_ms: float) -> dict:
     res = summarise([rows], wall_ms)
     res["steps"] = kernels.get("steps", 1)
     res["attribution"] = "kernel names only"
+    res["per_device"] = False   # the list as recorded: every device's kernels of the process
+    del res["devices"]
     return res
 
 
@@ -234,7 +238,7 @@ def cupti_steps(run_once: Callable[[], Any], steps: int) -> list[list[tuple[str,
     step that donates its cache cannot do)."""
     import jax
 
-    if jax.default_backend() != "gpu":  # before the import: CPU-only jax builds lack the Mosaic GPU bindings
+    if jax.default_backend() != "gpu":
         raise RuntimeError(f"CUPTI needs a GPU (backend: {jax.default_backend()})")
     from jax._src.lib import mosaic_gpu as mgpu_lib
 
@@ -252,15 +256,16 @@ def cupti_steps(run_once: Callable[[], Any], steps: int) -> list[list[tuple[str,
     return out
 
 
-def profile_step(hlo_text: str, run_once: Callable[[], Any], steps: int, wall_ms: float) -> dict:
-    """The breakdown of a compiled step (its `compiled.as_text()`), or {"error": ...} where CUPTI is absent."""
+def profile_step(hlo_text: str, run_once: Callable[[], Any], steps: int, wall_ms: float, devices: int = 1) -> dict:
+    """The breakdown of a compiled step (its `compiled.as_text()`) per device of its `devices`, or {"error": ...}
+    where CUPTI is absent."""
     try:
         raw = cupti_steps(run_once, steps)
     except Exception as e:  # noqa: BLE001 - no CUPTI (CPU) or a profiler failure: the timing stands alone
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     info, order = parse_hlo(hlo_text)
     steps = [attribute(s, info, order) for s in raw]
-    res = summarise(steps, wall_ms)
+    res = summarise(steps, wall_ms, devices)
     res["custom_calls"] = len(order)
     res["attribution"] = "program op names"
     res["raw_step"] = [[r["kernel"][:60], round(r["ms"], 4), r["component"], r["kind"]] for r in steps[0]]

@@ -172,6 +172,12 @@ class ModelConfig:
     # them: DI/2 packed E2M1 bytes + one UE8M0 byte per 32, 68 B at DI = 128; quantised on write, read by the
     # fused indexer kernel as stored). With quant_sim the keys are FP4 values already: the same numbers.
     index_key_format: str = "model"
+    # How the backbone layers are held and run: True stacks consecutive layers of the same structure and runs each
+    # such group as one scanned body (model/groups.py; the compiled step holds one body per distinct group,
+    # whatever the depth); False (the default) holds and runs every layer on its own (the unrolled definition).
+    # The same numbers either way (up to float rounding of the fused scan body); safetensors checkpoints load
+    # into and save from both; combinations the stacked layout does not support raise.
+    scan_layers: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -241,6 +247,7 @@ class ModelConfig:
                                               f"{self.fp8_block}")
         need(self.dense_weights in DENSE_WEIGHTS,
              f"dense_weights must be one of {DENSE_WEIGHTS}, got {self.dense_weights!r}")
+        need(isinstance(self.scan_layers, bool), f"scan_layers must be True or False, got {self.scan_layers!r}")
         need(self.head_dtype in HEAD_DTYPES, f"head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
         need(self.index_key_format in INDEX_KEY_FORMATS,
              f"index_key_format must be one of {INDEX_KEY_FORMATS}, got {self.index_key_format!r}")

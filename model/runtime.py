@@ -65,6 +65,16 @@ class Runtime:
         fn = self.experts[block] if self.experts else LocalExperts(impl)
         return ForcedBalance(fn) if self.forced_balance else fn
 
+    def experts_for_group(self, blocks: tuple[int, ...], impl: str) -> ExpertFn:
+        """The one expert function the layers of a scanned group run (one traced body serves them all). Raises
+        ValueError when this runtime gives them different ones (per-layer placements, load recording)."""
+        fns = {self.experts_for(b, impl) for b in blocks}
+        if len(fns) > 1:
+            raise ValueError(f"layers {list(blocks)} run as one scanned group (ModelConfig.scan_layers), but this "
+                             "runtime gives them different expert functions (per-layer placements or load "
+                             "recording); build the model with scan_layers=False to run them")
+        return fns.pop()
+
     @property
     def expert_parallel(self) -> ExpertParallel | None:
         """The first block's ExpertParallel (strategy and placement records), None on the local path."""
@@ -102,6 +112,8 @@ def make_runtime(cfg: ModelConfig, mesh: Mesh | None = None, config: EPConfig | 
                 raise ValueError(f"placement for layer {block} has {placement.num_experts} experts, the layer has {n}")
         elif n % ep:
             raise ValueError(f"layer {block}: {n} routed experts are not divisible by ep={ep}")
-        experts.append(ExpertParallel(mesh, LocalExperts(cfg.moe_impl), config or EPConfig(), placement, block,
-                                      record))
+        # the block index matters only to a load recorder: without one, layers of equal placement run one
+        # expert function (a scanned group's layers share it)
+        experts.append(ExpertParallel(mesh, LocalExperts(cfg.moe_impl), config or EPConfig(), placement,
+                                      block if record is not None else -1, record))
     return Runtime(mesh, tuple(experts), None if mesh is None else BatchParallel(mesh), forced_balance)

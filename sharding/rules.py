@@ -41,6 +41,7 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "ring": None,
     "entries": None,
     "engram_rows": None,
+    "layers": None,            # a scanned layer group's repeats (stacked arrays' leading axis): never sharded
 }
 
 # ----------------------------------------------------------------------------- logical -> mesh

@@ -90,7 +90,7 @@ def test_scanned_equals_unrolled(preset):
 
 # ------------------------------------------------------------------------------------ checkpoints
 
-@pytest.mark.parametrize("expert_weights", ["dense", "fp4"])
+@pytest.mark.parametrize("expert_weights", ["dense", pytest.param("fp4", marks=pytest.mark.slow)])
 def test_checkpoints_round_trip_bitwise_in_both_layouts(expert_weights, tmp_path):
     cfg = scanned("tiny-v4", expert_weights=expert_weights)
     stacked = init_random(cfg, seed=2, dtype="float32")

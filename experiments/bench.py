@@ -29,6 +29,10 @@ Phases
            mode the cache then keeps num_draft positions (about the assumed 3.25 accepted tokens), so the
            context grows by num_draft per step; in realistic mode it keeps 1 + accepted.
 
+Batch invariance (`--batch-invariant on|both`): ModelConfig.batch_invariant, which runs the reference paths with
+every reduction in a batch-independent order (docs/batch_invariance.md); "both" times each configuration in the
+fast mode as asked and then batch-invariant in the same call, for the cost table.
+
 Synthetic context (the default): the cache stores (SWA rings, compressed-entry stores, indexer keys, the
 compressors' projection rings, the drafter's rings) are filled with random values and `lengths` set to the
 context, instead of prefilling up to 128K tokens: attention / indexer work and bytes are the same as after a
@@ -78,6 +82,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODES = ("deepinfer", "realistic")
 PHASES = ("prefill", "decode")
 STEPS = ("verify", "spec")
+INVARIANCE = ("off", "on", "both")
 DEEPINFER_ACCEPTED = 3.25
 HOST_FILL_BYTES = 64 << 20  # synthetic caches up to this size are filled by numpy (no compilation)
 MEMORY_HEADROOM = 0.92  # refuse above this fraction of the device memory (XLA workspace, fragmentation)
@@ -238,7 +243,7 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
     `scan_layers`: run repeated layer groups as scanned bodies (ModelConfig.scan_layers)."""
     from model import ModelConfig
 
-    from .roofline import scale_layers
+    from .layer_scaling import scale_layers
 
     cfg = ModelConfig.preset(preset)
     if layers:
@@ -254,6 +259,14 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
             raise ValueError(f"--engram-vocab: {cfg.name} has no Engram layers")
         changes.update(engram_vocab_size=int(engram_vocab), engram_num_embeddings=())
     return cfg.replace(**changes) if changes else cfg
+
+
+def invariance_variants(cfg, which: str) -> list:
+    """The configurations `--batch-invariant` asks for: "off" cfg as given, "on" its batch-invariant mode (which
+    runs the reference implementations: ModelConfig.batch_invariant), "both" the two, fast mode first."""
+    invariant = cfg.replace(batch_invariant=True, attention_impl="reference", moe_impl="reference",
+                            dense_impl="reference")
+    return {"off": [cfg], "on": [invariant], "both": [cfg, invariant]}[which]
 
 
 def weight_format(cfg) -> str:
@@ -700,8 +713,8 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
     cfg = setup.cfg
     rec: dict[str, Any] = {
         "bench": "bench", "key": p.key(), "preset": setup.preset, "config": cfg.name, "generation": cfg.generation,
-        "layers": cfg.num_layers, "scan_layers": cfg.scan_layers, "dtype": setup.dtype, "moe_impl": cfg.moe_impl,
-        "expert_weights": cfg.expert_weights,
+        "layers": cfg.num_layers, "scan_layers": cfg.scan_layers, "dtype": setup.dtype,
+        "batch_invariant": cfg.batch_invariant, "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
         "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl, "quant_sim": cfg.quant_sim,
         "head_dtype": cfg.head_dtype, "index_key_format": cfg.index_key_format,
         "engram_vocab_size": cfg.engram_vocab_size or None,
@@ -901,7 +914,8 @@ def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float, dev
 def roofline_of(cfg, dtype: str, p: Point, rec: dict) -> tuple[dict, float, dict]:
     """Roofline of the step (per device), achieved fraction = floor / median, and throughput figures."""
     from .hardware import H200_DATASHEET
-    from .roofline import roofline, uniform_mma
+    from .roofline import roofline
+    from .roofline_formats import uniform_mma
 
     def floors(ceilings=None):
         return roofline(cfg, p.phase, p.batch, p.context, p.rows, weight_format(cfg), "bf16", p.mesh,
@@ -964,8 +978,10 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
     for r in recs:
         mesh = "x".join(str(r["mesh"][a]) for a in ("dp", "ep", "tp"))
         dtype = weight_label(r)
+        invariant = " batch-invariant" if r.get("batch_invariant") else ""
         head = (f"| {r['phase']} | {r['mode']} | {r['step']} | {r['config']} | {dtype} | "
-                f"{r['attention_impl']}/{r['moe_impl']} | {mesh} | {r['batch']} | {r['context']} | {r['new_tokens']} |")
+                f"{r['attention_impl']}/{r['moe_impl']}{invariant} | {mesh} | {r['batch']} | {r['context']} | "
+                f"{r['new_tokens']} |")
         if r["status"] != "ok":
             out.append(head + f" — | | | | | | | | | | {r['status']}: {r.get('reason', '')[:160]} |")
             continue
@@ -1139,6 +1155,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "inputs (FP8 x FP8 kernels) and the KV fake-quant steps")
     p.add_argument("--head-dtype", choices=("float32", "bfloat16"),
                    help="LM head GEMM inputs: float32 (the official model, default) or bfloat16 (f32 accumulation)")
+    p.add_argument("--batch-invariant", choices=INVARIANCE, default="off",
+                   help="the fast mode (off), the batch-invariant mode (on: ModelConfig.batch_invariant on the "
+                        "reference paths) or both in one call, each configuration fast mode first")
     p.add_argument("--index-keys", choices=("model", "fp4"),
                    help="indexer key cache: model dtype (default) or MXFP4 rows as the release stores them")
     p.add_argument("--kernel-times", type=int, default=0, metavar="STEPS",
@@ -1167,10 +1186,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def kernel_times_note(backend: str, steps: int) -> str | None:
+    """What --kernel-times will not do on this backend (said before the run; each record keeps the reason)."""
+    if steps and backend != "gpu":
+        return (f"--kernel-times {steps}: per-kernel times need CUPTI on a GPU; on {backend} the steps are timed as "
+                "usual and each record's profile says why it has no kernels")
+    return None
+
+
 def stub_record(preset: str, cfg, dtype: str, pt: Point, status: str, reason: str) -> dict:
     """The record of a configuration that did not run (refused before building the model, or out of time)."""
     return {"bench": "bench", "key": pt.key(), "preset": preset, "config": cfg.name, "layers": cfg.num_layers,
-            "dtype": dtype, "moe_impl": cfg.moe_impl, "attention_impl": cfg.attention_impl, "mode": pt.mode,
+            "dtype": dtype, "batch_invariant": cfg.batch_invariant, "moe_impl": cfg.moe_impl,
+            "attention_impl": cfg.attention_impl, "mode": pt.mode,
             "phase": pt.phase, "step": pt.kind, "mesh": dict(zip(("dp", "ep", "tp"), pt.mesh)), "batch": pt.batch,
             "context": pt.context, "new_tokens": pt.rows, "status": status, "reason": reason}
 
@@ -1200,6 +1228,8 @@ def main(argv=None) -> list[dict]:
     env = environment(command_line(argv))
     progress.log(f"{env['device']} x{env['device_count']} ({backend}), jax {env['jax']}; {cfg.name}, {dtype}, "
                  f"attention {cfg.attention_impl}, moe {cfg.moe_impl}")
+    if note := kernel_times_note(backend, args.kernel_times):
+        progress.log(note)
     # mode-major order (deepinfer decode, deepinfer prefill, realistic ...): with --time-budget the most
     # important configurations come first
     points = [Point(phase, mode, b, c, new_tokens, args.num_draft, args.step or "", args.replay, args.mesh)
@@ -1219,27 +1249,29 @@ def main(argv=None) -> list[dict]:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     stem = f"bench_{stamp}_{backend}{'_quick' if args.quick else ''}{'_' + args.tag if args.tag else ''}"
     recs: list[dict] = []
-    setup = None
-    if len(recs_refused) < len(points):
-        setup = build(cfg, preset, dtype, args.mesh, args.seed, args.checkpoint, progress, warmup=warm,
-                      repeats_prefill=reps["prefill"], repeats_decode=reps["decode"],
-                      real_prefill=args.real_prefill, kernel_steps=args.kernel_times)
-    for i, pt in enumerate(points):
-        progress.log(f"[{i + 1}/{len(points)}] {pt.label()}")
-        if args.time_budget and time.perf_counter() - progress.t0 > args.time_budget and pt not in recs_refused:
-            rec = stub_record(preset, cfg, dtype, pt, "skipped", f"--time-budget {args.time_budget:g} s spent")
-        elif pt in recs_refused:
-            rec = stub_record(preset, cfg, dtype, pt, "refused", recs_refused[pt])
-        else:
-            rec = run_point(setup, pt, check_memory=not args.no_memory_check)
-        recs.append(rec)
-        if rec["status"] == "ok":
-            progress.log(f"  {rec['step_ms']['median']:.3f} ms/step, {rec['tokens_per_s']:,.0f} tokens/s, "
-                         f"{100 * rec['roofline_fraction']:.1f}% of the roofline "
-                         f"(floor {rec['roofline']['floor_ms']:.3f} ms)")
-        elif rec["status"] != "refused":
-            progress.log(f"  {rec['status']}: {rec.get('reason')}")
-        paths = write_results(env, recs, stem, Path(args.out) if args.out else None)
+    for variant in invariance_variants(cfg, args.batch_invariant):
+        setup = None
+        if len(recs_refused) < len(points):
+            setup = build(variant, preset, dtype, args.mesh, args.seed, args.checkpoint, progress, warmup=warm,
+                          repeats_prefill=reps["prefill"], repeats_decode=reps["decode"],
+                          real_prefill=args.real_prefill, kernel_steps=args.kernel_times)
+        for i, pt in enumerate(points):
+            progress.log(f"[{i + 1}/{len(points)}] {pt.label()}{' batch-invariant' * variant.batch_invariant}")
+            if args.time_budget and time.perf_counter() - progress.t0 > args.time_budget and pt not in recs_refused:
+                rec = stub_record(preset, variant, dtype, pt, "skipped",
+                                  f"--time-budget {args.time_budget:g} s spent")
+            elif pt in recs_refused:
+                rec = stub_record(preset, variant, dtype, pt, "refused", recs_refused[pt])
+            else:
+                rec = run_point(setup, pt, check_memory=not args.no_memory_check)
+            recs.append(rec)
+            if rec["status"] == "ok":
+                progress.log(f"  {rec['step_ms']['median']:.3f} ms/step, {rec['tokens_per_s']:,.0f} tokens/s, "
+                             f"{100 * rec['roofline_fraction']:.1f}% of the roofline "
+                             f"(floor {rec['roofline']['floor_ms']:.3f} ms)")
+            elif rec["status"] != "refused":
+                progress.log(f"  {rec['status']}: {rec.get('reason')}")
+            paths = write_results(env, recs, stem, Path(args.out) if args.out else None)
     md = markdown(env, recs)
     print(md)
     if recs:

@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import jax
 
-    from experiments.roofline import scale_layers
+    from experiments.layer_scaling import scale_layers
     from model import ModelConfig
     from model.groups import layer_groups, traced_layers
 

@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--speculative", choices=["mtp", "dspark"], help="speculative decoding with the model's drafter")
-    p.add_argument("--num-draft", type=int, default=3, help="drafts per speculative step")
+    p.add_argument("--num-draft", type=int, help="drafts per speculative step (default 3)")
     p.add_argument("--scan-layers", action="store_true", help="run repeated layer groups as one scanned body each "
                    "(ModelConfig.scan_layers): a shorter compile")
     compile_cache.add_argument(p)
@@ -47,6 +47,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_prompts(args, cfg) -> list[list[int]]:
+    """--prompt token ids (checked against the vocabulary), or --batch random prompts of about --prompt-len."""
+    if args.prompt:
+        try:
+            prompts = [[int(t) for t in p.split()] for p in args.prompt]
+        except ValueError as e:
+            raise ValueError(f"--prompt takes space-separated integer token ids ({e})") from None
+        bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+        if not all(prompts) or bad:
+            raise ValueError(f"--prompt needs non-empty prompts of token ids in [0, {cfg.vocab_size}); got {bad}")
+        return prompts
+    if args.batch < 1 or args.prompt_len < 1:
+        raise ValueError(f"--batch and --prompt-len must be >= 1, got {args.batch} and {args.prompt_len}")
+    rng = np.random.default_rng(args.seed)
+    lo, hi = max(1, int(args.prompt_len * 0.75)), max(1, int(args.prompt_len * 1.25))
+    return [rng.integers(2, cfg.vocab_size, rng.integers(lo, hi + 1)).tolist() for _ in range(args.batch)]
 
 
 def main(argv=None) -> dict:
@@ -67,33 +85,37 @@ def run(args: argparse.Namespace) -> dict:
     from model import ModelConfig, init_random
     from model.cache import describe_memory
     from model.checkpoint import load_checkpoint
-    from sampling.generate import generate
+    from model.footprint import check_fits
+    from sampling.generate import DEFAULT_NUM_DRAFT, check_request, generate, request_length
 
+    # every argument is checked against the config before the model is built (seconds, not a stall)
     layout = {"scan_layers": True} if args.scan_layers else {}
+    cfg = ModelConfig.from_hf(args.checkpoint) if args.checkpoint else ModelConfig.preset(args.preset)
+    cfg = cfg.replace(**layout)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop_tokens=[cfg.eos_token_id], timing=True,
+                   speculative=args.speculative, num_draft=args.num_draft)
+    check_request(cfg, **options)
+    prompts = make_prompts(args, cfg)
+    max_len = request_length(cfg, max(map(len, prompts)), args.max_new_tokens,
+                             (args.num_draft or DEFAULT_NUM_DRAFT) if args.speculative else None)
+    check_fits(cfg, args.dtype, len(prompts), max_len)
+
     t0 = time.perf_counter()
     if args.checkpoint:
         progress(f"loading {args.checkpoint}")
         model = load_checkpoint(args.checkpoint, dtype=args.dtype, **layout)
     else:
         progress(f"building random {args.preset}")
-        model = init_random(ModelConfig.preset(args.preset).replace(**layout), seed=args.seed, dtype=args.dtype)
+        model = init_random(cfg, seed=args.seed, dtype=args.dtype)
     cfg = model.config
     progress(f"model ready in {time.perf_counter() - t0:.1f} s: {cfg.name}, {cfg.num_layers} layers")
-
-    rng = np.random.default_rng(args.seed)
-    if args.prompt:
-        prompts = [[int(t) for t in p.split()] for p in args.prompt]
-    else:
-        lo, hi = max(1, int(args.prompt_len * 0.75)), max(1, int(args.prompt_len * 1.25))
-        prompts = [rng.integers(2, cfg.vocab_size, rng.integers(lo, hi + 1)).tolist() for _ in range(args.batch)]
     progress(describe_memory(cfg, max(map(len, prompts)) + args.max_new_tokens, len(prompts)))
 
     # Next-token logits of the first prompt (a quick look at the model's output distribution).
     logits = np.asarray(model(np.asarray([prompts[0]])))[0, -1]
     progress("compiling and running prefill + decode (first run compiles, second is timed)")
-    out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=[cfg.eos_token_id],
-                   timing=True, speculative=args.speculative, num_draft=args.num_draft)
+    out = generate(model, prompts, **options)
     s = out.stats
     print(f"next-token logits of prompt 0: mean {logits.mean():.4f} std {logits.std():.4f} "
           f"max {logits.max():.4f} argmax {int(logits.argmax())}")
@@ -107,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"decode:  {steps} steps x {len(prompts)} sequences, {decoded} tokens in {s['decode_s'] * 1e3:.1f} ms = "
           f"{decoded / s['decode_s']:.1f} tokens/s (compile {s['decode_compile_s']:.1f} s)")
     if args.speculative:
-        print(f"speculative ({args.speculative}, {args.num_draft} drafts): mean accepted length "
+        print(f"speculative ({args.speculative}, {s['num_draft']} drafts): mean accepted length "
               f"{s['mean_accepted_length']:.2f} tokens/step, per position "
               f"{np.round(s['acceptance_per_position'], 3).tolist()}; verify {s['verify_s'] * 1e3:.1f} ms, "
               f"draft {s['draft_s'] * 1e3:.1f} ms")

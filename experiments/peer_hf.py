@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
     import torch
     import transformers
 
-    from experiments.roofline import scale_layers
+    from experiments.layer_scaling import scale_layers
     from model import ModelConfig
 
     gpu = torch.cuda.is_available()

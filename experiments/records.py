@@ -86,7 +86,7 @@ def refloor(rec: dict) -> dict:
     if "peer_meta" in rec:
         return _refloor_peer(rec)
     from experiments.bench import roofline_of
-    from experiments.roofline import uniform_mma
+    from experiments.roofline_formats import uniform_mma
 
     cfg, p = _bench_point(rec)
     line, frac, extra = roofline_of(cfg, rec.get("dtype", "bfloat16"), p, rec)
@@ -107,7 +107,8 @@ def _refloor_peer(rec: dict) -> dict:
     from model import ModelConfig
 
     from experiments.hardware import H200_DATASHEET
-    from experiments.roofline import roofline, scale_layers
+    from experiments.layer_scaling import scale_layers
+    from experiments.roofline import roofline
 
     meta = rec["peer_meta"]
     cfg = ModelConfig.preset(meta["config"])

@@ -7,7 +7,7 @@
 For random-weight V4.1 configs (`tiny` = the tiny-v41 preset; `mid` = a 12-layer, D=512 V4.1 config
 that keeps every role: 2 KV sources (r2, r1), Reuse, Reindex with and without candidates, a candidate
 source, Engram, DSpark slots) and random prompts of several lengths N, each mode below is compared
-with the exact cold prefill of the same prompt (MODEL_SPEC 3.4; V41_NOTES 3.2, 3.3):
+with the exact cold prefill of the same prompt (docs/model.md §15, §15.1, §15.2):
 
 * `dec` decoder-side replay: layers after the last KV source run on the last `tail` rows only, the
   window floored at the first kept row; tail = W and W + num_draft (ATOM's W + beta).

@@ -1,6 +1,6 @@
 """Roofline accounting for one forward step on any GPU and mesh: bytes, FLOPs and bytes sent between GPUs by
 component, the floors on a hardware profile, a calibrated estimate, and per-device memory (BENCHMARKS.md
-sections 1 and 4; MODEL_SPEC 2.4-2.8, 2.10, 2.13, 3.1-3.3; V41_NOTES 3.1).
+sections 1 and 4; docs/model.md §4, §4.5, §5, §6, §7, §8, §9, §10, §13, §13.3, §13.7, §17.1).
 
   python -m experiments.roofline --preset v4-flash --phase decode --batch 64 --context 131072 \\
       --num-draft 3 --weights fp4-experts [--json out.json]
@@ -15,8 +15,8 @@ drafter, transport, dispatch_dtype, redundant_experts)` returns a dict (JSON-rea
 (the memory, compute and communication floors, `floor_s` and `floor_serial_s`, the bound and the component that
 sets it), `communication` (bytes sent per device, over NVLink and beyond), `placement` (expert slots and
 balance), `replication`, `memory` (weights + cache per device) and `params`; `with_estimate(res)` adds the
-calibrated estimate and the record's `floor_ms` / `estimate_ms`. `scale_layers(cfg, n)` builds the same model
-with n layers keeping the layer pattern (`--layers n`).
+calibrated estimate and the record's `floor_ms` / `estimate_ms`. `experiments.layer_scaling.scale_layers(cfg, n)`
+builds the same model with n layers keeping the layer pattern (`--layers n`).
 
 What a step is
   * prefill: `batch` sequences each append `new_tokens` rows after `context` cached positions; logits
@@ -28,7 +28,7 @@ Model of the bytes (a floor: what a perfect kernel must move through HBM)
   * Weights: every dense tensor once per step (re-read per sequential drafter pass); routed experts:
     the expected number of *distinct* experts hit times one expert's bytes: forced balance
     min(E, picks), uniform random routing E * (1 - (1 - 1/E)^picks), picks = batch*rows*k of the EP
-    group (batch/dp sequences). Formats as released (MODEL_SPEC 3.7, V41_NOTES 4): "bf16" = all 2 B;
+    group (batch/dp sequences). Formats as released (docs/model.md §14, §17): "bf16" = all 2 B;
     "fp8" = FP8 E4M3 + UE8M0 block scales (128x128 V4, 32x32 V4.1) for wq_a, wq_b, wkv, wo_a, wo_b,
     indexer wq_b, shared and routed experts, Engram wkv, MTP/DSpark projections; "fp4-experts" = the
     same with routed experts in packed E2M1 + UE8M0 per 32 (0.53 B/param). This engine's formats (its XLA
@@ -50,11 +50,11 @@ Model of the bytes (a floor: what a perfect kernel must move through HBM)
     kernel today runs one program per query row and so reads window and HCA keys T times per sequence;
     the floor assumes a kernel that shares them across the rows of a sequence. Formats by `kv_dtype`:
     "bf16" (our cache today: 1024 B rows, 256 B index keys), "fp8" (FP8 rows + scales: V4 584 B
-    FlashMLA row, V4.1 528 B; FP8 index keys 132 B), "packed" (the trained formats of MODEL_SPEC 2.7:
+    FlashMLA row, V4.1 528 B; FP8 index keys 132 B), "packed" (the trained formats of docs/model.md §13.7:
     V4 584 B rows and 68 B MXFP4 keys; V4.1 528 B window rows, 288 B FP4 entries, 68 B keys).
   * KV written: each layer's own window rows (last min(T, W)), emitted compressed entries and index
     keys (decode: T / r per sequence on average; prefill: exact), and the fp32 compressor carry rows
-    (MODEL_SPEC 3.2; under "compressor").
+    (docs/model.md §13.3; under "compressor").
   * Draft-stage weights count in the per-device memory when the step verifies drafts (or with
     `drafter=True`); the MTP / DSpark stages share the backbone's embedding and head.
   * Activations are assumed to stay on chip / be fused (not counted); so are indexer scores (a fused
@@ -106,162 +106,10 @@ from collections import defaultdict
 
 from experiments import roofline_mesh
 from experiments.hardware import H200_MEASURED, PROFILES, profile
-
-# ----------------------------------------------------------------------------------------------- ceilings
-
-PHASES = ("prefill", "decode")
-# Weight formats: name -> (the release's FP8 "dense" tensors held as, routed experts held as). The first three
-# are the release's names, the others this engine's (bench.weight_format: cfg.dense_weights / cfg.expert_weights).
-# A floor charges each GEMM at the peak of the MMA its weights' format allows (gemm_peak): FP8 / FP4 weights
-# with FP8 activations run FP8 MMA (Hopper has no FP4 MMA), BF16 weights the BF16 MMA.
-WEIGHT_FORMATS = {
-    "bf16": ("bf16", "bf16"),
-    "fp8": ("fp8", "fp8"),
-    "fp4-experts": ("fp8", "fp4"),
-    "bf16-fp4-experts": ("bf16", "fp4"),
-    "fp8-dense": ("fp8", "bf16"),
-    "fp8-fp4-experts": ("fp8", "fp4"),
-}
-WEIGHT_DTYPES = tuple(WEIGHT_FORMATS)
-KV_DTYPES = ("bf16", "fp8", "packed")
-COMPONENTS = ("attn_proj", "attn_core", "indexer", "compressor", "moe_experts", "shared_expert", "router",
-              "mhc", "head", "engram", "kv_write", "drafter")
-BYTE_KINDS = ("weight_bytes", "kv_read_bytes", "kv_write_bytes", "other_bytes")
-
-
-# ----------------------------------------------------------------------------------------------- formats
-
-def matrix_class(name: str) -> str:
-    """Tensor class of a weight matrix by its official module name ("attn.wq_a", "ffn.shared_experts.w1",
-    "mtp.0.main_proj", ...): "dense" where the release stores it FP8 (model.quant_io.release_fp8, the rule
-    the model's cfg.dense_weights="fp8" follows), else "bf16"."""
-    from model.quant_io import release_fp8
-
-    return "dense" if release_fp8(name + ".weight") else "bf16"
-
-
-def bytes_per_param(cfg, cls: str, weight_dtype: str) -> float:
-    """HBM bytes per logical parameter of a tensor class in a weight format (scales included).
-
-    cls: "dense" (FP8 in the release), "expert" (routed; FP4 in the release), "bf16" (BF16 in the
-    release), "fp32", "int" (tid2eid, int32), "table" (Engram rows: FP8 + one UE8M0 per 32).
-    """
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
-    fixed = {"bf16": 2.0, "fp32": 4.0, "int": 4.0, "table": 1.0 + 1.0 / 32}
-    if cls in fixed:
-        return fixed[cls]
-    if cls not in ("dense", "expert"):
-        raise ValueError(f"unknown tensor class {cls!r}")
-    dense, expert = WEIGHT_FORMATS[weight_dtype]
-    held = dense if cls == "dense" else expert
-    return {"bf16": 2.0, "fp8": 1.0 + 1.0 / cfg.fp8_block ** 2, "fp4": 0.5 + 1.0 / 32}[held]
-
-
-def gemm_peak(cls: str, weight_dtype: str, ceilings: dict) -> float:
-    """The GEMM peak for a tensor class in a weight format: the FP4 peak where the class is held FP4 and the
-    hardware has FP4 MMA (FP4 activations, as SGLang's W4A4 MegaMoE runs them), else the FP8 peak where it is
-    held FP8 / FP4 (and for Engram rows, FP8 in every format), the BF16 peak for everything else."""
-    if cls == "table":
-        return ceilings["fp8_flops"]
-    if cls in ("dense", "expert"):
-        dense, expert = WEIGHT_FORMATS[weight_dtype]
-        held = dense if cls == "dense" else expert
-        if held == "fp4" and ceilings.get("fp4_flops"):
-            return ceilings["fp4_flops"]
-        if held in ("fp8", "fp4"):
-            return ceilings["fp8_flops"]
-    return ceilings["bf16_flops"]
-
-
-def uniform_mma(weight_dtype: str) -> str:
-    """The MMA of a format's quantised tensors: "fp8" when any class is held FP8 / FP4, else "bf16"."""
-    return "fp8" if any(f in ("fp8", "fp4") for f in WEIGHT_FORMATS[weight_dtype]) else "bf16"
-
-
-def kv_entry_bytes(cfg, kv_dtype: str) -> dict:
-    """Bytes of one window row, one compressed (global) entry and one index key in a KV format."""
-    from model.cache import packed_entry_bytes
-
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    dh, di = cfg.head_dim, cfg.index_head_dim
-    # index keys cached as MXFP4 rows (ModelConfig.index_key_format="fp4") whatever the KV format
-    index = packed_entry_bytes(cfg, "index") if cfg.index_key_format == "fp4" else None
-    if kv_dtype == "bf16":
-        return {"window": 2.0 * dh, "comp": 2.0 * dh, "index": index or 2.0 * di}
-    # FP8 rows: V4 keeps the RoPE dims in BF16 (FlashMLA 584 B row), V4.1 quantises all dims per 32.
-    fp8_row = packed_entry_bytes(cfg, "comp") if cfg.generation == "v4" else dh + dh / 32
-    if kv_dtype == "fp8":
-        return {"window": fp8_row, "comp": fp8_row, "index": index or di + di / 32}
-    return {"window": fp8_row, "comp": packed_entry_bytes(cfg, "comp"), "index": packed_entry_bytes(cfg, "index")}
-
-
-def _memory_estimate_args(kv_dtype: str):
-    import jax.numpy as jnp
-
-    return {"bf16": (jnp.bfloat16, False), "fp8": (jnp.float8_e4m3fn, False), "packed": (jnp.bfloat16, True)}[kv_dtype]
-
-
-# ----------------------------------------------------------------------------------------------- configs
-
-def _min_period(seq) -> int:
-    for p in range(1, len(seq) + 1):
-        if all(seq[i] == seq[i % p] for i in range(len(seq))):
-            return p
-    return max(len(seq), 1)
-
-
-def scale_layers(cfg, num_layers: int):
-    """`cfg` with `num_layers` backbone layers, keeping its layer pattern (draft slots unchanged).
-
-    [V4] the leading SWA layers, then the preset's compressed ratios cycled with their period
-    (v4-flash: CSA/HCA alternating; 4 layers = SWA, SWA, CSA, HCA as in the `v4-flash-4l` preset);
-    hash layers min(num_hash_layers, n).
-    [V4.1] encoder = first max(3, n // 2) layers (n // 2 for n < 4): the leading SWA layers, then ratio-2
-    layers with a KV source every 6 layers (2, 8, 14, ...); decoder = the rest at ratio 1, its first
-    layer the Full candidate source, an index source every 4 layers; Engram layers kept if inside the
-    encoder; DSpark taps = the last 3 layers. n = 40 gives back the v41-flash preset.
-    """
-    n = int(num_layers)
-    if n <= 0:
-        raise ValueError(f"--layers must be positive, got {n}")
-    m = cfg.num_mtp_layers
-    ratios = list(cfg.compress_ratios[:cfg.num_layers])
-    lead = next((i for i, r in enumerate(ratios) if r > 0), len(ratios))
-    if cfg.generation == "v4":
-        body = ratios[lead:] or [0]
-        p = _min_period(body)
-        new = [0 if i < lead else body[(i - lead) % p] for i in range(n)]
-        return cfg.replace(num_layers=n, compress_ratios=tuple(new) + (0,) * m,
-                           num_hash_layers=min(cfg.num_hash_layers, n), name=f"{cfg.name}-{n}l")
-    # V4.1
-    srcs = cfg.kv_source_layer_ids
-    cand = cfg.candidate_source_layer_id
-    enc_ratio = next((r for r in ratios if r > 1), 2)
-    dec_ratio = ratios[cand] if cand >= 0 else 1
-    enc_stride = (srcs[1] - srcs[0]) if len(srcs) >= 2 and srcs[1] < (cand if cand >= 0 else 10 ** 9) else 6
-    dec_idx = [i for i in cfg.index_source_layer_ids if cand >= 0 and i > cand]
-    dec_stride = (dec_idx[0] - cand) if dec_idx else 4
-    n_enc = n // 2 if n < 4 else max(3, n // 2)
-    new = [0 if i < min(lead, n_enc) else (enc_ratio if i < n_enc else dec_ratio) for i in range(n)]
-    kv_src = [i for i in range(lead, n_enc, enc_stride)]
-    idx_src = list(kv_src)
-    cand_new = -1
-    if n_enc < n:
-        cand_new = n_enc
-        kv_src.append(n_enc)
-        idx_src += list(range(n_enc, n, dec_stride))
-    eng = [(i, rows) for i, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings or [None] * len(cfg.engram_layer_ids))
-           if i < n_enc]
-    taps = tuple(range(max(0, n - len(cfg.dspark_target_layer_ids)), n)) if cfg.dspark_target_layer_ids else ()
-    return cfg.replace(
-        num_layers=n, compress_ratios=tuple(new) + (0,) * m, kv_source_layer_ids=tuple(kv_src),
-        index_source_layer_ids=tuple(idx_src), candidate_source_layer_id=cand_new,
-        engram_layer_ids=tuple(i for i, _ in eng),
-        engram_num_embeddings=tuple(r for _, r in eng) if cfg.engram_num_embeddings else (),
-        dspark_target_layer_ids=taps, name=f"{cfg.name}-{n}l")
-
+from experiments.layer_scaling import scale_layers
+from experiments.roofline_formats import (BYTE_KINDS, COMPONENTS, KV_DTYPES, PHASES, WEIGHT_DTYPES, WEIGHT_FORMATS,
+                                          bytes_per_param, gemm_peak, kv_entry_bytes, matrix_class,
+                                          memory_estimate_args, uniform_mma)
 
 # ----------------------------------------------------------------------------------------------- accounting
 
@@ -274,7 +122,7 @@ class _Acc:
         self.comp = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         self.resident = defaultdict(float)      # bytes per device, by component
         self.params = defaultdict(float)        # logical parameters (whole model), by component
-        self.active = 0.0                       # parameters used per token (MODEL_SPEC-style "active")
+        self.active = 0.0                       # parameters used per token (docs/model.md §17.1 "active")
         self.group = None                       # when set ("drafter"), every add goes to that component
         self.count_resident = True
         self.sent = defaultdict(float)          # (group, part) -> bytes this device sends (roofline_mesh)
@@ -337,7 +185,7 @@ class _Step:
 
 
 def _visible(p, r):
-    """Compressed entries visible to a query at position p (MODEL_SPEC 2.5): j < (p + 1) // r."""
+    """Compressed entries visible to a query at position p (docs/model.md §5, §6, §8): j < (p + 1) // r."""
     return (p + 1) // r
 
 
@@ -387,7 +235,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
     if tp > 1:  # wo_b's partial sums over the heads' slices
         acc.send({("tp", "attn_all_reduce"): roofline_mesh.all_reduce_bytes(rows * D * 2.0, tp)})
 
-    # ---- attention core: window + compressed candidates (MODEL_SPEC 2.4-2.6, 3.3)
+    # ---- attention core: window + compressed candidates (docs/model.md §4, §4.5, §5, §6, §7, §8)
     r = spec.compress_ratio
     kind = spec.attention
     end = ctx + T
@@ -456,7 +304,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
             if spec.indexer:
                 acc.add("kv_write", "index_keys", kv_write_bytes=emitted * kvb["index"] * S)
 
-    # ---- Engram (V4.1, before the block; V41_NOTES 2.5)
+    # ---- Engram (V4.1, before the block; docs/model.md §10)
     if spec.engram:
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         hd = cfg.engram_head_dim
@@ -473,7 +321,7 @@ def _layer(acc: _Acc, cfg, spec, step: _Step, *, window_extra: int = 0, kv_write
             acc.resident["engram"] += tab_rows * row_bytes / devices
             acc.params["engram"] += tab_rows * hd
 
-    # ---- MoE: router, routed experts (distinct experts touched), shared expert (MODEL_SPEC 2.8)
+    # ---- MoE: router, routed experts (distinct experts touched), shared expert (docs/model.md §9)
     E, k, I = spec.n_experts, spec.n_experts_per_tok, cfg.moe_intermediate_size
     acc.tensor("router", "gate", E * D, matrix_class("ffn.gate"), rows)
     if not spec.hash_routed:  # aux-loss-free selection bias ([V4.1] + the image bias_vl)
@@ -670,7 +518,7 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
         ceilings[uniform_mma(weight_dtype) + "_flops"])
 
     # ---- memory per device
-    kv_np_dtype, packed = _memory_estimate_args(kv_dtype)
+    kv_np_dtype, packed = memory_estimate_args(kv_dtype)
     max_len = step.ctx + step.T
     m = memory_estimate(cfg, max_len, kv_np_dtype, packed=packed)
     cache = m["bytes_per_sequence_at_max_len"] * step.seq_dev
@@ -697,7 +545,7 @@ def roofline(cfg, phase: str = "decode", batch: int = 1, context: int = 0, new_t
         "active_per_token": acc.active,  # backbone, head included, embedding excluded
     }
     if cfg.generation == "v41" and phase == "prefill" and cfg.candidate_source_layer_id >= 0:
-        notes.append("decoder-side bounded replay (V41_NOTES 3.2) not modelled: every layer runs on all rows")
+        notes.append("decoder-side bounded replay (docs/model.md §15.1) not modelled: every layer runs on all rows")
     if cfg.engram_layer_ids and cfg.engram_placement == "device":
         notes.append("Engram tables counted in HBM, column-sharded over all dp*ep*tp devices")
     # data-parallel attention: every device of a tp group holds and reads the same non-expert weights

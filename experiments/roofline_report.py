@@ -3,7 +3,7 @@ the estimate, what each device sends, the expert placement, the replicated weigh
 
 from __future__ import annotations
 
-from experiments.roofline import uniform_mma
+from experiments.roofline_formats import uniform_mma
 
 
 def _fmt_bytes(b):

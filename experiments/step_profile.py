@@ -238,7 +238,7 @@ def cupti_steps(run_once: Callable[[], Any], steps: int) -> list[list[tuple[str,
     step that donates its cache cannot do)."""
     import jax
 
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu":  # before the import: CPU-only jax builds lack the Mosaic GPU bindings
         raise RuntimeError(f"CUPTI needs a GPU (backend: {jax.default_backend()})")
     from jax._src.lib import mosaic_gpu as mgpu_lib
 

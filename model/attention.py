@@ -1,4 +1,4 @@
-"""One attention block driven by `LayerSpec` (MODEL_SPEC 2.4-2.6): [V4] SWA, CSA (own compressor +
+"""One attention block driven by `LayerSpec` (docs/model.md §4, §5, §6, §7, §8): [V4] SWA, CSA (own compressor +
 indexer top-k) or HCA (own compressor, all entries); [V4.1] SWA, Full, Reindex or Reuse (CSA2).
 
 Common path: c_q = RMSNorm(W_qa h); q = W_qb c_q -> [H, Dh] ([V4] per-head weightless RMS norm),
@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from pallas_kernels import invariant as inv
 from pallas_kernels import reference as ref
 
 from .cache import LayerCache, Step, read, ring_positions, ring_write
@@ -28,7 +29,7 @@ from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_kernel_lin
 
 @struct.dataclass
 class Shared:
-    """[V4.1] what sources hand down the stack within one step (MODEL_SPEC 2.6, V41_NOTES 2.3)."""
+    """[V4.1] what sources hand down the stack within one step (docs/model.md §7, §7.2, §8)."""
 
     kv: jax.Array | None = None  # latest source's global KV store [B, N, Dh]
     keys: jax.Array | None = None  # its index keys [B, N, DI] (or MXFP4 rows uint8 [B, N, DI/2 + DI/32])
@@ -58,6 +59,7 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window
         self.eps = cfg.rms_norm_eps
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
+        self.batch_invariant = cfg.batch_invariant  # every query row's sums in a fixed order (_rows_attention)
         self.impl = cfg.attention_impl  # "reference" | "pallas" | "mgpu" (_attention_kernel, _topk_kernel)
         # the runner of the Pallas kernels on a mesh (sharding.BatchParallel: once per batch shard, as GSPMD cannot
         # split a pallas_call; static), from the model's runtime (Transformer._bind); None: on the whole batch
@@ -68,7 +70,7 @@ class Attention(nnx.Module):
         c_q = self.q_norm(self.wq_a(h))
         q = self.wq_b(c_q).reshape(*h.shape[:-1], self.num_heads, self.head_dim)
         if self.v4:
-            q = rms_normalize(q, self.eps).astype(h.dtype)
+            q = rms_normalize(q, self.eps, self.batch_invariant).astype(h.dtype)
         return apply_rope(q, positions[..., None], self.freqs), c_q
 
     def keys(self, h: jax.Array, positions: jax.Array) -> jax.Array:
@@ -124,7 +126,10 @@ class Attention(nnx.Module):
                 u = jnp.moveaxis(u, 0, 1).reshape(*o.shape[:-2], g, r)
             else:
                 w_a = self.wo_a.dense_weight().reshape(self.o_groups, self.o_lora_rank, -1)
-                u = jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
+
+                def grouped(o):
+                    return jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
+                u = inv.row_blocks(grouped, o, lead=o.ndim - 2) if self.batch_invariant else grouped(o)
         return self.wo_b(u.reshape(*u.shape[:-2], -1))
 
     def __call__(self, h: jax.Array, step: Step, cache: LayerCache, shared: Shared
@@ -169,6 +174,8 @@ class Attention(nnx.Module):
         with jax.named_scope("attn_core"):
             if self.impl != "reference":
                 o = self._attention_kernel(q, step, keys, ring_pos, own_pos, shared)
+            elif self.batch_invariant:
+                o = self._rows_attention(q, step, keys, ring_pos, own_pos, shared)
             else:
                 o = ref.sink_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(masks, axis=2),
                                        self.attn_sink[...], self.head_dim ** -0.5)
@@ -211,6 +218,44 @@ class Attention(nnx.Module):
                 impl=self.impl)
         return self._per_sequence(kernel, (q, step.positions, keys[1], own_pos, keys[0], ring_pos, comp, idx),
                                   (self.attn_sink[...],))
+
+    def _rows_attention(self, q: jax.Array, step: Step, keys: list, ring_pos: jax.Array, own_pos: jax.Array,
+                        shared: Shared) -> jax.Array:
+        """The reference attention with every query row's sums in a fixed order (cfg.batch_invariant): the same
+        keys as the dense path (keys = [ring, own rows(, entries)]), gathered per row in a canonical order that
+        no batching, chunking or cache size changes: its W window positions p-W+1..p oldest first (from the ring
+        below the chunk's start, else from the chunk's own rows), then its selected entries in top-k order, or
+        (HCA) every entry in blocks of `invariant.ENTRY_BLOCK`. -> [B, S, H, Dh]."""
+        ring, own = keys[0], keys[1]
+        entries = keys[2] if len(keys) > 2 else None
+        topk = shared.topk if entries is not None and self.spec.topk_source is not None else None
+        b, s = step.positions.shape
+        w, ratio = self.window, max(self.spec.compress_ratio, 1)
+        seq_of_row = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, s))
+
+        def block(q, seq, pos, idx):
+            kp = pos[:, None] - (w - 1) + jnp.arange(w, dtype=jnp.int32)[None, :]  # [C, W] key positions
+            seq = seq[:, None]
+            start = step.start[seq]
+            in_ring = kp < start
+            slot = jnp.mod(kp, ring.shape[1])
+            row = jnp.clip(kp - start, 0, s - 1)
+            kv = jnp.where(in_ring[..., None], ring[seq, slot], own[seq, row].astype(ring.dtype))
+            ok = (kp >= 0) & jnp.where(in_ring, ring_pos[seq, slot] == kp, own_pos[seq, row] == kp)
+            blocks = None
+            if entries is not None:
+                n = entries.shape[1]
+                visible = ((pos + 1) // ratio)[:, None]
+                if idx is not None:  # the selected entries, in top-k order
+                    kv = jnp.concatenate([kv, entries[seq, jnp.clip(idx, 0, n - 1)].astype(kv.dtype)], axis=1)
+                    ok = jnp.concatenate([ok, (idx >= 0) & (idx < visible)], axis=1)
+                else:  # every entry, block after block
+                    j = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (pos.shape[0], n))
+                    blocks = (inv.entry_blocks(entries[seq[:, 0]].astype(kv.dtype)),
+                              inv.entry_blocks(j < visible, fill=False))
+            return inv.sink_attention(q, kv, ok, self.attn_sink[...], self.head_dim ** -0.5, blocks)
+
+        return inv.row_blocks(block, q, seq_of_row, step.positions, topk, lead=2)
 
     def draft_block(self, h: jax.Array, positions: jax.Array, ctx_kv: jax.Array, ctx_visible: jax.Array) -> jax.Array:
         """[DSpark] non-causal attention of a draft block: h [B, beta, D] at positions [B, beta] attends to

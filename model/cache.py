@@ -1,4 +1,4 @@
-"""The cache pytree: position-indexed rings and stores (MODEL_SPEC 3.1-3.3, 3.5).
+"""The cache pytree: position-indexed rings and stores (docs/model.md §4.5, §13, §13.3, §13.6).
 
 Everything is indexed by absolute position, so chunked prefill, speculative rollback and prefix
 resume are length updates:
@@ -34,6 +34,7 @@ from flax import struct
 from pallas_kernels.reference import mxfp4_row_bytes
 
 from .config import ModelConfig
+from .footprint import require
 from .groups import LayerGroup, layer_groups
 
 
@@ -117,7 +118,13 @@ class Cache:
     lengths: jax.Array  # [B] int32
     layers: tuple  # one LayerCache, or StackCache for a scanned group, per entry of `groups`
     tokens: jax.Array | None = None  # [V4.1 Engram] ring of raw token ids [B, R_t] (n-gram history)
+    # [B] int32: the shortest length a rollback may keep. The rings hold spec_room slots beyond what a step
+    # reads, so rows written past the kept length clobber nothing only while the furthest row written is at
+    # most spec_room positions ahead: the floor is (furthest row written + 1) - spec_room, or a prefix import's
+    # length (the import brings exactly the rows a resume at that length reads).
+    rollback_floor: jax.Array | None = None
     max_len: int = struct.field(pytree_node=False, default=0)
+    spec_room: int = struct.field(pytree_node=False, default=0)
     groups: tuple = struct.field(pytree_node=False, default=())  # the LayerGroups of `layers` (model/groups.py)
 
     @property
@@ -134,9 +141,29 @@ class Cache:
                 return jax.tree.map(lambda a: a[repeat], entry.period[position])
         raise ValueError(f"the cache holds no layer {index} (it has {sum(g.period * g.repeats for g in self.groups)})")
 
+    def advanced(self, end: jax.Array, layers: tuple) -> "Cache":
+        """The cache after a step wrote every position below `end` [B]."""
+        floor = None if self.rollback_floor is None else jnp.maximum(self.rollback_floor, end - self.spec_room)
+        return self.replace(lengths=end, layers=layers, rollback_floor=floor)
+
     def rollback(self, lengths: jax.Array) -> "Cache":
-        """Keep only the first `lengths[b]` positions of each sequence (must not exceed the current)."""
-        return self.replace(lengths=jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths))
+        """Keep only the first `lengths[b]` positions of each sequence (never more than the current).
+
+        Undoing more than the rings can (below `rollback_floor`: more than spec_room positions behind the
+        furthest row written) raises ValueError when the lengths are concrete. Inside jit the caller
+        guarantees it: speculative verification writes at most spec_room rows past the kept length."""
+        new = jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths)
+        if self.rollback_floor is not None and not isinstance(new, jax.core.Tracer) \
+                and not isinstance(self.rollback_floor, jax.core.Tracer):
+            floor, kept = np.asarray(self.rollback_floor), np.asarray(new)
+            if (kept < floor).any():
+                b = int(np.argmax(kept < floor))
+                raise ValueError(f"cannot roll sequence {b} back to length {kept[b]}: its rings hold spec_room="
+                                 f"{self.spec_room} slots beyond the window, and rows up to position "
+                                 f"{floor[b] + self.spec_room - 1} were written (or a prefix was imported at "
+                                 f"{floor[b]}), so no length below {floor[b]} can be restored; allocate the cache "
+                                 "with a larger spec_room")
+        return self.replace(lengths=new)
 
 
 @struct.dataclass
@@ -286,7 +313,11 @@ def allocate_layer(cfg: ModelConfig, index: int, batch: int, max_len: int, dtype
 
 def allocate(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, spec_room: int = 8) -> Cache:
     """An empty cache for `batch` sequences of up to `max_len` positions (backbone layers, grouped as the
-    model's: model/groups.py)."""
+    model's: model/groups.py). Called outside jit, a cache that cannot fit the device raises MemoryError before
+    anything is allocated."""
+    if not isinstance(jnp.zeros(()), jax.core.Tracer):  # traced (eval_shape, born-sharded jit): nothing is held
+        need = batch * memory_estimate(cfg, max_len, dtype, spec_room)["bytes_per_sequence_at_max_len"]
+        require(int(need), f"a {cfg.name} cache of {batch} x {max_len} positions ({np.dtype(dtype).name})")
     groups = layer_groups(cfg)
     layers = tuple(StackCache(tuple(allocate_layer(cfg, g.start + p, batch, max_len, dtype, spec_room, g.repeats)
                                     for p in range(g.period)))
@@ -294,8 +325,8 @@ def allocate(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, spe
     tokens = None
     if cfg.engram_layer_ids:
         tokens = jnp.zeros((batch, cfg.engram_max_ngram_size - 1 + spec_room), jnp.int32)
-    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers, tokens=tokens, max_len=max_len,
-                 groups=groups)
+    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers, tokens=tokens,
+                 rollback_floor=jnp.zeros((batch,), jnp.int32), max_len=max_len, spec_room=spec_room, groups=groups)
 
 
 def batch_axis(path: str) -> int:
@@ -305,7 +336,7 @@ def batch_axis(path: str) -> int:
 
 def packed_entry_bytes(cfg: ModelConfig, part: str) -> float:
     """Bytes of one global-KV entry ("comp") or index key ("index") in the trained storage formats
-    (MODEL_SPEC 2.7): [V4] FP8 nope + bf16 rope + UE8M0 scales (FlashMLA 584 B row) / MXFP4 keys;
+    (docs/model.md §13.7): [V4] FP8 nope + bf16 rope + UE8M0 scales (FlashMLA 584 B row) / MXFP4 keys;
     [V4.1] E2M1 + one E4M3 scale per 16 / MXFP4 (E2M1 + UE8M0 per 32) keys."""
     if part == "index":
         return cfg.index_head_dim / 2 + cfg.index_head_dim / 32
@@ -346,7 +377,7 @@ def describe_memory(cfg: ModelConfig, max_len: int, batch: int = 1, dtype=jnp.bf
 
 
 # ----------------------------------------------------------------------------- prefix export / import
-# MODEL_SPEC 3.5, V41_NOTES 3.1/3.3: what resuming a sequence at position `length` needs, copied to
+# docs/model.md §13.6, §13.7, §15.2: what resuming a sequence at position `length` needs, copied to
 # the host. Every ring segment is "the rows of positions [length - n, length)" (n = its first axis),
 # every entry store "entries [0, n)", so a state carries no slot numbers and imports into a cache of
 # any ring size or max_len.
@@ -437,7 +468,7 @@ def _export_compressor(comp: CompressorCache, lead: tuple, ratio: int, overlap: 
 
 
 def export_prefix(cache: Cache, cfg: ModelConfig, row: int, length: int, include_window: bool) -> PrefixState:
-    """Copy to the host what resuming sequence `row` at position `length` needs (MODEL_SPEC 3.5).
+    """Copy to the host what resuming sequence `row` at position `length` needs (docs/model.md §13.6).
 
     For every KV-owning layer: entries [0, length // r) of the global KV (and of the V4 indexer keys /
     V4.1 index keys), plus the projection rows a later block still pools ([V4] `length` may end inside
@@ -573,7 +604,9 @@ def import_prefix(cache: Cache, cfg: ModelConfig, row: int, state: PrefixState) 
         if tokens is None:
             raise ValueError("the prefix carries an Engram token history but the cache has no token ring")
         tokens = _put_ring(tokens[..., None], (), row, state.tokens[:, None], length, "Engram token history")[..., 0]
-    return cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens)
+    floor = None if cache.rollback_floor is None else cache.rollback_floor.at[row].set(length)
+    return cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens,
+                         rollback_floor=floor)
 
 
 def set_token_history(cache: Cache, tokens: np.ndarray, before: np.ndarray) -> Cache:

@@ -1,4 +1,4 @@
-"""Token-to-entry compression and the lightning indexer (MODEL_SPEC 2.5 [V4], 2.6 [V4.1]).
+"""Token-to-entry compression and the lightning indexer (docs/model.md §5, §6, §8 [V4]; §7, §8 [V4.1]).
 
 Compressor (ratio r, width d): per token, in float32, a_t = W_kv h_t and a gate score g_t
 (W_gate h_t, plus the learned in-block bias ape[t mod r] in V4). Entry j pools its block
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import invariant as inv
 from pallas_kernels import reference as ref
 
 from .cache import Step, ring_gather, ring_write, write_rows
@@ -44,6 +45,7 @@ class Compressor(nnx.Module):
         self.ratio = r
         self.overlap = spec.overlap
         self.out_dim = out_dim
+        self.batch_invariant = cfg.batch_invariant  # each entry pooled on fixed blocks of entries
 
     def project(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D], positions [B, T] -> (a, g) float32 [B, T, c*d]."""
@@ -69,8 +71,10 @@ class Compressor(nnx.Module):
             prev_g = jnp.pad(g[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=NEG_LARGE)
             a = jnp.concatenate([prev_a, a[..., d:]], axis=2)
             g = jnp.concatenate([prev_g, g[..., d:]], axis=2)
-        pooled = jnp.sum(jax.nn.softmax(g, axis=2) * a, axis=2)
-        return self.norm(pooled.astype(out_dtype))
+
+        def entry(a, g):  # [..., slots, width] -> normalised latent [..., d]
+            return self.norm(jnp.sum(jax.nn.softmax(g, axis=-2) * a, axis=-2).astype(out_dtype))
+        return inv.row_blocks(entry, a, g, lead=2) if self.batch_invariant else entry(a, g)
 
     def latents(self, h: jax.Array, step: Step, proj_a: jax.Array, proj_g: jax.Array, out_dtype):
         """Pool every block a chunk can close. h [B, S, D] at `step`; proj_a/g the projection ring.
@@ -146,11 +150,12 @@ class Indexer(nnx.Module):
         self.uses_candidates = spec.uses_candidates
         self.candidate_topk_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
+        self.batch_invariant = cfg.batch_invariant  # each query row's scores in a fixed order (_row_scores)
 
     def finish_keys(self, keys: jax.Array) -> jax.Array:
         """Rotated keys -> stored form: V4 Hadamard; FP4 sim (UE8M0 / 32) when quant_sim."""
         if self.v4:
-            keys = hadamard(keys)
+            keys = hadamard(keys, self.batch_invariant)
         return fp4_fake_quant(keys, 32) if self.quant_sim else keys
 
     def cached(self, keys: jax.Array) -> jax.Array:
@@ -175,10 +180,21 @@ class Indexer(nnx.Module):
         visible = visible_entries(positions, keys.shape[1], self.ratio)
         if keys.dtype == jnp.uint8:   # MXFP4 cache rows (exact in bf16)
             keys = ref.dequantize_rows(keys, None).astype(q.dtype)
-        scores = ref.indexer_scores(q, w, keys, visible)
+        if self.batch_invariant:
+            scores = jnp.where(visible, self._row_scores(q, w, keys), ref.NEG_INF)
+        else:
+            scores = ref.indexer_scores(q, w, keys, visible)
         if self.candidate_source:
             candidates = candidate_blocks(scores, (positions + 1) // self.ratio, self.candidate_topk_blocks,
                                           self.candidate_block_size)
         elif self.uses_candidates:
             scores = jnp.where(candidates, scores, -jnp.inf)
         return ref.topk_indices(scores, self.topk), candidates
+
+    def _row_scores(self, q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+        """`reference.indexer_scores` unmasked, each query row against its sequence's keys in blocks of
+        `invariant.ENTRY_BLOCK` on fixed blocks of rows (cfg.batch_invariant). q [B, T, HI, DI], w [B, T, HI],
+        keys [B, N, DI] -> [B, T, N] float32."""
+        b, t = q.shape[:2]
+        seq_of_row = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        return inv.row_blocks(lambda q, w, seq: inv.indexer_scores(q, w, keys[seq]), q, w, seq_of_row, lead=2)

@@ -35,6 +35,18 @@ EXPERT_WEIGHTS = ("dense", "fp4")
 DENSE_WEIGHTS = ("model", "fp8")
 HEAD_DTYPES = ("float32", "bfloat16")
 INDEX_KEY_FORMATS = ("model", "fp4")
+# [V4.1] Engram tables: where they live, how they are held, how a split table's rows travel (model/engram.py)
+ENGRAM_PLACEMENTS = ("device", "sharded", "host")
+ENGRAM_TABLES = ("model", "fp8")
+ENGRAM_EXCHANGES = ("all_to_all", "all_gather")
+# config.json fields this architecture fixes: the readers raise on any other value instead of ignoring it
+FIXED_FIELDS = {"tie_word_embeddings": (False,), "attention_bias": (False,), "mlp_bias": (False,),
+                "hidden_act": ("silu",), "topk_method": ("noaux_tc",)}
+FIXED_FIELDS_WHY = {"tie_word_embeddings": "a separate LM head, head.weight",
+                    "attention_bias": "no bias in any attention projection",
+                    "mlp_bias": "no bias in any expert projection",
+                    "hidden_act": "clamped SwiGLU experts",
+                    "topk_method": "the router's bias chooses experts only, the weights come from the scores"}
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,7 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     generation: str = "v4"
-    # [V4.1] CSA2 roles (MODEL_SPEC 1.2/1.3), Engram, DSpark, router temperature.
+    # [V4.1] CSA2 roles (docs/model.md §0.2, §0.3), Engram, DSpark, router temperature.
     kv_source_layer_ids: tuple[int, ...] = ()
     index_source_layer_ids: tuple[int, ...] = ()
     candidate_source_layer_id: int = -1
@@ -140,7 +152,15 @@ class ModelConfig:
     dspark_n_routed_experts: int = 0
     dspark_n_experts_per_tok: int = 0
     gate_temp: float = 1.0
-    engram_placement: str = "device"  # "device" (HBM, shardable) or "host" (numpy, rows gathered per step)
+    # [V4.1] Engram tables (ENGRAM_PLACEMENTS): "device" (a copy in every device's memory), "sharded" (rows split over
+    # every device of the mesh, dp x ep x tp) or "host" (host memory, split alike over the devices' host memory on a
+    # mesh; rows gathered on the host). engram_tables: held in the model dtype ("model") or as the release ships them
+    # ("fp8": E4M3 rows + one UE8M0 byte per 32 values, dequantised per gathered row). engram_exchange: how a split
+    # table's rows reach the tokens' devices (sharding.row_lookup: "all_to_all" of the requested ids and of the rows,
+    # or "all_gather" of the ids and a reduce-scatter of the masked local rows).
+    engram_placement: str = "device"
+    engram_tables: str = "model"
+    engram_exchange: str = "all_to_all"
     # Fake-quant steps of the official model (FP8 window KV, FP4 compressed KV / indexer q,k, and act_quant of
     # the inputs of its FP8 / FP4 GEMMs: the release's FP8 linears but wo_a, the routed experts): on for
     # fidelity to the trained model, off for exactness tests.
@@ -178,6 +198,11 @@ class ModelConfig:
     # The same numbers either way (up to float rounding of the fused scan body); safetensors checkpoints load
     # into and save from both; combinations the stacked layout does not support raise.
     scan_layers: bool = False
+    # Batch-invariant numerics (docs/batch_invariance.md): every reduction in an order fixed by the weight shapes
+    # and the sequence's own rows, never by the batch's size or composition, so a sequence's logits are bitwise
+    # the same alone, at any row of any batch, under any chunking of its prefill and on any (dp, ep) mesh (the
+    # reference paths; pallas_kernels/invariant.py).
+    batch_invariant: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -223,6 +248,8 @@ class ModelConfig:
         need(self.csa_ratio > 0, "csa_ratio must be positive")
         if self.generation == "v41":
             self._validate_v41(need)
+        need(self.engram_placement in ENGRAM_PLACEMENTS,
+             f"engram_placement must be one of {ENGRAM_PLACEMENTS}, got {self.engram_placement!r}")
         for f, allowed in (("attention_impl", ATTENTION_IMPLS), ("moe_impl", IMPLS), ("dense_impl", IMPLS)):
             need(getattr(self, f) in allowed, f"{f} must be one of {allowed}, got {getattr(self, f)!r}")
         need(self.dense_impl == "reference" or self.dense_weights == "fp8",
@@ -255,6 +282,19 @@ class ModelConfig:
             di = self.index_head_dim
             need(di >= 32 and di & (di - 1) == 0,
                  f"index_key_format='fp4' needs index_head_dim a power of two >= 32 (one scale per 32), got {di}")
+        need(isinstance(self.batch_invariant, bool),
+             f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant:
+            kernels = {f: getattr(self, f) for f in ("attention_impl", "moe_impl", "dense_impl")
+                       if getattr(self, f) != "reference"}
+            need(not kernels, f"batch_invariant=True runs the reference paths, whose reductions it fixes; the Pallas "
+                              f"kernels have no invariant tilings yet: got {kernels} (use 'reference')")
+        if self.scan_layers:   # combinations the stacked layout has not been checked against: raise, never guess
+            need(not self.batch_invariant, "scan_layers=True with batch_invariant=True is not supported (the "
+                                           "invariance checks cover the unrolled layers): set one of them False")
+            need(not (self.engram_layer_ids and self.engram_placement != "device"),
+                 f"scan_layers=True with engram_placement={self.engram_placement!r} is not supported (split Engram "
+                 "tables are checked on the unrolled layers): use engram_placement='device' or scan_layers=False")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
 
@@ -284,14 +324,23 @@ class ModelConfig:
             need(c in srcs, f"candidate_source_layer_id {c} must be a KV source layer")
             need(self.candidate_topk_blocks > 0 and self.candidate_block_size > 0,
                  "candidate_topk_blocks and candidate_block_size must be positive with a candidate source")
-        need(self.engram_placement in ("device", "host"),
-             f"engram_placement must be 'device' or 'host', got {self.engram_placement!r}")
+        if self.engram_layer_ids and srcs:
+            late = [i for i in self.engram_layer_ids if i > max(srcs)]
+            need(not late, f"Engram layers {late} lie after the last KV source (layer {max(srcs)}): decoder-side "
+                           f"bounded replay runs layers from {max(srcs) + 1} on only a tail of the rows, and an Engram "
+                           "layer needs the hash ids of every row; Engram layers must be at or before the last KV "
+                           "source")
+        for f, allowed in (("engram_tables", ENGRAM_TABLES), ("engram_exchange", ENGRAM_EXCHANGES)):
+            need(getattr(self, f) in allowed, f"{f} must be one of {allowed}, got {getattr(self, f)!r}")
         if self.engram_layer_ids:
             for f in ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
                       "engram_compressed_vocab_size"):
                 need(getattr(self, f) > 0, f"{f} must be positive with Engram layers")
             need(len(self.engram_num_embeddings) in (0, len(self.engram_layer_ids)),
                  "engram_num_embeddings must list one table size per Engram layer")
+            need(self.engram_tables == "model" or self.engram_head_dim % 32 == 0,
+                 f"engram_tables='fp8' needs engram_head_dim ({self.engram_head_dim}) to be a multiple of 32 (one "
+                 "scale per 32 values of a row)")
         if self.num_mtp_layers:
             need(self.dspark_block_size > 0, "V4.1 draft stages need dspark_block_size > 0")
             need(len(self.dspark_target_layer_ids) > 0 and all(0 <= i < n for i in self.dspark_target_layer_ids),
@@ -305,7 +354,7 @@ class ModelConfig:
 
     @property
     def fp8_block(self) -> int:
-        """Edge B of the square FP8 weight-scale blocks: 128 (V4) or 32 (V4.1) (MODEL_SPEC 3.7)."""
+        """Edge B of the square FP8 weight-scale blocks: 128 (V4) or 32 (V4.1) (docs/model.md §14)."""
         return 128 if self.generation == "v4" else 32
 
     @property
@@ -335,7 +384,7 @@ class ModelConfig:
             own = index if ratio > 0 else None
             return LayerSpec(attention=kind, overlap=kind == "csa", indexer=kind == "csa", kv_source=own,
                              topk_source=index if kind == "csa" else None, **common)
-        # V4.1, the generic rule of MODEL_SPEC 1.3
+        # V4.1, the generic rule of docs/model.md §0.3
         if ratio == 0 or mtp:
             return LayerSpec(attention="swa", overlap=False, indexer=False, engram=index in self.engram_layer_ids,
                              **common)
@@ -405,7 +454,7 @@ class ModelConfig:
             del d["num_hash_layers"]
             for f in dataclasses.fields(self):
                 if (f.name.startswith(("kv_source", "index_source", "candidate_", "engram_", "dspark_"))
-                        and f.name != "engram_placement"):
+                        and f.name not in ("engram_placement", "engram_tables", "engram_exchange")):
                     v = getattr(self, f.name)
                     d[f.name] = list(v) if isinstance(v, tuple) else v
             d["dspark_num_experts_per_tok"] = d.pop("dspark_n_experts_per_tok")
@@ -585,6 +634,10 @@ def _config_from_dict(raw: dict, where: str) -> ModelConfig:
         if raw.get("num_hash_layers") or raw.get("n_hash_layers"):
             raise ValueError(f"{where}: V4.1 has no hash-routed layers, but num_hash_layers is set")
         n_hash = 0
+    for f, allowed in FIXED_FIELDS.items():
+        if raw.get(f) is not None and raw[f] not in allowed:
+            raise ValueError(f"{where}: {f}={raw[f]!r} is not supported (this model has {f}={allowed[0]!r}: "
+                             f"{FIXED_FIELDS_WHY[f]})")
     if int(get("num_key_value_heads", default=1)) != 1:
         raise ValueError(f"{where}: num_key_value_heads must be 1 (shared-KV MQA)")
     eos = get("eos_token_id", default=1)
@@ -657,7 +710,7 @@ def _v4_flash() -> ModelConfig:
 
 
 def _tiny_v41() -> ModelConfig:
-    """MODEL_SPEC 1.4 TINY-V41: SWA, SWA+Engram, Full(r2)+Engram, Reuse, Reuse, Full(r1)+candidate source,
+    """docs/model.md §0.4 TINY-V41: SWA, SWA+Engram, Full(r2)+Engram, Reuse, Reuse, Full(r1)+candidate source,
     Reuse, Reindex with candidates; 3 DSpark stages."""
     return ModelConfig(
         vocab_size=96, hidden_size=128, num_layers=8, num_heads=4, head_dim=64, rope_head_dim=16,

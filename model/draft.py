@@ -1,4 +1,4 @@
-"""Drafters: MTP-1 [V4] and DSpark [V4.1] (MODEL_SPEC 2.11, 2.12, 3.6).
+"""Drafters: MTP-1 [V4] and DSpark [V4.1] (docs/model.md §12.1, §12.2, §16.2).
 
 Both keep their own position-indexed state (`DraftCache`: one SWA ring per stage plus the number of
 context positions written), so a speculative step is: `commit` the rows the target just accepted,
@@ -29,6 +29,7 @@ from .transformer import Transformer
 class DraftCache:
     lengths: jax.Array  # [B] context positions written (MTP rows / DSpark context keys)
     layers: tuple  # one LayerCache (SWA ring) per draft stage
+    floor: jax.Array | None = None  # [B] first position written (rows below it are never attended; None: 0)
 
 
 def allocate_draft(model: Transformer, batch: int, max_len: int, spec_room: int = 8) -> DraftCache:
@@ -38,7 +39,7 @@ def allocate_draft(model: Transformer, batch: int, max_len: int, spec_room: int 
                          "mtp.* tensors or use random weights")
     layers = tuple(allocate_layer(cfg, cfg.num_layers + j, batch, max_len, model.dtype, spec_room)
                    for j in range(len(model.mtp)))
-    return DraftCache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers)
+    return DraftCache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers, floor=jnp.zeros((batch,), jnp.int32))
 
 
 @struct.dataclass
@@ -55,9 +56,9 @@ def mtp_commit(model: Transformer, dc: DraftCache, residual: jax.Array, next_tok
     """MTP rows for newly committed positions dc.lengths + i (valid i < n_new): residual [B, S, n, D] target
     streams, next_tokens [B, S] = x_{p+1}. -> (logits [B, S, V] predicting x_{p+2}, output streams, cache)."""
     mtp = model.mtp[0]
-    step = Step.make(dc.lengths, n_new, next_tokens.shape[1])
+    step = Step.make(dc.lengths, n_new, next_tokens.shape[1], dc.floor)
     y, streams, layer = mtp.hidden(residual, model.embed(next_tokens), step, next_tokens, dc.layers[0])
-    return model.logits(y), streams, DraftCache(lengths=step.end, layers=(layer,))
+    return model.logits(y), streams, dc.replace(lengths=step.end, layers=(layer,))
 
 
 def mtp_propose(model: Transformer, dc: DraftCache, logits: jax.Array, streams: jax.Array, k: int, choose
@@ -87,7 +88,7 @@ def dspark_commit(model: Transformer, dc: DraftCache, main_hidden: jax.Array, n_
     step = Step.make(dc.lengths, n_new, main_hidden.shape[1])
     layers = tuple(LayerCache(kv=ring_write(lc.kv, stage.attn.keys(main_x, step.positions), step))
                    for stage, lc in zip(model.mtp, dc.layers))
-    return DraftCache(lengths=step.end, layers=layers)
+    return dc.replace(lengths=step.end, layers=layers)
 
 
 def dspark_propose(model: Transformer, dc: DraftCache, anchor: jax.Array, choose) -> Proposal:
@@ -103,6 +104,8 @@ def dspark_propose(model: Transformer, dc: DraftCache, anchor: jax.Array, choose
     for stage, lc in zip(model.mtp, dc.layers):
         ring_pos = ring_positions(dc.lengths, lc.kv.shape[1])
         visible = (ring_pos >= 0) & (ring_pos >= dc.lengths[:, None] - cfg.sliding_window)
+        if dc.floor is not None:
+            visible &= ring_pos >= dc.floor[:, None]
 
         def attend(h, stage=stage, lc=lc, visible=visible):
             return stage.attn.draft_block(h, positions, lc.kv, visible)

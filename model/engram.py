@@ -1,5 +1,5 @@
 """V4.1 Engram: n-gram hashing (numpy reference; the same in jnp on 32-bit lanes inside the step) and the gated
-memory module (MODEL_SPEC 2.10).
+memory module (docs/model.md §10).
 
 Hashing (pure function of token ids; int64 in numpy, (hi, lo) uint32 pairs on the device):
   * raw id -> compressed id through a tokenizer-derived map (identity for random models);
@@ -32,6 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import reference as ref
+from pallas_kernels.invariant import row_blocks
+from sharding.row_lookup import RowLookup, take_table
+
+from .config import ENGRAM_PLACEMENTS, ENGRAM_TABLES
 from .layers import Linear, normal_init
 
 __all__ = [
@@ -42,10 +47,15 @@ __all__ = [
     "hash_multipliers",
     "EngramHasher",
     "EngramEmbedding",
+    "HostTable",
+    "engram_rows",
+    "quantize_fp8_rows",
+    "dequant_fp8_rows",
     "Engram",
     "engram_gate",
 ]
 
+FP8_ROW_BLOCK = 32  # values per UE8M0 scale in an FP8 table row (MODEL_SPEC 3.7)
 DEAD = -1  # compressed-id marker for a position that takes no part in any n-gram (image token)
 
 # ----------------------------------------------------------------------------- primes
@@ -129,7 +139,7 @@ def hash_multipliers(layer_ids: Sequence[int], max_ngram_size: int, compressed_v
 
 def normalize_token_text(text: str) -> str:
     """The compressed-vocabulary key of a decoded token: NFKC -> NFD -> strip accents -> lowercase ->
-    collapse whitespace -> strip (MODEL_SPEC 2.10)."""
+    collapse whitespace -> strip (docs/model.md §10)."""
     t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
     t = "".join(c for c in t if unicodedata.category(c) != "Mn").lower()
     return " ".join(t.split())
@@ -237,7 +247,7 @@ class EngramHasher:
         if token_map is None:
             if vocab is None or (vc is not None and int(vc) != int(vocab)):
                 raise ValueError(f"config: engram_compressed_vocab_size {vc} != vocab_size {vocab}; the "
-                                 "real model needs the tokenizer-derived token_map (MODEL_SPEC 2.10)")
+                                 "real model needs the tokenizer-derived token_map (docs/model.md §10)")
             token_map = np.arange(int(vocab), dtype=np.int64)
         h = cls(layer_ids=layer_ids,
                 max_ngram_size=_get(config, "engram_max_ngram_size"),
@@ -421,43 +431,97 @@ def _mod64(hi: jax.Array, lo: jax.Array, p: jax.Array, bits: int) -> jax.Array:
 # ----------------------------------------------------------------------------- module
 
 
-class HostTable:
-    """A host-resident (numpy) table; static to jit, so it is never copied to the device.
-    Compared by identity (it is a handle, not data). `array` is None until filled (abstract models,
-    or before a checkpoint is loaded into it)."""
+def quantize_fp8_rows(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float [..., d] -> (float8_e4m3fn [..., d], UE8M0 exponent bytes uint8 [..., d/32]), traceable: one power-of-two
+    scale 2^ceil(log2(amax / 448)) per 32 values of a row (the rule of quant_io.quantize_fp8_rows)."""
+    b = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // FP8_ROW_BLOCK, FP8_ROW_BLOCK)
+    exp = ref.ue8m0_exponent(jnp.max(jnp.abs(b), axis=-1), ref.FP8_E4M3_MAX)
+    q = jnp.clip(jnp.ldexp(b, -exp[..., None]), -ref.FP8_E4M3_MAX, ref.FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(w.shape), (exp + 127).astype(jnp.uint8)
 
-    def __init__(self, shape: tuple[int, int], dtype, array: np.ndarray | None = None):
-        self.shape, self.dtype, self.array = tuple(shape), np.dtype(dtype), array
 
-    def gather(self, ids: jax.Array) -> jax.Array:
-        """Rows for ids [...] -> [..., head_dim], fetched by a host callback (only the rows needed)."""
-        if self.array is None:
-            raise ValueError("host-resident Engram table was never filled (load a checkpoint into it)")
-        out = jax.ShapeDtypeStruct((*ids.shape, self.shape[1]), self.dtype)
-        return jax.pure_callback(lambda i: np.asarray(self.array[np.asarray(i)], dtype=self.dtype), out, ids)
+def dequant_fp8_rows(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """FP8 rows q [..., d] with UE8M0 bytes scale [..., d/32] -> float32 [..., d] (exact: E4M3 times a power of two)."""
+    v = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, FP8_ROW_BLOCK) * ref.e8m0_to_f32(scale)[..., None]
+    return v.reshape(q.shape)
+
+
+def _to_host(x: jax.Array) -> jax.Array:
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+class HostTable(nnx.Module):
+    """A table held in host memory (memory kind pinned_host; on a mesh its rows split over the devices' host
+    memory): `weight` [rows, head_dim] as held, and `scale` [rows, head_dim/32] for FP8 rows. Never copied to a
+    device whole: lookups gather its rows on the host (sharding.row_lookup.take_rows)."""
+
+    def __init__(self, weight: jax.Array, scale: jax.Array | None = None):
+        self.weight = nnx.Param(_to_host(weight))
+        self.scale: nnx.Param | None = nnx.data(None) if scale is None else nnx.Param(_to_host(scale))
+
+    @property
+    def array(self) -> jax.Array:
+        """The held table [rows, head_dim]."""
+        return self.weight[...]
 
 
 class EngramEmbedding(nnx.Module):
-    """The n-gram table `embed.weight` [rows, head_dim], kept dequantised (FP8 x E8M0 rows are exact
-    in bf16). Lookups gather rows by the hasher's ids. placement "device": an nnx.Param in device memory
-    (shardable by rows or columns); "host": a numpy table in host memory, rows gathered per step."""
+    """The n-gram table `embed.weight` [rows, head_dim], looked up by the hasher's ids.
 
-    def __init__(self, rows: int, head_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32, placement: str = "device"):
-        if placement not in ("device", "host"):
-            raise ValueError(f"Engram table placement must be 'device' or 'host', got {placement!r}")
-        init = normal_init(rngs, (rows, head_dim), 1.0, dtype=dtype)
-        if placement == "device":
-            self.weight = nnx.Param(init)
-            self.host = None
+    tables (cfg.engram_tables): "model" holds it dequantised in `dtype` (FP8 x UE8M0 rows are exact in bf16);
+    "fp8" as the release ships it, `weight` float8_e4m3fn [rows, head_dim] with `scale` UE8M0 bytes
+    [rows, head_dim/32], each gathered row dequantised (`values`). placement (cfg.engram_placement): "device" and
+    "sharded" hold nnx.Params `weight` (+ `scale`), replicated or split by rows over a mesh (model/sharded.py pads
+    the rows to a multiple of its devices); "host" holds them in `host` (a HostTable; `weight` is None).
+    `columns`: per hash column of this layer the id range [lo, hi) it draws from (split-table exchanges size their
+    messages by it)."""
+
+    def __init__(self, rows: int, head_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32, placement: str = "device",
+                 tables: str = "model", columns: Sequence[tuple[int, int]] = ()):
+        if placement not in ENGRAM_PLACEMENTS:
+            raise ValueError(f"Engram table placement must be one of {ENGRAM_PLACEMENTS}, got {placement!r}")
+        if tables not in ENGRAM_TABLES:
+            raise ValueError(f"Engram tables must be one of {ENGRAM_TABLES}, got {tables!r}")
+        self.rows, self.head_dim, self.dtype = int(rows), int(head_dim), dtype
+        self.placement, self.tables = placement, tables
+        self.columns = tuple((int(lo), int(hi)) for lo, hi in columns)
+        held = (normal_init(rngs, (rows, head_dim), 1.0, dtype=dtype),)
+        if tables == "fp8":
+            held = quantize_fp8_rows(held[0])
+        if placement == "host":
+            self.weight = nnx.data(None)
+            self.scale = nnx.data(None)
+            self.host = HostTable(*held)
         else:
-            self.weight = None
-            concrete = not isinstance(init, jax.core.Tracer)
-            self.host = HostTable((rows, head_dim), dtype, np.asarray(init) if concrete else None)
+            self.weight = nnx.Param(held[0])
+            self.scale = nnx.Param(held[1]) if tables == "fp8" else nnx.data(None)
+            self.host = nnx.data(None)
+
+    def stored(self) -> tuple[jax.Array, ...]:
+        """The arrays as held: (weight,) or (weight, scale), on the device or in host memory."""
+        owner = self if self.host is None else self.host
+        return tuple(p[...] for p in (owner.weight, owner.scale) if p is not None)
+
+    def values(self, rows: tuple[jax.Array, ...]) -> jax.Array:
+        """Gathered rows as held ((weight rows [..., head_dim],) or with their scales) -> [..., head_dim] in dtype."""
+        if self.tables == "model":
+            return rows[0]
+        return dequant_fp8_rows(*rows).astype(self.dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        if self.host is not None:
-            return self.host.gather(ids)
-        return jnp.take(self.weight[...], ids, axis=0)
+        """ids [...] -> rows [..., head_dim], gathered where the table lives (no mesh exchange: see `engram_rows`)."""
+        return self.values(take_table(self.stored(), ids))
+
+
+def engram_rows(embeds: Sequence[EngramEmbedding], ids: jax.Array, lookup: RowLookup | None
+                ) -> list[tuple[jax.Array, ...]]:
+    """Every Engram layer's rows as held for ids [B, S, L, C] (layer j's table `embeds[j]`), fetched together at
+    the start of a step: through `lookup` (tables split over a mesh, one exchange for all layers), else gathered
+    where each table lives -> per layer a tuple of [B, S, C, ...] (its `stored()` arrays' rows)."""
+    per_layer = [ids[:, :, j] for j in range(len(embeds))]
+    if lookup is None:
+        return [take_table(e.stored(), i) for e, i in zip(embeds, per_layer)]
+    return lookup([e.stored() for e in embeds], per_layer, [e.columns for e in embeds])
 
 
 def engram_gate(x: jax.Array, key: jax.Array, qk: jax.Array, eps: float, clamp: float = 1e-6) -> jax.Array:
@@ -473,14 +537,15 @@ def engram_gate(x: jax.Array, key: jax.Array, qk: jax.Array, eps: float, clamp: 
 
 
 class Engram(nnx.Module):
-    """One Engram layer (MODEL_SPEC 2.10), applied to the residual streams before its block.
+    """One Engram layer (docs/model.md §10), applied to the residual streams before its block.
 
     x [B, T, n, D], ids [B, T, C] (this layer's slice of `EngramHasher.hash_ids`), optional
     token_mask [B, T] (False -> gate 0) -> x + gamma * val, computed in fp32, cast to x.dtype.
     """
 
     def __init__(self, dim: int, hc_mult: int, n_columns: int, head_dim: int, rows: int, norm_eps: float, *,
-                 rngs: nnx.Rngs, dtype=jnp.float32, embed_dtype=None, placement: str = "device"):
+                 rngs: nnx.Rngs, dtype=jnp.float32, embed_dtype=None, placement: str = "device", tables: str = "model",
+                 columns: Sequence[tuple[int, int]] = ()):
         self.dim = int(dim)
         self.hc_mult = int(hc_mult)
         self.n_columns = int(n_columns)
@@ -488,37 +553,45 @@ class Engram(nnx.Module):
         self.eps = float(norm_eps)
         self.clamp_value = 1e-6
         self.embed = EngramEmbedding(rows, head_dim, rngs=rngs, dtype=dtype if embed_dtype is None else embed_dtype,
-                                     placement=placement)
+                                     placement=placement, tables=tables, columns=columns)
         self.wkv = Linear(self.n_columns * self.head_dim, self.dim * (self.hc_mult + 1), rngs=rngs, dtype=dtype)
         self.q_weight = nnx.Param(normal_init(rngs, (self.hc_mult, self.dim), 0.3, mean=1.0))
         self.k_weight = nnx.Param(normal_init(rngs, (self.hc_mult, self.dim), 0.3, mean=1.0))
+        self.batch_invariant = False  # cfg.batch_invariant: the gate's sums on fixed blocks of tokens
 
     @classmethod
     def from_hasher(cls, hasher: EngramHasher, layer_id: int, dim: int, hc_mult: int, head_dim: int,
                     norm_eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32, embed_dtype=None,
-                    placement: str = "device") -> "Engram":
+                    placement: str = "device", tables: str = "model") -> "Engram":
+        j = hasher.layer_index(layer_id)
+        columns = tuple(zip(hasher.offsets[j], hasher.offsets[j] + hasher.moduli[j]))
         return cls(dim, hc_mult, hasher.n_columns, head_dim, hasher.table_rows(layer_id), norm_eps,
-                   rngs=rngs, dtype=dtype, embed_dtype=embed_dtype, placement=placement)
+                   rngs=rngs, dtype=dtype, embed_dtype=embed_dtype, placement=placement, tables=tables, columns=columns)
 
-    def key_value(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """ids [..., C] -> keys [..., n, D] (fp32), value [..., D] (fp32)."""
+    def key_value(self, ids: jax.Array, rows: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+        """ids [..., C] (or their rows as held, fetched ahead: `engram_rows`) -> keys [..., n, D] (fp32), value
+        [..., D] (fp32)."""
         if ids.shape[-1] != self.n_columns:
             raise ValueError(f"Engram: ids have {ids.shape[-1]} columns, expected {self.n_columns}")
-        rows = self.embed(ids)  # [..., C, hd]
+        rows = self.embed(ids) if rows is None else self.embed.values(rows)  # [..., C, hd]
         v = rows.reshape(*rows.shape[:-2], self.n_columns * self.head_dim)
         kv = self.wkv(v)
         nd = self.hc_mult * self.dim
         key = kv[..., :nd].astype(jnp.float32).reshape(*kv.shape[:-1], self.hc_mult, self.dim)
         return key, kv[..., nd:].astype(jnp.float32)
 
-    def __call__(self, x: jax.Array, ids: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, ids: jax.Array, token_mask: jax.Array | None = None,
+                 rows: tuple[jax.Array, ...] | None = None) -> jax.Array:
+        """rows: this layer's rows for `ids` as held, fetched ahead (`engram_rows`); None gathers them here."""
         if x.shape[-2:] != (self.hc_mult, self.dim):
             raise ValueError(f"Engram: x has trailing shape {x.shape[-2:]}, expected {(self.hc_mult, self.dim)}")
         if ids.shape[:-1] != x.shape[:-2]:
             raise ValueError(f"Engram: ids leading shape {ids.shape[:-1]} != x leading shape {x.shape[:-2]}")
-        key, value = self.key_value(ids)
+        key, value = self.key_value(ids, rows)
         qk = self.q_weight[...].astype(jnp.float32) * self.k_weight[...].astype(jnp.float32)
-        gate = engram_gate(x, key, qk, self.eps, self.clamp_value)  # [..., n]
+        def gate_of(x, key):
+            return engram_gate(x, key, qk, self.eps, self.clamp_value)  # [..., n]
+        gate = row_blocks(gate_of, x, key, lead=x.ndim - 2) if self.batch_invariant else gate_of(x, key)
         if token_mask is not None:
             gate = jnp.where(token_mask[..., None], gate, 0.0)
         h = x.astype(jnp.float32)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import invariant as inv
 from pallas_kernels import reference as ref
 
 from .config import Yarn
@@ -37,6 +38,7 @@ class Linear(nnx.Module):
     with `fp8_kernel` (cfg.dense_impl="pallas", whole scale blocks) multiplies from the stored bytes.
     `act_block` > 0 (cfg.quant_sim, the official FP8 GEMMs): the input is first rounded by act_quant per
     `act_block` values (`reference.fp8_fake_quant`), as the official FP8 GEMM rounds it.
+    `batch_invariant` (cfg.batch_invariant): the product runs on fixed blocks of rows (`invariant.row_blocks`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -48,6 +50,7 @@ class Linear(nnx.Module):
         self.input_dtype = input_dtype
         self.act_block = 0
         self.fp8_kernel = False  # multiply the FP8-held weight from its bytes (pallas_kernels.fp8_linear)
+        self.batch_invariant = False
 
     def quantise(self, block: int) -> None:
         """Hold the weight as FP8 E4M3 with one UE8M0 scale per `block` x `block` block (traceable)."""
@@ -73,9 +76,12 @@ class Linear(nnx.Module):
         w = self.dense_weight()
         if self.act_block:
             x = ref.fp8_fake_quant(x, self.act_block)
-        if self.fp32:
-            return float32_linear(x, w, self.input_dtype)
-        return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+
+        def product(x):
+            if self.fp32:
+                return float32_linear(x, w, self.input_dtype)
+            return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        return inv.row_blocks(product, x, lead=x.ndim - 1) if self.batch_invariant else product(x)
 
 
 def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> jax.Array:
@@ -113,10 +119,12 @@ class Embedding(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0)
 
 
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) over the last axis, in float32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+def rms_normalize(x: jax.Array, eps: float, batch_invariant: bool = False) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis, in float32 (on fixed blocks of rows if batch_invariant)."""
+    def normalize(x):
+        x = x.astype(jnp.float32)
+        return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return inv.row_blocks(normalize, x, lead=x.ndim - 1) if batch_invariant else normalize(x)
 
 
 class RMSNorm(nnx.Module):
@@ -125,9 +133,10 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
         self.weight = nnx.Param(normal_init(rngs, (dim,), 0.1, mean=1.0))
         self.eps = eps
+        self.batch_invariant = False  # cfg.batch_invariant: the statistic on fixed blocks of rows
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (self.weight[...] * rms_normalize(x, self.eps)).astype(x.dtype)
+        return (self.weight[...] * rms_normalize(x, self.eps, self.batch_invariant)).astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -174,19 +183,23 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: tuple[float, ...], inv
     return jnp.concatenate([nope, rotated], axis=-1)
 
 
-def hadamard(x: jax.Array) -> jax.Array:
-    """Sylvester-order Walsh-Hadamard transform over the last axis, scaled by n^-1/2 (orthonormal)."""
+def hadamard(x: jax.Array, batch_invariant: bool = False) -> jax.Array:
+    """Sylvester-order Walsh-Hadamard transform over the last axis, scaled by n^-1/2 (orthonormal); on fixed
+    blocks of rows if batch_invariant."""
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"Hadamard transform needs a power-of-two width, got {n}")
     h = np.array([[1.0]])
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
-    return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), jnp.asarray(h / math.sqrt(n), jnp.float32)
-                      ).astype(x.dtype)
+    h = jnp.asarray(h / math.sqrt(n), jnp.float32)
+
+    def transform(x):
+        return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), h).astype(x.dtype)
+    return inv.row_blocks(transform, x, lead=x.ndim - 1) if batch_invariant else transform(x)
 
 
-# ----------------------------------------------------------------------------- fake-quant (MODEL_SPEC 3.7)
+# ----------------------------------------------------------------------------- fake-quant (docs/model.md §14)
 
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

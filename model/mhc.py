@@ -1,10 +1,11 @@
-"""Manifold-constrained hyper-connections (MODEL_SPEC 2.2).
+"""Manifold-constrained hyper-connections (docs/model.md §2).
 
 The residual is n streams X [..., n, D]. For each sublayer, coefficients come from X:
 rho = rsqrt(mean(flat(X)^2) + eps), m = rho * (fn @ flat(X)) (fp32), then
 pre = sigmoid(m_pre * s0 + b_pre) + hc_eps, post = 2 sigmoid(m_post * s1 + b_post),
 comb = Sinkhorn(softmax_rows(M * s2 + B) + hc_eps) ending on a column normalisation.
 collapse: y = sum_i pre_i X_i; expand: X'_j = post_j F + sum_i comb_ij X_i.
+batch_invariant=True (cfg.batch_invariant) runs each function on fixed blocks of tokens (`invariant.row_blocks`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from pallas_kernels.invariant import row_blocks
 
 from .layers import normal_init, rms_normalize
 
@@ -27,8 +30,11 @@ class HyperConnection(nnx.Module):
 
 
 def hc_coefficients(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Array, *, norm_eps: float,
-                    hc_eps: float, sinkhorn_iters: int):
+                    hc_eps: float, sinkhorn_iters: int, batch_invariant: bool = False):
     """x: [..., n, D] -> pre [..., n], post [..., n], comb [..., n, n] (all float32)."""
+    if batch_invariant:
+        return row_blocks(lambda x: hc_coefficients(fn, base, scale, x, norm_eps=norm_eps, hc_eps=hc_eps,
+                                                    sinkhorn_iters=sinkhorn_iters), x, lead=x.ndim - 2)
     n = x.shape[-2]
     flat = rms_normalize(x.reshape(*x.shape[:-2], -1), norm_eps)
     m = jnp.einsum("...k,ok->...o", flat, fn.astype(jnp.float32))
@@ -48,13 +54,18 @@ def hc_coefficients(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Arr
     return pre, post, comb
 
 
-def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
+def collapse(x: jax.Array, pre: jax.Array, batch_invariant: bool = False) -> jax.Array:
     """y = sum_i pre_i X_i (float32 sum, cast to the residual dtype). x [..., n, D], pre [..., n]."""
+    if batch_invariant:
+        return row_blocks(collapse, x, pre, lead=x.ndim - 2)
     return jnp.einsum("...n,...nd->...d", pre, x.astype(jnp.float32)).astype(x.dtype)
 
 
-def expand(x: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+def expand(x: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array, batch_invariant: bool = False
+           ) -> jax.Array:
     """X'_j = post_j * F + sum_i comb_ij X_i. x [..., n, D], out F [..., D]."""
+    if batch_invariant:
+        return row_blocks(expand, x, out, post, comb, lead=x.ndim - 2)
     dt = x.dtype
     mixed = jnp.einsum("...ij,...id->...jd", comb.astype(dt), x)
     return post.astype(dt)[..., None] * out.astype(dt)[..., None, :] + mixed
@@ -70,7 +81,11 @@ class HyperHead(nnx.Module):
 
 
 def hc_head_collapse(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Array, *, norm_eps: float,
-                     hc_eps: float) -> jax.Array:
+                     hc_eps: float, batch_invariant: bool = False) -> jax.Array:
+    """x [..., n, D] -> y [..., D] collapsed by the learned head weights."""
+    if batch_invariant:
+        return row_blocks(lambda x: hc_head_collapse(fn, base, scale, x, norm_eps=norm_eps, hc_eps=hc_eps), x,
+                          lead=x.ndim - 2)
     flat = rms_normalize(x.reshape(*x.shape[:-2], -1), norm_eps)
     m = jnp.einsum("...k,ok->...o", flat, fn.astype(jnp.float32))
     pre = jax.nn.sigmoid(m * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + hc_eps

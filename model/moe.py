@@ -1,4 +1,4 @@
-"""Mixture of experts (MODEL_SPEC 2.8): router (score / hash), clamped SwiGLU experts, shared expert.
+"""Mixture of experts (docs/model.md §9): router (score / hash), clamped SwiGLU experts, shared expert.
 
 Router in float32: s = f(W_g h) with f = sqrt(softplus) (or sigmoid / softmax). Score-routed layers
 pick top-k of s + bias (bias only for choosing); hash layers pick tid2eid[token]. Weights are the
@@ -6,6 +6,8 @@ unbiased s of the chosen experts, normalised to sum 1, times routed_scaling_fact
 Expert: z = silu(min(W1 x, L)) * clip(W3 x, -L, L); routed z is scaled by its weight before W2.
 The routed experts run as the layer's expert function (`MoE(experts=...)`, from the model's runtime:
 model/runtime.py): `LocalExperts` on one device by default, an expert-parallel dispatch on a mesh.
+cfg.batch_invariant: the router on fixed blocks of tokens, each token's choices sorted by expert id, the experts
+on fixed tiles returning each choice's output (`per_slot`), added in expert-id order here (`invariant.add_slots`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import invariant as inv
 from pallas_kernels import moe as pallas_moe
 from pallas_kernels import reference as ref
 
@@ -70,7 +73,14 @@ class Gate(nnx.Module):
         self.k = k
 
     def __call__(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
+        """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32); under cfg.batch_invariant
+        on fixed blocks of tokens, each token's choices in increasing expert id."""
+        if self.cfg.batch_invariant:
+            return inv.row_blocks(lambda h, t: inv.sort_choices(*self.route(h, t)), h, tokens)
+        return self.route(h, tokens)
+
+    def route(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The router: h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
         cfg = self.cfg
         # IEEE float32 logits, as the official gate (torch's fp32 linear of the upcast operands, no TF32): bf16 / f16
         # operands multiply as they are, their products exact in the float32 accumulator; float32 ones ask for
@@ -149,31 +159,38 @@ class MLP(nnx.Module):
 
 
 def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=None, act_block: int = 0,
-                   balanced: bool = False) -> jax.Array:
+                   balanced: bool = False, per_slot: bool = False) -> jax.Array:
     """The routed-expert block on one device: "pallas" (grouped-GEMM kernel, quantised weights dequantised
     inside) or "reference" (jnp; quantised weights dequantised in-graph). act_block > 0: both GEMMs' inputs
     rounded by act_quant (cfg.quant_sim). balanced: ids are forced_balance's (the kernels' tiles may fit the
-    equal row counts). x [M, D] -> [M, D] float32."""
+    equal row counts). x [M, D] -> [M, D] float32; per_slot (the reference on fixed tiles,
+    `invariant.expert_slots`): each choice's output unsummed, [M, k, D] float32."""
+    if per_slot and impl != "reference":
+        raise ValueError(f"per-choice expert outputs (batch_invariant) run on the reference tiles, not {impl!r}")
     if impl == "pallas":
         return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block,
                                       balanced=balanced)
     if scales is not None:
         w1, w2, w3 = ref.dense_experts(*(pallas_moe.fp4_weight_bytes(w) for w in (w1, w2, w3)),
                                        tuple(pallas_moe.fp4_scale_bytes(s) for s in scales), x.dtype)
+    if per_slot:
+        return inv.expert_slots(x, ids, weights, w1, w2, w3, limit, act_block)
     return ref.moe_experts(x, ids, weights, w1, w2, w3, limit, act_block)
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalExperts:
     """`routed_experts` of one implementation as a static, hashable expert function (the contract of
-    `sharding.expert_parallel.ExpertFn`): what a layer runs on one device, and on each shard of a mesh."""
+    `sharding.expert_parallel.ExpertFn`): what a layer runs on one device, and on each shard of a mesh.
+    per_slot (cfg.batch_invariant): each choice's output unsummed, [M, k, D]."""
 
     impl: str = "reference"
+    per_slot: bool = False
 
     def __call__(self, x, ids, weights, w1, w2, w3, limit: float, scales=None, act_block: int = 0,
                  balanced: bool = False) -> jax.Array:
         return routed_experts(self.impl, x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block,
-                              balanced=balanced)
+                              balanced=balanced, per_slot=self.per_slot)
 
 
 class MoE(nnx.Module):
@@ -186,7 +203,8 @@ class MoE(nnx.Module):
         self.limit = cfg.swiglu_limit
         self.impl = cfg.moe_impl
         self.act_block = cfg.act_quant_block   # the official FP4 expert GEMMs round their inputs (quant_sim)
-        self.expert_fn = LocalExperts(cfg.moe_impl) if experts is None else experts
+        self.batch_invariant = cfg.batch_invariant
+        self.expert_fn = LocalExperts(cfg.moe_impl, cfg.batch_invariant) if experts is None else experts
 
     def route(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D], tokens [B, T] -> expert ids, weights [B, T, k]."""
@@ -202,6 +220,8 @@ class MoE(nnx.Module):
         with jax.named_scope("experts"):
             routed = self.expert_fn(x, ids.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1), w1, w2, w3,
                                     self.limit, scales=scales, act_block=self.act_block)
+            if self.batch_invariant:  # per choice, in expert-id order
+                routed = inv.add_slots(routed)
         with jax.named_scope("shared_expert"):
             out = routed + self.shared_experts(x).astype(jnp.float32)
         return out.astype(h.dtype).reshape(h.shape)

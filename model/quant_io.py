@@ -8,7 +8,7 @@ Contents
   memory-maps the file and returns zero-copy numpy views, including the FP8 / E8M0 dtypes that
   ``safetensors.numpy`` cannot represent.
 * Sharded-checkpoint helpers (``list_checkpoint_files``, ``iter_checkpoint_tensors``).
-* The number formats of MODEL_SPEC §3.7 (UE8M0 scales, FP8 blocks and rows, packed FP4), defined by the
+* The number formats of docs/model.md §14 (UE8M0 scales, FP8 blocks and rows, packed FP4), defined by the
   kernels' leaf ``pallas_kernels.formats`` and re-exported here for the loader.
 * ``release_fp8``: which tensors the release stores block-scaled FP8 (the one rule the model's
   ``dense_weights="fp8"`` and experiments/roofline.py's "dense" class both use).
@@ -327,7 +327,7 @@ def iter_checkpoint_tensors(directory) -> Iterator[tuple[str, np.ndarray]]:
 # which tensors the release stores FP8
 # --------------------------------------------------------------------------------------------
 
-# Official names (MODEL_SPEC 2.13 / 3.7) of the block-scaled FP8 matrices of both generations, in every
+# Official names (docs/model.md §14, §17.1) of the block-scaled FP8 matrices of both generations, in every
 # block incl. the MTP / DSpark ones: attention wq_a, wq_b, wkv, wo_a (which the official code dequantises
 # at load), wo_b; indexer wq_b; shared expert w1..w3; [V4.1] Engram wkv; [V4] MTP e_proj, h_proj; DSpark
 # main_proj. Routed experts are FP4; everything else (embed, head, compressors, router, weights_proj, V4.1
@@ -344,7 +344,7 @@ def release_fp8(name: str) -> bool:
 
 def official_fp8_gemm(name: str) -> bool:
     """True for the `<module>.weight` matrices the official inference multiplies as FP8 GEMMs, whose inputs it
-    rounds with act_quant (MODEL_SPEC 3.7): the release's FP8 matrices except `attn.wo_a`, which it
+    rounds with act_quant (docs/model.md §14): the release's FP8 matrices except `attn.wo_a`, which it
     dequantises to bf16 at load (convert.py)."""
     return release_fp8(name) and not name.endswith("attn.wo_a.weight")
 

@@ -32,6 +32,7 @@ from sharding.batch_parallel import BatchParallel
 from sharding.expert_parallel import EPConfig, ExpertFn, ExpertParallel
 from sharding.mesh import parallel_config
 from sharding.placement import ForcedBalance, Placement
+from sharding.row_lookup import RowLookup
 
 from .config import ModelConfig
 from .moe import LocalExperts
@@ -42,33 +43,46 @@ class Runtime:
     """mesh: what the runtime was made for (None: one device). experts: one expert function per block (the
     backbone layers, then the draft stages), or () for LocalExperts(cfg.moe_impl) everywhere. per_shard: the
     runner of the Pallas attention / indexer kernels (None: called on the whole batch). forced_balance: route
-    by forced_balance_ids (benchmark mode)."""
+    by forced_balance_ids (benchmark mode). engram: [V4.1] the lookup of Engram tables split over the mesh
+    (cfg.engram_placement "sharded" / "host" on a mesh), None where each table is whole on every device."""
 
     mesh: Mesh | None = None
     experts: tuple[ExpertFn, ...] = ()
     per_shard: Callable[..., Any] | None = None
     forced_balance: bool = False
+    engram: RowLookup | None = None
 
     def check(self, cfg: ModelConfig) -> "Runtime":
         """Raise ValueError unless this runtime fits a model of `cfg`."""
         if self.experts and len(self.experts) != cfg.num_blocks:
             raise ValueError(f"the runtime has expert functions for {len(self.experts)} blocks, {cfg.name} has "
                              f"{cfg.num_blocks} (layers + draft stages): make it with make_runtime(cfg, ...)")
+        split = cfg.engram_layer_ids and cfg.engram_placement != "device" and self.mesh is not None
+        if split and (self.engram is None or self.engram.mesh != self.mesh):
+            raise ValueError(f"{cfg.name}: engram_placement={cfg.engram_placement!r} splits the Engram tables over the "
+                             "mesh: the runtime needs their lookup (make it with make_runtime(cfg, mesh))")
+        if not split and self.engram is not None:
+            raise ValueError(f"{cfg.name}: the runtime looks up split Engram tables, but engram_placement="
+                             f"{cfg.engram_placement!r}{' on one device' if self.mesh is None else ''} keeps them whole")
         for block, fn in enumerate(self.experts):
             if fn.impl != cfg.moe_impl:
                 raise ValueError(f"the runtime's experts of block {block} run {fn.impl!r}, {cfg.name} asks for "
                                  f"moe_impl={cfg.moe_impl!r}")
+            if fn.per_slot != cfg.batch_invariant:
+                raise ValueError(f"the runtime's experts of block {block} were made for batch_invariant="
+                                 f"{fn.per_slot}, {cfg.name} has batch_invariant={cfg.batch_invariant}: make it with "
+                                 "make_runtime(cfg, ...)")
         return self
 
-    def experts_for(self, block: int, impl: str) -> ExpertFn:
-        """The expert function block `block` runs (its MoE's `expert_fn`)."""
-        fn = self.experts[block] if self.experts else LocalExperts(impl)
+    def experts_for(self, block: int, impl: str, per_slot: bool = False) -> ExpertFn:
+        """The expert function block `block` runs (its MoE's `expert_fn`); per_slot: cfg.batch_invariant."""
+        fn = self.experts[block] if self.experts else LocalExperts(impl, per_slot)
         return ForcedBalance(fn) if self.forced_balance else fn
 
-    def experts_for_group(self, blocks: tuple[int, ...], impl: str) -> ExpertFn:
+    def experts_for_group(self, blocks: tuple[int, ...], impl: str, per_slot: bool = False) -> ExpertFn:
         """The one expert function the layers of a scanned group run (one traced body serves them all). Raises
         ValueError when this runtime gives them different ones (per-layer placements, load recording)."""
-        fns = {self.experts_for(b, impl) for b in blocks}
+        fns = {self.experts_for(b, impl, per_slot) for b in blocks}
         if len(fns) > 1:
             raise ValueError(f"layers {list(blocks)} run as one scanned group (ModelConfig.scan_layers), but this "
                              "runtime gives them different expert functions (per-layer placements or load "
@@ -92,9 +106,15 @@ def make_runtime(cfg: ModelConfig, mesh: Mesh | None = None, config: EPConfig | 
     every MoE layer counts its routed load (`sharding.recorded_load`); forced_balance: benchmark routing.
     On one device the experts run as LocalExperts(cfg.moe_impl), through an ExpertParallel without a mesh
     where a placement or a recorder asks for one. Raises ValueError for a layout the mesh cannot hold.
+    cfg.batch_invariant: each choice's expert output comes home on its own and is added in expert-id order, so
+    the mesh, the strategy and the placement do not change a token's numbers; tp must be 1 (tp shards would add
+    partial sums of the experts' inner products).
     """
     if mesh is None and config is not None:
         raise ValueError("an EPConfig says how experts run over a mesh; pass the mesh with it")
+    if cfg.batch_invariant and mesh is not None and int(mesh.shape["tp"]) > 1:
+        raise ValueError(f"batch_invariant needs tp=1 (got tp={int(mesh.shape['tp'])}): tp shards add partial sums "
+                         "of the experts' and projections' inner products, in an order the mesh decides")
     if mesh is None and placements is None and record is None:
         return Runtime(forced_balance=forced_balance)
     ep = 1 if mesh is None else int(mesh.shape["ep"])
@@ -114,6 +134,9 @@ def make_runtime(cfg: ModelConfig, mesh: Mesh | None = None, config: EPConfig | 
             raise ValueError(f"layer {block}: {n} routed experts are not divisible by ep={ep}")
         # the block index matters only to a load recorder: without one, layers of equal placement run one
         # expert function (a scanned group's layers share it)
-        experts.append(ExpertParallel(mesh, LocalExperts(cfg.moe_impl), config or EPConfig(), placement,
-                                      block if record is not None else -1, record))
-    return Runtime(mesh, tuple(experts), None if mesh is None else BatchParallel(mesh), forced_balance)
+        experts.append(ExpertParallel(mesh, LocalExperts(cfg.moe_impl, cfg.batch_invariant), config or EPConfig(),
+                                      placement, block if record is not None else -1, record))
+    engram = None
+    if mesh is not None and cfg.engram_layer_ids and cfg.engram_placement != "device":
+        engram = RowLookup(mesh, cfg.engram_exchange)
+    return Runtime(mesh, tuple(experts), None if mesh is None else BatchParallel(mesh), forced_balance, engram)

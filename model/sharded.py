@@ -14,7 +14,8 @@ and sharding's generic tools:
     allocate_cache(cfg, batch, max_len, dtype, mesh)   a cache born sharded
     local_expert_tensors / skipped_expert_names / place_loaded   `load_checkpoint(mesh=)`: each process
                                              reads only the routed experts its devices hold
-    memory_per_device(cfg, dp, ep, tp, ...)  bytes per device from abstract shapes (no devices)
+    memory_per_device(cfg, dp, ep, tp, ...)  bytes per device from abstract shapes (no devices); and as a line:
+                                             describe_memory_per_device
 
 A model on a mesh runs with that mesh's runtime (model/runtime.py: expert parallel MoE, the attention
 kernels once per batch shard); every function works with one process or many.
@@ -22,6 +23,7 @@ kernels once per batch shard); every function works with one process or many.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -31,16 +33,20 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sharding.apply import local_experts, place
+from sharding.row_lookup import HOST_MEMORY, in_host_memory
 from sharding.mesh import check_batch
 from sharding.rules import axes_by_name, key_name, logical_to_spec, path_name, tree_shardings
 
 from .cache import allocate, batch_axis, memory_estimate
 from .config import ModelConfig
+from .footprint import check_fits
 from .groups import layer_groups
 from .runtime import make_runtime
 from .transformer import Transformer, _fast_tracing, abstract_model, construction_plan, engram_hasher
 
 # ----------------------------------------------------------------------------- the tables
+
+ENGRAM_TABLE = r"(.*\.)?engram\.embed\.(weight|scale)"  # a table's rows and FP8 scales (of a model, or of a piece)
 
 # First match wins. Logical tuples shorter than the array's rank are padded with None. The UE8M0 block
 # scales of weights held FP8 (cfg.dense_weights="fp8", `<name>.scale` [ceil(out/B), ceil(in/B)]) follow
@@ -76,9 +82,9 @@ PARAM_RULES: list[tuple[str, tuple]] = [
     (r"(.*\.)?(norm|attn_norm|ffn_norm|q_norm|kv_norm|enorm|hnorm)\.weight", ("norm",)),
     (r"(.*\.)?hc_(attn|ffn|head)_(fn|base|scale)", ("hc",)),
     (r"mtp\.\d+\.(e_proj|h_proj)\.(weight|scale)", (None, "embed")),
-    # [V4.1] Engram: the tables stay replicated (the full-size row counts do not divide evenly by a
-    # mesh; host / sharded Engram placement is its own issue); DSpark heads replicated
-    (r".*\.engram\.embed\.weight", ("engram_rows", None)),
+    # [V4.1] Engram: the tables replicated (placement "device"; "sharded" / "host" split their rows over every device:
+    # param_rules); DSpark heads replicated
+    (ENGRAM_TABLE, ("engram_rows", None)),
     (r".*\.engram\.(wkv\.(weight|scale)|k_weight|q_weight)", (None, "embed")),
     (r"mtp\.\d+\.main_proj\.(weight|scale)", ("embed", None)),
     (r"mtp\.\d+\.main_norm\.weight", ("norm",)),
@@ -97,6 +103,20 @@ CACHE_RULES: list[tuple[str, tuple]] = [
 _WHERE = "model/sharded.py PARAM_RULES"
 
 
+def param_rules(cfg: ModelConfig | None = None) -> list[tuple[str, tuple]]:
+    """PARAM_RULES for a model of `cfg`: [V4.1] with engram_placement "sharded" or "host" the Engram tables' rows
+    split over every device ("engram_split": dp x ep x tp; the rows padded to a multiple of the devices on a mesh:
+    `pad_engram_tables`)."""
+    if cfg is not None and cfg.engram_layer_ids and cfg.engram_placement != "device":
+        return [(ENGRAM_TABLE, ("engram_split", None))] + PARAM_RULES
+    return PARAM_RULES
+
+
+def host_resident(cfg: ModelConfig | None, name: str) -> bool:
+    """True for the parameters `cfg` holds in host memory ([V4.1] the Engram tables with engram_placement="host")."""
+    return cfg is not None and cfg.engram_placement == "host" and re.fullmatch(ENGRAM_TABLE, name) is not None
+
+
 # ----------------------------------------------------------------------------- names
 
 _STACKED = re.compile(r"^layers\.(\d+)\.period\.(\d+)\.")
@@ -107,6 +127,7 @@ def path_to_official(path: tuple) -> str:
     the pattern `layers.{l}.…`)."""
     name = ".".join(str(p) for p in path)
     name = _STACKED.sub("layers.{l}.", name)
+    name = re.sub(r"(^|\.)engram\.embed\.host\.", r"\1engram.embed.", name)  # a host-resident table (HostTable)
     name = re.sub(r"(^|\.)(hc_(?:attn|ffn|head))\.(fn|base|scale)$", r"\1\2_\3", name)
     m = re.match(r"^(.*\.experts)\.([ws])([123])$", name)
     if m:  # stacked experts; FP4 scales s1..s3 are the official `w1.scale` ...
@@ -143,37 +164,85 @@ def _state_of(model_or_state) -> nnx.State:
 
 # ----------------------------------------------------------------------------- specs
 
-def param_axes(name: str, strict: bool = False) -> tuple:
-    """The logical axes of a parameter by its official-style name (a scanned group's: "layers" first)."""
-    logical = axes_by_name(PARAM_RULES, name, None if strict else DEFAULT_PARAM_AXES, "parameter", _WHERE)
+def _config_of(model_or_state, cfg: ModelConfig | None) -> ModelConfig | None:
+    return cfg if cfg is not None or isinstance(model_or_state, nnx.State) else model_or_state.config
+
+
+def param_axes(name: str, strict: bool = False, cfg: ModelConfig | None = None) -> tuple:
+    """The logical axes of a parameter by its official-style name (`cfg`: param_rules' choices for its model; a
+    scanned group's: "layers" first)."""
+    logical = axes_by_name(param_rules(cfg), name, None if strict else DEFAULT_PARAM_AXES, "parameter", _WHERE)
     return (("layers",) if name.startswith("layers.{l}.") else ()) + tuple(logical)
 
 
-def param_spec(name: str, shape: tuple, mesh: Mesh | None = None, strict: bool = False, rules=None) -> P:
-    """PartitionSpec of one parameter, by its official-style name."""
-    return logical_to_spec(param_axes(name, strict), mesh, shape=tuple(shape), name=name, rules=rules)
+def param_spec(name: str, shape: tuple, mesh: Mesh | None = None, strict: bool = False, rules=None,
+               cfg: ModelConfig | None = None) -> P:
+    """PartitionSpec of one parameter, by its official-style name (`cfg`: param_rules' choices for its model)."""
+    return logical_to_spec(param_axes(name, strict, cfg), mesh, shape=tuple(shape), name=name, rules=rules)
 
 
-def param_logical_axes(model_or_state, strict: bool = False) -> dict[str, tuple]:
+def param_sharding(name: str, shape: tuple, mesh: Mesh, cfg: ModelConfig | None = None, rules=None) -> NamedSharding:
+    """The NamedSharding of one parameter: param_spec's layout, in host memory where `cfg` keeps it there."""
+    return NamedSharding(mesh, param_spec(name, shape, mesh, rules=rules, cfg=cfg),
+                         memory_kind=HOST_MEMORY if host_resident(cfg, name) else None)
+
+
+def param_logical_axes(model_or_state, strict: bool = False, cfg: ModelConfig | None = None) -> dict[str, tuple]:
     """Official-style name -> logical axes (padded to the rank) of every array in the model's state."""
+    cfg = _config_of(model_or_state, cfg)
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(_state_of(model_or_state))[0]:
         name = _state_name(path)
-        logical = param_axes(name, strict)
+        logical = param_axes(name, strict, cfg)
         out[name] = logical + (None,) * (len(leaf.shape) - len(logical))
     return out
 
 
-def param_specs(model_or_state, mesh: Mesh | None = None, strict: bool = False, rules=None):
-    """The model's state (nnx.State) with a PartitionSpec in place of every array."""
+def param_specs(model_or_state, mesh: Mesh | None = None, strict: bool = False, rules=None,
+                cfg: ModelConfig | None = None):
+    """The model's state (nnx.State) with a PartitionSpec in place of every array (`cfg`: the model's, taken from
+    a Transformer; give it with a bare State of a model whose rules depend on it)."""
+    cfg = _config_of(model_or_state, cfg)
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: param_spec(_state_name(path), leaf.shape, mesh, strict, rules), _state_of(model_or_state))
+        lambda path, leaf: param_spec(_state_name(path), leaf.shape, mesh, strict, rules, cfg),
+        _state_of(model_or_state))
 
 
-def param_shardings(model_or_abstract, mesh: Mesh, strict: bool = False, rules=None):
-    """Model (concrete or `abstract_model`) or its nnx.State -> the same State with a NamedSharding
-    per array (usable as jit out_shardings or with jax.device_put)."""
-    return tree_shardings(param_specs(model_or_abstract, mesh, strict, rules), mesh)
+def param_shardings(model_or_abstract, mesh: Mesh, strict: bool = False, rules=None, cfg: ModelConfig | None = None):
+    """Model (concrete or `abstract_model`) or its nnx.State -> the same State with a NamedSharding per array
+    (usable as jit out_shardings or with jax.device_put); host-resident arrays get the host memory kind."""
+    cfg = _config_of(model_or_abstract, cfg)
+    specs = param_specs(model_or_abstract, mesh, strict, rules, cfg)
+    names = jax.tree_util.tree_map_with_path(lambda path, _: _state_name(path), _state_of(model_or_abstract))
+    return jax.tree.map(lambda spec, name: NamedSharding(mesh, spec, memory_kind=HOST_MEMORY if host_resident(
+        cfg, name) else None), specs, names, is_leaf=lambda x: isinstance(x, P))
+
+
+def _split_table(cfg: ModelConfig, name: str) -> bool:
+    return cfg.engram_placement != "device" and re.fullmatch(ENGRAM_TABLE, name) is not None
+
+
+def _pad_rows(x, devices: int):
+    """x [R, ...] with zero rows appended up to a multiple of `devices`: concrete arrays padded on the host (numpy),
+    tracers in the program (host-resident ones through the device), abstract shapes as shapes."""
+    extra = -x.shape[0] % devices
+    if not extra:
+        return x
+    widths = ((0, extra),) + ((0, 0),) * (len(x.shape) - 1)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((x.shape[0] + extra, *x.shape[1:]), x.dtype)
+    if not isinstance(x, jax.core.Tracer):
+        return np.pad(np.asarray(x), widths)
+    if in_host_memory(x):
+        return jax.device_put(jnp.pad(jax.device_put(x, jax.memory.Space.Device), widths), jax.memory.Space.Host)
+    return jnp.pad(x, widths)
+
+
+def pad_engram_tables(state: nnx.State, cfg: ModelConfig, devices: int) -> nnx.State:
+    """[V4.1] The state with each split Engram table (engram_placement "sharded" / "host") padded with zero rows to
+    a multiple of `devices`, so that every device holds as many rows; whole tables are left as they are."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: _pad_rows(x, devices) if _split_table(cfg, _state_name(path)) else x, state)
 
 
 def cache_specs(cache, mesh: Mesh | None = None, rules=None):
@@ -197,13 +266,15 @@ def cache_shardings(cache, mesh: Mesh, rules=None):
 
 def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh: Mesh | None = None,
                 token_map: np.ndarray | None = None) -> Transformer:
-    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...).
+    """A model with random weights (norm weights 1 + 0.1 N, matrices N / sqrt(fan_in), ...). Without a mesh, a
+    model that cannot fit the device raises MemoryError before anything is built (`footprint.check_fits`).
 
     With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by the tables and
     the model runs with the mesh's runtime (`init_sharded`); the values equal those of one device.
     """
     if mesh is not None:
         return init_sharded(cfg, mesh, seed, dtype, token_map=token_map)
+    check_fits(cfg, dtype)
     return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
 
 
@@ -217,8 +288,10 @@ def init_sharded(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype="float32",
     alone and written into its place in the group's stacks (born sharded, updated in place). The RNG state is
     threaded from piece to piece, so the values equal `init_random(cfg, seed, dtype)` on one device."""
     runtime = make_runtime(cfg, mesh)
+    devices = int(mesh.devices.size)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, token_map=token_map, runtime=runtime))
-    shardings = param_shardings(state, mesh)
+    state = pad_engram_tables(state, cfg, devices)
+    shardings = param_shardings(state, mesh, cfg=cfg)
     hasher = engram_hasher(cfg, token_map, placeholder_map=True)
     rng_state = nnx.state(nnx.Rngs(params=seed))
     replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), rng_state)
@@ -234,7 +307,7 @@ def init_sharded(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype="float32",
                 for k in where:
                     parent, layout = parent[k], layout[k]
                 one = jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), layout)   # axis 0: never split
-                value, rng_state = _piece_program(programs, piece, one, replicated, seed)(rng_state)
+                value, rng_state = _piece_program(programs, piece, one, replicated, seed, cfg, devices)(rng_state)
                 if where not in stacks:
                     stacks[where] = jax.jit(lambda a=parent: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), a),
                                             out_shardings=layout)()
@@ -243,7 +316,8 @@ def init_sharded(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype="float32",
             # where the piece's state goes (and its layout): the top level, or one entry of a layer list
             parent, layout = (state, shardings) if piece.index is None else (state[piece.name], shardings[piece.name])
             key = piece.name if piece.index is None else (str(piece.index) if piece.name == "layers" else piece.index)
-            value, rng_state = _piece_program(programs, piece, layout.get(key), replicated, seed)(rng_state)
+            build = _piece_program(programs, piece, layout.get(key), replicated, seed, cfg, devices)
+            value, rng_state = build(rng_state)
             if value is not None:
                 parent[key] = value
     for (start, _, position), value in stacks.items():
@@ -251,15 +325,17 @@ def init_sharded(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype="float32",
     return nnx.merge(graphdef, state)
 
 
-def _piece_program(programs: dict, piece, layout, replicated, seed: int):
+def _piece_program(programs: dict, piece, layout, replicated, seed: int, cfg: ModelConfig, devices: int):
     """The compiled build of a piece (shared by pieces of equal keys: same shapes and layout): rng state ->
-    (the piece's state laid out by `layout`, the advanced rng state)."""
+    (the piece's state laid out by `layout`, split Engram tables padded to a multiple of `devices`, the advanced
+    rng state)."""
     if piece.key not in programs:
         def build(rng_state, piece=piece):
             rngs = nnx.Rngs(params=seed)
             nnx.update(rngs, rng_state)
             module = piece.build(rngs)
-            return (None if module is None else nnx.state(module)), nnx.state(rngs)
+            out = None if module is None else pad_engram_tables(nnx.state(module), cfg, devices)
+            return out, nnx.state(rngs)
         programs[piece.key] = jax.jit(build, out_shardings=(layout, replicated))
     return programs[piece.key]
 
@@ -279,7 +355,8 @@ def shard_model(model: Transformer, mesh: Mesh, config=None, placements=None) ->
     not copied), running with the mesh's runtime: `make_runtime(cfg, mesh, config, placements)`."""
     runtime = make_runtime(model.config, mesh, config, placements)
     graphdef, state = nnx.split(model)
-    state = jax.tree.map(place, state, param_shardings(state, mesh))
+    state = pad_engram_tables(state, model.config, int(mesh.devices.size))
+    state = jax.tree.map(place, state, param_shardings(state, mesh, cfg=model.config))
     return nnx.merge(graphdef, state).with_runtime(runtime)
 
 
@@ -332,32 +409,46 @@ def skipped_expert_names(names, cfg: ModelConfig, mesh: Mesh) -> set[str]:
     return skipped
 
 
-def place_loaded(graphdef, flat, buffers, mesh: Mesh) -> Transformer:
-    """build_from_tensors' host buffers -> a model with global arrays laid out by the table (each device gets
-    only its slice); `graphdef` carries the runtime (an abstract model made with the mesh's)."""
+def place_loaded(graphdef, flat, buffers, mesh: Mesh, cfg: ModelConfig) -> Transformer:
+    """build_from_tensors' host buffers -> a model of `cfg` with global arrays laid out by the table (each device
+    gets only its slice; split Engram tables padded first); `graphdef` carries the runtime (an abstract model made
+    with the mesh's)."""
     leaves = []
+    devices = int(mesh.devices.size)
     for (path, var), buf in zip(flat, buffers):
-        sharding = NamedSharding(mesh, param_spec(path_to_official(path), var.shape, mesh))
-        arr = jax.make_array_from_callback(tuple(var.shape), sharding, lambda idx, b=buf: b[idx])
+        name = path_to_official(path)
+        if _split_table(cfg, name):
+            buf = _pad_rows(buf, devices)
+        sharding = param_sharding(name, buf.shape, mesh, cfg)
+        arr = jax.make_array_from_callback(tuple(buf.shape), sharding, lambda idx, b=buf: b[idx])
         leaves.append((path, var.replace(arr)))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
 # ----------------------------------------------------------------------------- memory
 
+@functools.lru_cache(maxsize=4)
+def _abstract_state(cfg: ModelConfig, dtype) -> nnx.State:
+    """The abstract model's state (shapes only; v41-flash: ~10 s to trace), kept for the meshes a table compares."""
+    return nnx.state(abstract_model(cfg, dtype))
+
+
 def memory_per_device(cfg: ModelConfig, dp: int = 1, ep: int = 1, tp: int = 1, seqs_per_device: int = 1,
                       max_len: int = 131072, dtype="bfloat16") -> dict:
     """Bytes per device of parameters and caches from abstract shapes (no devices needed) under the
-    table's layout. `params` holds weights as this model keeps them (`dtype`, or as shipped where the config
-    says: FP8 + block scales with cfg.dense_weights="fp8", FP4 + scales with cfg.expert_weights="fp4");
+    table's layout. `params` holds the weights in device memory as this model keeps them (`dtype`, or as shipped
+    where the config says: FP8 + block scales with cfg.dense_weights="fp8", FP4 + scales with
+    cfg.expert_weights="fp4", FP8 rows + scales with cfg.engram_tables="fp8");
     `params_fp4_experts` counts routed experts as released (FP4 + one UE8M0 scale per 32 values; an FP4 model
     holds the scales as bf16, one byte more per 32 values);
-    `engram` is the part of `params` in replicated Engram tables (V4.1, device placement);
+    [V4.1] `engram` is the part of `params` in Engram tables (a whole copy with engram_placement="device", a 1 /
+    (dp ep tp) share with "sharded", none with "host"), `engram_host` the host memory each device's share of the
+    tables takes with "host" (a host of k devices holds k of them: one copy of the tables in all);
     `cache` is `seqs_per_device` sequences of `max_len` positions (each sequence lives on one device)."""
     shape = {"dp": dp, "ep": ep, "tp": tp}
-    state = nnx.state(abstract_model(cfg, dtype))
-    specs = param_specs(state)
-    out = {"params": 0, "params_fp4_experts": 0, "engram": 0}
+    state = pad_engram_tables(_abstract_state(cfg, dtype), cfg, dp * ep * tp)
+    specs = param_specs(state, cfg=cfg)
+    out = {"params": 0, "params_fp4_experts": 0, "engram": 0, "engram_host": 0}
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(state)[0], flat_specs):
         n = 1
@@ -367,6 +458,9 @@ def memory_per_device(cfg: ModelConfig, dp: int = 1, ep: int = 1, tp: int = 1, s
         count = int(np.prod(leaf.shape)) // n
         size = count * np.dtype(leaf.dtype).itemsize
         name = _state_name(path)
+        if host_resident(cfg, name):
+            out["engram_host"] += size
+            continue
         out["params"] += size
         if ".experts." in name and name.endswith(".scale"):   # FP4 models' scales: one UE8M0 byte as released
             out["params_fp4_experts"] += count                 # (held as bf16, fp4_kernel_scales)
@@ -374,7 +468,19 @@ def memory_per_device(cfg: ModelConfig, dp: int = 1, ep: int = 1, tp: int = 1, s
             out["params_fp4_experts"] += count * (0.5 + 1 / 32)
         else:
             out["params_fp4_experts"] += size
-        if ".engram." in name:
+        if re.fullmatch(ENGRAM_TABLE, name):
             out["engram"] += size
     out["cache"] = seqs_per_device * memory_estimate(cfg, max_len)["bytes_per_sequence_at_max_len"]
     return out
+
+
+def describe_memory_per_device(cfg: ModelConfig, dp: int = 1, ep: int = 1, tp: int = 1, seqs_per_device: int = 1,
+                               max_len: int = 131072, dtype="bfloat16") -> str:
+    """`memory_per_device` as one line: device memory (weights, of which Engram tables, and cache) and, with host
+    tables, the host memory per device."""
+    m = memory_per_device(cfg, dp, ep, tp, seqs_per_device, max_len, dtype)
+    gib = 1024 ** 3
+    line = (f"{cfg.name} on dp={dp} ep={ep} tp={tp}, Engram {cfg.engram_placement} ({cfg.engram_tables}): "
+            f"{(m['params'] + m['cache']) / gib:.2f} GiB per device = weights {m['params'] / gib:.2f} "
+            f"(Engram tables {m['engram'] / gib:.2f}) + cache {m['cache'] / gib:.2f} ({seqs_per_device} x {max_len})")
+    return line + (f"; host memory {m['engram_host'] / gib:.2f} GiB per device" if m["engram_host"] else "")

@@ -1,4 +1,4 @@
-"""Block and Transformer (MODEL_SPEC 2.1, 2.2, 2.9-2.12).
+"""Block and Transformer (docs/model.md §1.1, §2, §10, §11, §12.1, §12.2).
 
 tokens -> ([V4.1] Engram hash ids) -> embed -> n residual streams -> per block:
   ([V4.1] Engram) mHC(attn) collapse -> attn_norm -> Attention -> expand;
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from typing import Callable
 
 import jax
@@ -24,7 +25,7 @@ from . import quant_io
 from .attention import Attention, Shared
 from .cache import Cache, LayerCache, Step, allocate, allocate_layer, ring_gather, ring_write
 from .config import LayerSpec, ModelConfig
-from .engram import Engram, EngramHasher
+from .engram import Engram, EngramHasher, engram_rows
 from .groups import layer_groups, replay_cut, shared_roles, weights_key
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
@@ -43,6 +44,15 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+def _warn_if_interpreted(cfg: ModelConfig) -> None:
+    """Kernel paths off a GPU run in Pallas interpret mode: say so (once per trace) rather than run slowly."""
+    backend = jax.default_backend()
+    if backend != "gpu" and (cfg.attention_impl != "reference" or cfg.moe_impl != "reference"):
+        warnings.warn(f"{cfg.name}: attention_impl={cfg.attention_impl!r}, moe_impl={cfg.moe_impl!r} on the {backend} "
+                      "backend run the Pallas kernels in interpret mode (a correctness path, orders of magnitude "
+                      "slower than 'reference')", stacklevel=3)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs, dtype,
                  hasher: EngramHasher | None = None):
@@ -53,15 +63,18 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, spec, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, spec, rngs=rngs, dtype=dtype)
         self.engram = (Engram.from_hasher(hasher, spec.index, cfg.hidden_size, cfg.hc_mult, cfg.engram_head_dim,
-                                          cfg.rms_norm_eps, rngs=rngs, dtype=dtype, placement=cfg.engram_placement)
+                                          cfg.rms_norm_eps, rngs=rngs, dtype=dtype, placement=cfg.engram_placement,
+                                          tables=cfg.engram_tables)
                        if spec.engram else None)
         self.spec = spec
         self.single_pass = cfg.generation == "v41"
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        self.batch_invariant = cfg.batch_invariant
 
     def _coefficients(self, hc: HyperConnection, x: jax.Array):
         return hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, norm_eps=self.norm_eps,
-                               hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
+                               hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
+                               batch_invariant=self.batch_invariant)
 
     def sublayers(self, x: jax.Array, pre_prev: jax.Array | None, attend, tokens: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
@@ -69,20 +82,21 @@ class Block(nnx.Module):
 
         x [B, S, n, D]; `pre_prev` [B, S, n] is the previous sublayer's pre vector (V4.1 single-pass
         mHC collapses with it). -> (x, this block's FFN pre vector)."""
+        bi = self.batch_invariant
         with jax.named_scope("mhc"):
             pre, post, comb = self._coefficients(self.hc_attn, x)
-            h = collapse(x, pre_prev if self.single_pass else pre)
+            h = collapse(x, pre_prev if self.single_pass else pre, bi)
         with jax.named_scope("attention"):
             a = attend(self.attn_norm(h))
         with jax.named_scope("mhc"):
-            x = expand(x, a, post, comb)
+            x = expand(x, a, post, comb, bi)
             pre_attn = pre
             pre, post, comb = self._coefficients(self.hc_ffn, x)
-            h = collapse(x, pre_attn if self.single_pass else pre)
+            h = collapse(x, pre_attn if self.single_pass else pre, bi)
         with jax.named_scope("moe"):
             f = self.ffn(self.ffn_norm(h), tokens)
         with jax.named_scope("mhc"):
-            return expand(x, f, post, comb), pre
+            return expand(x, f, post, comb, bi), pre
 
     def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache, shared: Shared,
                  pre_prev: jax.Array | None) -> tuple[jax.Array, LayerCache, Shared, jax.Array]:
@@ -119,7 +133,7 @@ class MTPBlock(Block):
         x = self.h_proj(self.hnorm(residual)) + e[:, :, None, :]
         x, cache, _, _ = super().__call__(x.astype(residual.dtype), step, next_tokens, cache, Shared(), None)
         y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], x,
-                             norm_eps=self.norm_eps, hc_eps=self.hc_eps)
+                             norm_eps=self.norm_eps, hc_eps=self.hc_eps, batch_invariant=self.batch_invariant)
         return self.norm(y), x, cache
 
 
@@ -159,7 +173,8 @@ class Piece:
     description it is built from (`key`: pieces with equal keys build equal shapes, e.g. layers of one
     spec) and `make(rngs)`. `build` also holds the release's FP8 matrices as FP8 when the config asks
     (`fp8_block`), multiplies them from their bytes where they are whole scale blocks (`fp8_kernel`,
-    cfg.dense_impl="pallas"), and gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`)."""
+    cfg.dense_impl="pallas"), gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`) and
+    runs every Linear and RMSNorm on fixed blocks of rows under cfg.batch_invariant (`batch_invariant`)."""
 
     name: str
     index: int | None
@@ -168,6 +183,7 @@ class Piece:
     fp8_block: int | None
     act_block: int = 0
     fp8_kernel: bool = False
+    batch_invariant: bool = False
 
     @property
     def path(self) -> str:
@@ -175,6 +191,10 @@ class Piece:
 
     def build(self, rngs: nnx.Rngs) -> nnx.Module | None:
         module = self.make(rngs)
+        if module is not None and self.batch_invariant:
+            for _, sub in nnx.iter_modules(module):
+                if isinstance(sub, (Linear, RMSNorm, Engram)):
+                    sub.batch_invariant = True
         if module is not None and (self.fp8_block or self.act_block):
             for path, sub in nnx.iter_modules(module):
                 name = ".".join(map(str, (self.path, *path, "weight")))
@@ -194,7 +214,8 @@ def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> l
     compiled program per distinct piece) gives the same weights as building the model at once."""
     dtype = resolve_dtype(dtype)
     piece = functools.partial(Piece, fp8_block=cfg.fp8_block if cfg.dense_weights == "fp8" else None,
-                              act_block=cfg.act_quant_block, fp8_kernel=cfg.dense_impl == "pallas")
+                              act_block=cfg.act_quant_block, fp8_kernel=cfg.dense_impl == "pallas",
+                              batch_invariant=cfg.batch_invariant)
     d, spec = cfg.hidden_size, cfg.layer_spec
     plan = [piece("embed", None, ("embed",), lambda r: Embedding(cfg.vocab_size, d, rngs=r, dtype=dtype))]
     plan += [piece("layers", i, ("layers", weights_key(spec(i))),
@@ -277,13 +298,14 @@ class Transformer(nnx.Module):
         """Hand the runtime's parts to this model's own layers (at construction, or on a fresh copy)."""
         cfg = self.config
         self.runtime = runtime.check(cfg)
-        bound = [(block, runtime.experts_for(block.spec.index, cfg.moe_impl)) for block in self.mtp]
+        impl, per_slot = cfg.moe_impl, cfg.batch_invariant
+        bound = [(block, runtime.experts_for(block.spec.index, impl, per_slot)) for block in self.mtp]
         for group, member in self.layers.members():
             if not group.stacked:
-                bound.append((member, runtime.experts_for(group.start, cfg.moe_impl)))
+                bound.append((member, runtime.experts_for(group.start, impl, per_slot)))
                 continue
             for p, block in enumerate(member.period):
-                bound.append((block, runtime.experts_for_group(group.layer_ids(p), cfg.moe_impl)))
+                bound.append((block, runtime.experts_for_group(group.layer_ids(p), impl, per_slot)))
         for block, experts in bound:
             block.attn.per_shard = runtime.per_shard
             block.ffn.expert_fn = experts
@@ -307,10 +329,10 @@ class Transformer(nnx.Module):
         """Residual streams [.., n, D] (+ the last FFN pre vector [.., n]) -> normed hidden [.., D]."""
         cfg = self.config
         if self.hc_head is None:
-            y = collapse(residual, pre)
+            y = collapse(residual, pre, cfg.batch_invariant)
         else:
             y = hc_head_collapse(self.hc_head.fn[...], self.hc_head.base[...], self.hc_head.scale[...], residual,
-                                 norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+                                 norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, batch_invariant=cfg.batch_invariant)
         return self.norm(y)
 
     def engram_ids(self, tokens: jax.Array, step: Step, cache: Cache) -> tuple[jax.Array, Cache]:
@@ -338,17 +360,20 @@ class Transformer(nnx.Module):
         valid). Unused extras cost nothing under jit.
         Rows i >= n_new[b] are padding: computed, never written to the cache, outputs meaningless.
 
-        [V4.1] replay_tail (decoder-side bounded replay, MODEL_SPEC 3.4): layers after the last KV source
+        [V4.1] replay_tail (decoder-side bounded replay, docs/model.md §15): layers after the last KV source
         run only on each sequence's last min(tail, n_new) rows, whose window is floored at the first kept
         position when rows were dropped; the returned rows (logits, extras) are those kept rows.
         floor [B] / write_global: see `Step` (encoder-side replay).
         """
         cfg = self.config
+        _warn_if_interpreted(cfg)
         step = Step.make(cache.lengths, n_new, tokens.shape[1], floor, write_global)
-        ids = None
+        ids = rows = None
         if self.hasher is not None:
             with jax.named_scope("engram"):
                 ids, cache = self.engram_ids(tokens, step, cache)
+                rows = engram_rows([self.layers[i].engram.embed for i in self.hasher.layer_ids], ids,
+                                   self.runtime.engram)
         with jax.named_scope("embed"):
             x = self.embed_streams(tokens)
         pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)  # one-hot: streams start equal
@@ -373,14 +398,15 @@ class Transformer(nnx.Module):
                 i, block = group.start, member
                 if block.engram is not None:
                     with jax.named_scope("engram"):
-                        x = block.engram(x, ids[:, :, self.hasher.layer_index(i)])
+                        j = self.hasher.layer_index(i)
+                        x = block.engram(x, ids[:, :, j], rows=rows[j])
                 if i in cfg.dspark_target_layer_ids:
                     taps[i] = stream_mean(x)
                 x, layer_cache, shared, pre = block(x, step, tokens, layer_cache, shared, pre)
                 if block.spec.indexer:
                     topk[i] = shared.topk
             layers.append(layer_cache)
-        cache = cache.replace(lengths=step.end, layers=tuple(layers))
+        cache = cache.advanced(step.end, tuple(layers))
         extras = {"residual": x, "pre": pre, "topk": dict(sorted(topk.items())), "row_start": step.start,
                   "rows": step.n_new}
         if shared.candidates is not None:

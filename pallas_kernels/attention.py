@@ -1,4 +1,4 @@
-"""Sparse + window MQA at head dim 512 with a per-head sink (MODEL_SPEC 2.4-2.5), Pallas (Triton lowering).
+"""Sparse + window MQA at head dim 512 with a per-head sink (docs/model.md §4-§8), Pallas (Triton lowering).
 (`attention_mgpu` holds a Mosaic GPU kernel for the same contract at 64 heads x 512: `impl="mgpu"`;
 `impl="pallas"` takes it where it measured faster, `impl="triton"` always this module's kernel.)
 

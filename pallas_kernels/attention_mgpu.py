@@ -1,6 +1,6 @@
 """Window + compressed sparse MQA at 64 heads x 512 with a per-head sink, Mosaic GPU (Hopper).
 
-Same contract as `pallas_kernels.attention.sparse_attention` (MODEL_SPEC 2.4-2.5; shapes there), for the
+Same contract as `pallas_kernels.attention.sparse_attention` (docs/model.md §4, §5, §6, §8; shapes there), for the
 V4 widths only: 64 query heads sharing one 512-wide bf16 key/value vector per key.
 
 1. `key_list` (XLA) turns each query row's candidate keys -- its ring slots, the own rows in its window band,

@@ -1,4 +1,4 @@
-"""The quantised number formats the kernels decode, in numpy (MODEL_SPEC 3.7); no jax, no torch.
+"""The quantised number formats the kernels decode, in numpy (docs/model.md §14); no jax, no torch.
 
 * UE8M0 scales: float8_e8m0fnu (or its uint8 exponent byte b), value 2^(b-127); byte 255 is NaN.
 * FP8 blocks: E4M3FN (max 448) weights with one UE8M0 scale per B x B block (B = 128 V4, 32 V4.1), the scale

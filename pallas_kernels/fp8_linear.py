@@ -5,12 +5,13 @@ A dense linear is the MoE block's down GEMM with one expert, and a grouped one (
 projection: G groups, each its own [N, K] weight over its own inputs) with G experts; so both run on the MoE
 package's single-weight grouped GEMMs over a plan whose tiles are the groups' rows in order (no routing, no
 gather):
-  act_block == 0 -- activations as given (bf16; float32 in the parity mode); Triton dequantises each FP8 tile in registers by its block scale on the
-                    partial product (decode / verify: one pass over the weights per tile of rows).
-  act_block == B -- the official FP8 GEMM: activations act_quant'd per B values (reference.act_quant), FP8 x FP8
-                    MMA with both scales on each block's float32 partial; on Triton at decode loads, on the
-                    Mosaic GPU row tiles (per-block promotion into register-carried totals) at prefill loads.
-Tilings and backends are the MoE tuning table's (moe/tuning.py) at rows per group = M.
+  act_block == 0 -- activations as given (bf16; float32 in the parity mode); Triton dequantises each FP8 tile in
+                    registers by its block scale on the partial product (one pass over the weights per tile of rows).
+  act_block == B -- the official FP8 GEMM: activations act_quant'd per B values (reference.act_quant); FP8 x FP8
+                    MMA with both scales on each block's float32 partial up to TRITON_FP8_MMA_MAX_ROWS rows, the
+                    act_quant-rounded values on the bf16 path above it (the same products). backend="mgpu" runs
+                    the Mosaic GPU row tiles (per-block promotion into register-carried totals) on request only.
+Tilings are the MoE tuning table's (moe/tuning.py) at rows per group = M.
 
 The reference (`fp8_linear_reference`) dequantises the weight and multiplies in float32: the kernels match it to
 float32 summation order (act_block == 0), or match it on act_quant-rounded inputs (act_block == B).
@@ -27,7 +28,7 @@ from .moe import triton_gemm
 from .moe.configs import MgpuConfig, TritonConfig
 from .moe.layouts import as_e8m0_bytes
 from .moe.mgpu_rows import row_gemm
-from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, choose_backend, default_config
+from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
 
 
 def fp8_linear_reference(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int = 0) -> jax.Array:
@@ -68,9 +69,9 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     if act_block not in (0, block):
         raise ValueError(f"fp8_linear: act_block must be 0 or the weights' scale block {block}, got {act_block}")
     if backend == "auto":
-        backend = choose_backend("fp8", jnp.bfloat16, m, fp8_acts=act_block > 0)
-        if backend == "mgpu" and not act_block:
-            backend = "triton"   # bf16 activations on FP8 weights: the swap tiles are the MoE's, not wired here
+        # Triton at every load: the Mosaic GPU row tiles, compiled on an H200 at the projections' shapes (N up to
+        # 32768, K 1024 / 4096), missed the reference at 4096 rows and overran shared memory at prefill.
+        backend = "triton"
     if backend not in ("triton", "mgpu"):
         raise ValueError(f"fp8_linear: backend must be 'auto', 'triton' or 'mgpu', got {backend!r}")
     if backend == "mgpu" and not act_block:

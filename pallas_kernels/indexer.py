@@ -1,4 +1,4 @@
-"""Lightning-indexer scoring fused with the first stage of top-k, Pallas (Triton lowering) (MODEL_SPEC 2.5).
+"""Lightning-indexer scoring fused with the first stage of top-k, Pallas (Triton lowering) (docs/model.md §8).
 
 score[b, t, j] = sum_h w[b, t, h] * ReLU(q[b, t, h] . k[b, j])  for visible j < (p_t + 1) // ratio,
 -inf otherwise; then the k best entries per row (ties -> lower index in the reference).
@@ -262,7 +262,7 @@ def indexer_topk(q, weights, keys, positions, *, ratio: int, k: int, key_scale=N
 @functools.partial(jax.jit, static_argnames=("ratio", "k", "publish_groups", "group", "interpret"))
 def indexer_select(q, weights, keys, positions, *, ratio: int, k: int, candidates=None, publish_groups: int = 0,
                    group: int = GROUP, key_scale=None, interpret: bool | None = None):
-    """A layer's indexer step on the fused kernel, V4.1's candidate layers included (V41_NOTES, Indexer).
+    """A layer's indexer step on the fused kernel, V4.1's candidate layers included (docs/model.md §7.2-7.4).
     Shapes as `indexer_topk`; without candidates or publish_groups it is `indexer_topk` at default tiling.
     [V4.1] group = the candidate block size (the kernel's group maxima are the block scores);
     publish_groups > 0 (the candidate source): its own top-k is unrestricted, and it returns the candidate

@@ -62,7 +62,7 @@ def topk_indices(scores: jax.Array, k: int) -> jax.Array:
 
 
 def top_candidate_groups(group_max: jax.Array, reachable: jax.Array, topk_groups: int, group: int) -> jax.Array:
-    """[V4.1] level-1 candidate selection on group scores (V41_NOTES, Indexer): group_max [B, T, G] (the maximum
+    """[V4.1] level-1 candidate selection on group scores (docs/model.md §7.2-7.4): group_max [B, T, G] (the maximum
     score of each group of `group` consecutive entries, -inf where none is reachable), reachable [B, T] entry
     counts -> keep [B, T, G] bool: the `topk_groups` best groups with a finite score, the group holding the
     newest reachable entry forced in."""
@@ -99,7 +99,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     x [M, D], expert_ids [M, k] int, weights [M, k] float32, w1/w3 [E, I, D], w2 [E, D, I].
     Rows are sorted by expert and run through `jax.lax.ragged_dot` (experts with no rows cost nothing).
     act_block > 0: both GEMMs' inputs (x and the weighted SwiGLU output) pass through `fp8_fake_quant` with that
-    block first, as the official model's FP8 / FP4 linears do (MODEL_SPEC 3.7).
+    block first, as the official model's FP8 / FP4 linears do (docs/model.md §14).
     Returns [M, D] float32 = sum_k w_k * W2_e (swiglu(W1_e x, W3_e x)).
     """
     m, k = expert_ids.shape
@@ -120,7 +120,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
 
 
 # ------------------------------------------------------------------ quantised expert weights
-# Layouts match pallas_kernels/formats.py (MODEL_SPEC 3.7), stacked over experts (FP8 also unstacked, dense weights):
+# Layouts match pallas_kernels/formats.py (docs/model.md §14), stacked over experts (FP8 also unstacked: dense weights):
 #   FP8: w float8_e4m3fn [(E,) out, in], scale [(E,) ceil(out/B), ceil(in/B)] (UE8M0: float8_e8m0fnu or the
 #        uint8 exponent byte b, value 2^(b-127)); W[e,i,j] = w[e,i,j] * s[e, i//B, j//B].
 #   FP4: w int8/uint8 [E, out, in/2] (E2M1 codes, low nibble = even column), scale [E, out, in/32] UE8M0;
@@ -193,7 +193,7 @@ def quantize_fp8_blocks(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]
 
 
 def act_quant(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """The official model's activation quantisation (MODEL_SPEC 3.7 act_quant): per `block` values of the last
+    """The official model's activation quantisation (docs/model.md §14 act_quant): per `block` values of the last
     axis, scale = 2^ceil(log2(max(amax, 1e-4) / 448)) and q = e4m3(clip(x / scale)) (round to nearest even).
     x [..., n] -> (q float8_e4m3fn [..., n], scale float32 [..., n / block])."""
     if x.shape[-1] % block:
@@ -302,7 +302,7 @@ def moe_experts_quantized(x: jax.Array, expert_ids: jax.Array, weights: jax.Arra
 
 def window_key_mask(q_pos: jax.Array, k_pos: jax.Array, window: int, floor: jax.Array | None) -> jax.Array:
     """[B, S] query positions x key positions (-1 = no key), [B, N] shared by a sequence's rows or [B, S, N] per
-    row -> [B, S, N] bool: max(floor, q - W + 1) <= k <= q (MODEL_SPEC 2.4; floor = bounded-replay start, 0 when
+    row -> [B, S, N] bool: max(floor, q - W + 1) <= k <= q (docs/model.md §4; floor = bounded-replay start, 0 when
     None)."""
     k_pos = k_pos if k_pos.ndim == 3 else k_pos[:, None, :]
     delta = q_pos[:, :, None] - k_pos

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import numbers
 import time
 import warnings
 from typing import Any, Sequence
@@ -20,16 +22,19 @@ import numpy as np
 from flax import nnx
 
 from model.cache import Cache, allocate
+from model.config import ModelConfig
 from model.draft import allocate_draft
 from model.sharded import allocate_cache, on_mesh, shard_model
 from model.transformer import Transformer
 from sharding.apply import shard_batch, to_host as global_to_host
 from sharding.mesh import check_batch, describe as describe_mesh
 
-from .sampler import sample
-from .replay import prefill_with_store
 from . import speculative as spec
+from .replay import PrefixStore, prefill_with_store
+from .sampler import check_sampling, fold_in, is_real, sample, sequence_keys
 from .speculative import SpecParams, check_spec, default_cost, run_loop, summarize
+
+DEFAULT_NUM_DRAFT = 3
 
 
 @dataclasses.dataclass
@@ -41,10 +46,22 @@ class GenerateOutput:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    """temperature / top_k / top_p: pytree leaves, traced under jit (new values do not recompile);
+    replay_tail: static (it shapes the program)."""
+
+    temperature: Any = 0.0
+    top_k: Any = 0
+    top_p: Any = 1.0
     replay_tail: int | None = None  # [V4.1] decoder-side bounded replay in prefill (None = exact)
+
+
+jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p"],
+                                 meta_fields=["replay_tail"])
+
+
+def _knobs(temperature, top_k, top_p) -> tuple:
+    """The sampling knobs as fixed-dtype scalars: a Python int and a float temperature must not trace twice."""
+    return np.float32(temperature), np.int32(top_k), np.float32(top_p)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -56,7 +73,11 @@ def prepare_prompts(prompts, lengths=None) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(prompts, (list, tuple)) and prompts and not np.isscalar(prompts[0]):
         if lengths is not None:
             raise ValueError("pass lengths only with a padded [batch, seq] array of prompts")
-        seqs = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+        seqs = [np.asarray(p).reshape(-1) for p in prompts]
+        for i, s in enumerate(seqs):
+            if s.size and (not np.issubdtype(s.dtype, np.integer) or s.dtype == np.bool_):
+                raise ValueError(f"prompt {i}: token ids must be integers, got {s.dtype}")
+        seqs = [s.astype(np.int64) for s in seqs]
         lens = np.array([len(s) for s in seqs], np.int32)
         arr = np.zeros((len(seqs), max(1, int(lens.max()))), np.int64)
         for i, s in enumerate(seqs):
@@ -65,6 +86,8 @@ def prepare_prompts(prompts, lengths=None) -> tuple[np.ndarray, np.ndarray]:
         arr = np.asarray(prompts)
         if arr.ndim != 2:
             raise ValueError(f"prompts must be a list of sequences or a [batch, seq] array, got shape {arr.shape}")
+        if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+            raise ValueError(f"prompts: token ids must be integers, got {arr.dtype}")
         if lengths is None:
             lens = np.full((arr.shape[0],), arr.shape[1], np.int32)
         else:
@@ -84,7 +107,7 @@ def prepare_prompts(prompts, lengths=None) -> tuple[np.ndarray, np.ndarray]:
 
 def _prefill_phase(model: Transformer, cache: Cache, tokens, lengths, key, params: SamplingParams):
     logits, cache, _ = model.step(tokens, cache, lengths, last_only=True, replay_tail=params.replay_tail)
-    first = sample(logits[:, 0], jax.random.fold_in(key, 0), params.temperature, params.top_k, params.top_p)
+    first = sample(logits[:, 0], fold_in(key, 0), params.temperature, params.top_k, params.top_p)
     return first, cache
 
 
@@ -102,7 +125,7 @@ def _decode_phase(model: Transformer, cache: Cache, first, key, stop_tokens, par
     def body(state):
         i, cache, last, done, out, n_gen = state
         logits, cache, _ = model.step(last[:, None], cache, jnp.ones((b,), jnp.int32))
-        tok = sample(logits[:, 0], jax.random.fold_in(key, i), params.temperature, params.top_k, params.top_p)
+        tok = sample(logits[:, 0], fold_in(key, i), params.temperature, params.top_k, params.top_p)
         tok = jnp.where(done, -1, tok)
         out = out.at[:, i].set(tok)
         n_gen = n_gen + (~done).astype(jnp.int32)
@@ -120,7 +143,7 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 _TRACES = {"fused": 0, "prefill": 0, "decode": 0, "speculative": 0}  # trace counters (tests check the loop never retraces)
 
 
-@nnx.jit(static_argnames=("params", "max_new_tokens"), donate_argnames="cache")
+@nnx.jit(static_argnames="max_new_tokens", donate_argnames="cache")
 def _generate_fused(model, cache, tokens, lengths, key, stop_tokens, params, max_new_tokens):
     _TRACES["fused"] += 1
     first, cache = _prefill_phase(model, cache, tokens, lengths, key, params)
@@ -128,25 +151,25 @@ def _generate_fused(model, cache, tokens, lengths, key, stop_tokens, params, max
     return out, n_gen, steps
 
 
-@nnx.jit(static_argnames=("sp", "max_new_tokens"), donate_argnames=("cache", "dc"))
+@nnx.jit(static_argnames="max_new_tokens", donate_argnames=("cache", "dc"))
 def _speculative_fused(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens):
     _TRACES["speculative"] += 1
     return run_loop(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens)
 
 
 # speculative decoding's phases as separate calls (timing=True): the loop body of `run_loop`, split
-@nnx.jit(static_argnames=("sp", "max_new_tokens"), donate_argnames=("cache", "dc"))
+@nnx.jit(static_argnames="max_new_tokens", donate_argnames=("cache", "dc"))
 def _spec_init_jit(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens):
     _TRACES["speculative"] += 1
     return spec.init_state(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens)
 
 
-@nnx.jit(static_argnames=("sp", "max_new_tokens"), donate_argnames="state")
+@nnx.jit(static_argnames="max_new_tokens", donate_argnames="state")
 def _spec_verify_jit(model, state, key, stop_tokens, sp, max_new_tokens):
     return spec.verify_phase(model, state, key, stop_tokens, sp, max_new_tokens)
 
 
-@nnx.jit(static_argnames="sp", donate_argnames="state")
+@nnx.jit(donate_argnames="state")
 def _spec_draft_jit(model, state, verified, key, sp):
     return spec.draft_phase(model, state, verified, key, sp)
 
@@ -179,79 +202,171 @@ def _speculative_timed(model, new_cache, new_dc, args, stops, sp: SpecParams, ma
     return out, n_gen, stats, timing
 
 
-@nnx.jit(static_argnames="params", donate_argnames="cache")
+@nnx.jit(static_argnames="max_new_tokens", donate_argnames=("cache", "dc"))
+def _speculative_from(model, cache, dc, first, proposal, key, stop_tokens, sp, max_new_tokens):
+    _TRACES["speculative"] += 1
+    s = spec.start_state(cache, dc, first, proposal, stop_tokens, sp, max_new_tokens)
+    return spec.run_from(model, s, key, stop_tokens, sp, max_new_tokens)
+
+
+@jax.jit
+def _sample_jit(logits, key, params):
+    return sample(logits, key, params.temperature, params.top_k, params.top_p)
+
+
+@nnx.jit(donate_argnames="cache")
 def _prefill_jit(model, cache, tokens, lengths, key, params):
     _TRACES["prefill"] += 1
     return _prefill_phase(model, cache, tokens, lengths, key, params)
 
 
-@nnx.jit(static_argnames=("params", "max_new_tokens"), donate_argnames="cache")
+@nnx.jit(static_argnames="max_new_tokens", donate_argnames="cache")
 def _decode_jit(model, cache, first, key, stop_tokens, params, max_new_tokens):
     _TRACES["decode"] += 1
     out, n_gen, steps, _ = _decode_phase(model, cache, first, key, stop_tokens, params, max_new_tokens)
     return out, n_gen, steps
 
 
+def _integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def request_length(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, num_draft: int | None = None) -> int:
+    """The cache length of a request (bucketed to 64 so nearby requests share compilations): the prompt, the new
+    tokens and, with `num_draft` speculative drafts, the verify rows past the last emitted token. ValueError
+    beyond the model's context."""
+    need = prompt_len + max_new_tokens + (0 if num_draft is None else num_draft + 2)
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = {need} exceeds "
+                         f"the model's context of {cfg.max_position_embeddings} positions")
+    return min(_round_up(need, 64), cfg.max_position_embeddings)
+
+
+def check_request(cfg: ModelConfig, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                  top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None, timing: bool = False,
+                  speculative: str | None = None, num_draft: int | None = None, policy: str = "fixed",
+                  verify_cost: Sequence[float] | None = None, bounded_replay: bool | int = False, mesh=None,
+                  prefix_store=None) -> int | None:
+    """`generate`'s options against a config, before anything is built or traced (the CLIs call it before
+    building the model): ValueError naming the option and its allowed values, NotImplementedError for a
+    combination not built. -> the decoder-side replay tail (None: exact prefill)."""
+    if not _integer(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_sampling(temperature, top_k, top_p)
+    if not _integer(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if stop_tokens is not None:
+        bad = [t for t in stop_tokens if not _integer(t) or not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"stop_tokens must be token ids in [0, {cfg.vocab_size}), got {bad}")
+    if speculative is None:
+        for name, value, default in (("num_draft", num_draft, None), ("policy", policy, "fixed"),
+                                     ("verify_cost", verify_cost, None)):
+            if value != default:
+                raise ValueError(f"{name}={value!r} needs speculative decoding (speculative='mtp' or 'dspark')")
+    else:
+        num_draft = DEFAULT_NUM_DRAFT if num_draft is None else num_draft
+        check_spec(cfg, speculative, num_draft, policy)
+        if verify_cost is not None:
+            cost = list(verify_cost)
+            if len(cost) < num_draft + 1 or not all(is_real(c) and math.isfinite(c) and c > 0 for c in cost):
+                raise ValueError(f"verify_cost needs {num_draft + 1} positive costs (widths 1..num_draft+1), "
+                                 f"got {cost}")
+    replay_tail = None
+    if bounded_replay is not False and bounded_replay is not None:
+        if cfg.generation != "v41":
+            raise ValueError("decoder-side bounded replay is a V4.1 mechanism (it needs KV-source layers)")
+        if bounded_replay is True:
+            replay_tail = cfg.sliding_window + (num_draft if speculative else 0)
+        elif _integer(bounded_replay) and bounded_replay >= 1:
+            replay_tail = int(bounded_replay)
+        else:
+            raise ValueError(f"bounded_replay must be True, False or a tail length >= 1, got {bounded_replay!r}")
+    if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        raise NotImplementedError("meshes with explicit axis types are not supported: the model's arrays and steps "
+                                  "are laid out for GSPMD propagation (build the mesh with "
+                                  "ParallelConfig(axis_type='auto'))")
+    if prefix_store is not None:
+        if not isinstance(prefix_store, PrefixStore):
+            raise ValueError(f"prefix_store must be a sampling.replay.PrefixStore, got {type(prefix_store).__name__}")
+        if mesh is not None:
+            raise NotImplementedError("prefix_store with a mesh: the prefix export / import copies one sequence's "
+                                      "rows between the host and a single-device cache, and has no path for a cache "
+                                      "split over the mesh")
+        if timing:
+            raise NotImplementedError("timing=True with prefix_store: the store path prefills in host-driven chunks "
+                                      "(lookups, imports, exports between them) that the timed phases do not cover")
+    return replay_tail
+
+
+def request_key(cfg, seed: int, sequence_ids: Sequence[int] | None, batch: int) -> jax.Array:
+    """The PRNG key of a request: per-sequence keys [B, 2] from `seed` and the sequence ids (given, or the rows
+    under cfg.batch_invariant), else one key [2] for the batch. ValueError for ids that do not fit the prompts."""
+    if sequence_ids is None and not cfg.batch_invariant:
+        return jax.random.PRNGKey(seed)
+    ids = np.arange(batch) if sequence_ids is None else np.asarray(sequence_ids)
+    if ids.shape != (batch,) or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"sequence_ids must be {batch} integers (one per prompt), got {sequence_ids!r}")
+    if ids.min() < 0 or ids.max() >= 2 ** 32:
+        raise ValueError(f"sequence_ids must be in [0, 2^32), got range [{ids.min()}, {ids.max()}]")
+    return sequence_keys(seed, ids.astype(np.uint32))
+
+
 def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None, lengths=None,
-             timing: bool = False, speculative: str | None = None, num_draft: int = 3, policy: str = "fixed",
-             verify_cost: Sequence[float] | None = None, bounded_replay: bool | int = False, mesh=None,
-             prefix_store=None) -> GenerateOutput:
+             timing: bool = False, speculative: str | None = None, num_draft: int | None = None,
+             policy: str = "fixed", verify_cost: Sequence[float] | None = None, bounded_replay: bool | int = False,
+             mesh=None, prefix_store=None, sequence_ids: Sequence[int] | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt. Prompts: a list of token sequences (any lengths) or
-    a padded [B, S] array with `lengths`. Greedy when temperature == 0.
+    a padded [B, S] array with `lengths` (integer token ids). Greedy when temperature == 0. Every option is
+    checked before anything is traced (`check_request`); the sampling knobs are traced, so new values of
+    temperature, top_k or top_p reuse the compiled loop.
 
-    speculative: None, "mtp" (V4) or "dspark" (V4.1) with `num_draft` drafts per step and `policy`
-    "fixed" or "confidence" (DSpark; `verify_cost[w-1]` = cost of a verify step of width w, e.g. measured
-    by experiments/bench.py; default nearly flat). Lossless: greedy output equals plain greedy output,
-    sampled output has the target's distribution.
+    sequence_ids: one id per prompt (ints in [0, 2^32)): each sequence then draws its randomness from `seed` and
+    its own id alone, never from its batch row (`sampler.sequence_keys`); a batch-invariant model
+    (cfg.batch_invariant) always does, its ids defaulting to the rows. Without either, one key serves the batch.
 
-    bounded_replay [V4.1]: decoder-side SWA bounded replay in prefill (MODEL_SPEC 3.4): True keeps the last
+    speculative: None, "mtp" (V4) or "dspark" (V4.1) with `num_draft` drafts per step (default 3; at most
+    MAX_MTP_DRAFTS for MTP, the block size for DSpark) and `policy` "fixed" or "confidence" (DSpark;
+    `verify_cost[w-1]` = cost of a verify step of width w, e.g. measured by experiments/bench.py; default
+    nearly flat). Lossless: greedy output equals plain greedy output, sampled output has the target's
+    distribution.
+
+    bounded_replay [V4.1]: decoder-side SWA bounded replay in prefill (docs/model.md §15): True keeps the last
     window (+ num_draft with speculative decoding) rows per prompt after the last KV-source layer; an int
     sets that tail. An approximation (measured by experiments/replay_error.py); False is exact.
 
     prefix_store (sampling.replay.PrefixStore): reuse the longest cached prefix of each prompt and store
-    new ones ([V4] exact resume; [V4.1] encoder-side replay of the last window before the hit).
+    new ones ([V4] exact resume; [V4.1] encoder-side replay of the last window before the hit, an
+    approximation). Combines with speculative decoding (lossless against the same store path without it);
+    not with a mesh or timing=True (NotImplementedError).
 
     stats: prompt lengths, steps run; speculative: mean accepted length, its histogram and per-step trace,
     per-position acceptance rates; with `timing=True` compile and run times and tokens/s (plain decoding
     times prefill and decode separately, speculative decoding prefill, verify and draft: the phases then
     run as separate jitted calls; results are identical).
 
-    mesh: a (dp, ep, tp) mesh (sharding.ParallelConfig.make_mesh): the batch (a multiple of dp*ep),
+    mesh: a (dp, ep, tp) mesh (sharding.ParallelConfig.make_mesh, auto axis types): the batch (a multiple of dp*ep),
     the cache and the activations are split over dp x ep, experts over ep; a model not yet on the mesh
     is laid out there first (model.shard_model, with the mesh's default runtime). stats["parallel"] records
     the mesh and the expert parallel strategy of each phase.
     """
-    replay_tail = None
-    if bounded_replay is not False and bounded_replay is not None:
-        if model.config.generation != "v41":
-            raise ValueError("decoder-side bounded replay is a V4.1 mechanism (it needs KV-source layers)")
-        replay_tail = (model.config.sliding_window + (num_draft if speculative else 0)
-                       if bounded_replay is True else int(bounded_replay))
-        if replay_tail < 1:
-            raise ValueError(f"bounded_replay tail must be >= 1, got {replay_tail}")
-    if speculative is not None:
-        check_spec(model, speculative, num_draft, policy)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     cfg = model.config
+    replay_tail = check_request(cfg, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, timing,
+                                speculative, num_draft, policy, verify_cost, bounded_replay, mesh, prefix_store)
+    if speculative is not None:
+        num_draft = DEFAULT_NUM_DRAFT if num_draft is None else int(num_draft)
     tokens, lens = prepare_prompts(prompts, lengths)
     if tokens.max() >= cfg.vocab_size or tokens.min() < 0:
         raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
-    room = num_draft + 2 if speculative is not None else 0  # verify rows past the last emitted token
-    need = int(lens.max()) + max_new_tokens + room
-    if need > cfg.max_position_embeddings:
-        raise ValueError(f"prompt length {int(lens.max())} + max_new_tokens {max_new_tokens} = {need} exceeds "
-                         f"the model's context of {cfg.max_position_embeddings} positions")
-    # Bucket shapes so nearby requests share compilations.
-    width = min(_round_up(tokens.shape[1], 16), cfg.max_position_embeddings)
-    max_len = min(_round_up(need, 64), cfg.max_position_embeddings)
+    max_len = request_length(cfg, int(lens.max()), max_new_tokens, num_draft if speculative is not None else None)
+    width = min(_round_up(tokens.shape[1], 16), cfg.max_position_embeddings)  # bucketed: fewer compilations
     tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1]))).astype(np.int32)
-    params = SamplingParams(float(temperature), int(top_k), float(top_p), replay_tail)
-    key = jax.random.PRNGKey(seed)
+    params = SamplingParams(*_knobs(temperature, top_k, top_p), replay_tail)
+    key = request_key(cfg, seed, sequence_ids, tokens.shape[0])
     stops = jnp.asarray(list(stop_tokens) if stop_tokens else [-2], jnp.int32)
     stats: dict[str, Any] = {"prompt_lengths": lens.tolist(), "max_len": max_len}
-    spec_room = max(8, num_draft + 2)
+    spec_room = max(8, num_draft + 2) if speculative is not None else 8
     if mesh is None:
         new_cache = lambda: allocate(cfg, tokens.shape[0], max_len, model.dtype, spec_room)  # noqa: E731
         args = (jnp.asarray(tokens), jnp.asarray(lens), key)
@@ -268,23 +383,19 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
         stats["parallel"] = {**describe_mesh(mesh), "expert_parallel": {
             "config": dataclasses.asdict(plan.config), "forced_balance": model.runtime.forced_balance,
             "prefill": plan.describe(tokens.size), "decode": plan.describe(tokens.shape[0])}}
-    if prefix_store is not None:
-        if speculative is not None or mesh is not None:
-            raise NotImplementedError("prefix reuse is not combined with speculative decoding or meshes yet")
-        logits, cache, hits = prefill_with_store(model, new_cache(), tokens, lens, prefix_store, replay_tail)
-        first = sample(logits, jax.random.fold_in(key, 0), params.temperature, params.top_k, params.top_p)
-        out, n_gen, steps = _decode_jit(model, cache, first, key, stops, params, max_new_tokens)
-        stats.update(prefix_hits=hits.tolist(), prefix_store=prefix_store.stats, steps=int(steps))
-        return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(n_gen), stats=stats)
     if speculative is not None:
-        sp = SpecParams(speculative, int(num_draft), policy, tuple(verify_cost or default_cost(num_draft)),
-                        float(temperature), int(top_k), float(top_p), replay_tail)
-        if len(sp.cost) < num_draft + 1:
-            raise ValueError(f"verify_cost needs {num_draft + 1} entries (widths 1..num_draft+1)")
+        sp = SpecParams(speculative, num_draft, policy, tuple(verify_cost or default_cost(num_draft)),
+                        *_knobs(temperature, top_k, top_p), replay_tail)
         new_dc = lambda: allocate_draft(model, tokens.shape[0], max_len, spec_room)  # noqa: E731
         with context:
             t0 = time.perf_counter()
-            if timing:
+            if prefix_store is not None:
+                cache, dc, first, proposal, hits = spec.prefill_with_store_and_propose(
+                    model, new_cache(), new_dc(), tokens, lens, prefix_store, key, sp)
+                out, n_gen, spec_stats = _speculative_from(model, cache, dc, first, proposal, key, stops, sp,
+                                                           max_new_tokens)
+                stats.update(prefix_hits=hits.tolist(), prefix_store=prefix_store.stats)
+            elif timing:
                 out, n_gen, spec_stats, times = _speculative_timed(model, new_cache, new_dc, args, stops, sp,
                                                                    max_new_tokens, to_host)
                 stats.update(times)
@@ -295,6 +406,12 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
         stats.update(summarize(spec_stats), speculative=speculative, num_draft=num_draft, policy=policy,
                      wall_s=time.perf_counter() - t0)
         return GenerateOutput(tokens=to_host(out), lengths=to_host(n_gen), stats=stats)
+    if prefix_store is not None:
+        logits, cache, hits = prefill_with_store(model, new_cache(), tokens, lens, prefix_store, replay_tail)
+        first = _sample_jit(logits, fold_in(key, 0), params)
+        out, n_gen, steps = _decode_jit(model, cache, first, key, stops, params, max_new_tokens)
+        stats.update(prefix_hits=hits.tolist(), prefix_store=prefix_store.stats, steps=int(steps))
+        return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(n_gen), stats=stats)
     with context:
         out, n_gen, steps = _run(model, new_cache, args, key, stops, params, max_new_tokens, timing, lens, stats,
                                   to_host)

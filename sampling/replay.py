@@ -1,4 +1,4 @@
-"""Prefix reuse and bounded replay (MODEL_SPEC 3.4, 3.5; V41_NOTES 3.2, 3.3).
+"""Prefix reuse and bounded replay (docs/model.md §13.6, §15, §15.1, §15.2).
 
 `PrefixStore` is a host-resident, size-limited, LRU store of `model.cache.PrefixState`s keyed by token
 prefixes at page granularity: the key of a prefix of k pages is a hash chain
@@ -58,8 +58,10 @@ class PrefixStore:
     max_bytes / max_entries: capacity (None = unbounded); inserting past it evicts least recently
       used entries (a lookup hit or a re-insert refreshes an entry). An entry larger than max_bytes
       on its own is not stored.
-    min_length: hits shorter than this many tokens are not adopted (reported as misses), e.g. the
-      sliding window for V4.1 encoder replay (V41_NOTES 3.3: hits <= 128 are misses). Per-lookup
+    min_length: hits shorter than this many tokens are not adopted (reported as misses); a hit of exactly
+      min_length is adopted. V4.1 encoder replay asks for the sliding window W: it replays the W tokens
+      before the hit, and a hit of exactly W replays from position 0, which rebuilds the window exactly (the
+      engines described in docs/model.md §15.2 treat hits <= W as misses; adopting H = W costs nothing). Per-lookup
       override with `lookup(tokens, min_length=...)`.
 
     stats (dict): hits, misses, hit_tokens (sum of adopted hit lengths), short (hits rejected for
@@ -178,13 +180,18 @@ class PrefixStore:
 
 
 # ============================================================================ bounded replay
-# Decoder-side and encoder-side SWA bounded replay (MODEL_SPEC 3.4; V41_NOTES 3.2, 3.3) go below
-# this line (another engineer's part of issue 9).
+# Decoder-side and encoder-side SWA bounded replay (docs/model.md §15, §15.1, §15.2).
 
 
-@functools.partial(nnx.jit, static_argnames=("last_only", "replay_tail", "write_global"), donate_argnames="cache")
-def _chunk(model, tokens, cache, n_new, floor, last_only, replay_tail, write_global):
-    logits, cache, _ = model.step(tokens, cache, n_new, last_only, replay_tail, floor, write_global)
+_DRAFTER_EXTRAS = ("residual", "main_hidden", "row_start", "rows")  # what a drafter commit reads of a chunk
+
+
+@functools.partial(nnx.jit, static_argnames=("last_only", "replay_tail", "write_global", "with_extras"),
+                   donate_argnames="cache")
+def _chunk(model, tokens, cache, n_new, floor, last_only, replay_tail, write_global, with_extras=False):
+    logits, cache, extras = model.step(tokens, cache, n_new, last_only, replay_tail, floor, write_global)
+    if with_extras:
+        return logits, cache, {k: extras[k] for k in _DRAFTER_EXTRAS if k in extras}
     return logits, cache
 
 
@@ -198,14 +205,19 @@ def _rows(tokens: np.ndarray, start: np.ndarray, count: np.ndarray, bucket: int 
 
 
 def prefill_with_store(model, cache, tokens: np.ndarray, lengths: np.ndarray, store: PrefixStore,
-                       replay_tail: int | None = None):
-    """Prefill prompts reusing the longest cached prefix of each (MODEL_SPEC 3.5).
+                       replay_tail: int | None = None, commit=None):
+    """Prefill prompts reusing the longest cached prefix of each (docs/model.md §13.6).
 
     [V4] a hit restores global KV, compressor carries and SWA rows: the resume is exact.
     [V4.1] a hit restores global KV and index keys; encoder-side replay then rebuilds the window state by
     running [H - W, H) with the compressors off (cached global KV read, never rewritten) and the window
     floored at H - W. Hits shorter than the window are not adopted. Each prompt's prefix at its last page
     boundary is stored for later requests. -> (logits of each prompt's last token [B, V], cache, hits [B]).
+
+    commit (speculative decoding, the drafter follows the target): `commit(extras, rows, start, after)` after
+    every chunk, with the chunk's drafter extras (`_DRAFTER_EXTRAS`), its tokens `rows` [B, S] (row i at
+    position start[b] + i) and `after` [B], the token after each sequence's rows (None for the last chunk:
+    the token after the prompt is not drawn yet).
     """
     from model.cache import export_prefix, import_prefix, set_token_history
 
@@ -219,23 +231,30 @@ def prefill_with_store(model, cache, tokens: np.ndarray, lengths: np.ndarray, st
         if state is not None:
             cache = import_prefix(cache, cfg, b, state)
             hits[b] = hit
+
+    def run(start, count, floor, last_only, tail, write_global, last=False):
+        rows = _rows(tokens, start, count)
+        out = _chunk(model, rows, cache, jnp.asarray(count), jnp.asarray(floor), last_only, tail, write_global,
+                     commit is not None)
+        if commit is not None:
+            after = None if last else tokens[np.arange(bsz), np.minimum(start + count, tokens.shape[1] - 1)]
+            commit(out[2], rows, start, after)
+        return out[0], out[1]
+
     if v41 and hits.any():  # encoder-side replay of the last window before each hit
         start = np.where(hits > 0, hits - window, 0).astype(np.int32)
         count = np.where(hits > 0, window, 0).astype(np.int32)
         cache = cache.replace(lengths=jnp.where(jnp.asarray(hits) > 0, jnp.asarray(start), cache.lengths))
         cache = set_token_history(cache, tokens, start)
-        _, cache = _chunk(model, _rows(tokens, start, count), cache, jnp.asarray(count), jnp.asarray(start),
-                          False, None, False)
+        _, cache = run(start, count, start, False, None, False)
     # up to the last page boundary before the prompt's end (stored), then the rest
     boundary = np.maximum((lengths - 1) // store.page_size * store.page_size, hits).astype(np.int32)
     first = (boundary - hits).astype(np.int32)
+    zeros = np.zeros(bsz, np.int32)
     if first.any():
-        _, cache = _chunk(model, _rows(tokens, hits, first), cache, jnp.asarray(first), jnp.zeros(bsz, jnp.int32),
-                          False, replay_tail, True)
+        _, cache = run(hits, first, zeros, False, replay_tail, True)
         for b in np.nonzero(first)[0]:
             store.insert(tokens[b, :boundary[b]], export_prefix(cache, cfg, int(b), int(boundary[b]),
                                                                 include_window=not v41))
-    rest = (lengths - boundary).astype(np.int32)
-    logits, cache = _chunk(model, _rows(tokens, boundary, rest), cache, jnp.asarray(rest),
-                           jnp.zeros(bsz, jnp.int32), True, replay_tail, True)
+    logits, cache = run(boundary, (lengths - boundary).astype(np.int32), zeros, True, replay_tail, True, last=True)
     return logits[:, 0], cache, hits

@@ -1,4 +1,4 @@
-"""Speculative decoding inside the jitted loop: propose -> verify -> accept -> rollback (MODEL_SPEC 3.6).
+"""Speculative decoding inside the jitted loop: propose -> verify -> accept -> rollback (docs/model.md §16.2).
 
 Each iteration the target verifies [pending, d_1..d_m] as one causal chunk. Greedy: accept the longest
 prefix with d_j equal to the target's argmax, then the target's own token (correction or bonus).
@@ -16,43 +16,63 @@ the batch verifies max_b m_b drafts (a `lax.switch` over widths, so fewer drafts
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from model import draft as D
 from model.cache import Cache
+from model.config import ModelConfig
 from model.transformer import Transformer
 
-from .sampler import filter_logits, sample
+from .replay import prefill_with_store
+from .sampler import categorical, filter_logits, fold_in, sample, split, uniform
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecParams:
+    """How to draft and verify (static: part of the compiled program) and how to sample (temperature, top_k,
+    top_p: pytree leaves, traced under jit, so new values do not recompile)."""
+
     kind: str  # "mtp" | "dspark"
     num_draft: int
     policy: str = "fixed"  # "fixed" | "confidence"
     cost: tuple[float, ...] = ()  # cost of a verify step of width w = 1..num_draft+1 (relative units)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: Any = 0.0
+    top_k: Any = 0
+    top_p: Any = 1.0
     replay_tail: int | None = None  # [V4.1] decoder-side bounded replay in prefill
 
 
-def check_spec(model: Transformer, kind: str, num_draft: int, policy: str) -> None:
-    cfg = model.config
+jax.tree_util.register_dataclass(SpecParams, data_fields=["temperature", "top_k", "top_p"],
+                                 meta_fields=["kind", "num_draft", "policy", "cost", "replay_tail"])
+
+# Drafts one MTP-1 proposal may hold: MTP-1 is trained to predict one token ahead, further drafts chain it on its
+# own output streams (their acceptance falls off quickly), and each one unrolls another MTP block into the
+# compiled loop (compile time grows with every draft).
+MAX_MTP_DRAFTS = 8
+
+
+def check_spec(cfg: ModelConfig, kind: str, num_draft: int, policy: str) -> None:
+    """The speculative options against the config (the drafter's weights are checked by `allocate_draft`)."""
     if kind not in ("mtp", "dspark"):
         raise ValueError(f"speculative must be 'mtp' or 'dspark', got {kind!r}")
-    if num_draft < 1:
-        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    if not isinstance(num_draft, numbers.Integral) or isinstance(num_draft, bool) or num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1 (an integer), got {num_draft!r}")
     if policy not in ("fixed", "confidence"):
         raise ValueError(f"policy must be 'fixed' or 'confidence', got {policy!r}")
-    if not len(model.mtp):
+    if not cfg.num_mtp_layers:
         raise ValueError(f"{cfg.name} has no draft weights (no mtp.* tensors were loaded): cannot use {kind!r}")
-    if kind == "mtp" and cfg.generation != "v4":
-        raise ValueError("MTP-1 drafting is V4's; V4.1 drafts with speculative='dspark'")
+    if kind == "mtp":
+        if cfg.generation != "v4":
+            raise ValueError("MTP-1 drafting is V4's; V4.1 drafts with speculative='dspark'")
+        if num_draft > MAX_MTP_DRAFTS:
+            raise ValueError(f"num_draft {num_draft} exceeds the {MAX_MTP_DRAFTS} drafts MTP-1 chains (it is trained "
+                             "to predict one token ahead; each further draft reuses it on its own output)")
     if kind == "dspark":
         if cfg.generation != "v41":
             raise ValueError("DSpark drafting needs a V4.1 model")
@@ -72,7 +92,7 @@ def default_cost(num_draft: int) -> tuple[float, ...]:
 
 def _propose(model, dc, pending, commit_out, key, sp: SpecParams) -> D.Proposal:
     def choose(logits, j):
-        return sample(logits, jax.random.fold_in(key, j), sp.temperature, sp.top_k, sp.top_p)
+        return sample(logits, fold_in(key, j), sp.temperature, sp.top_k, sp.top_p)
 
     if sp.kind == "mtp":
         logits, streams = commit_out
@@ -111,11 +131,23 @@ def accept(target_logits: jax.Array, proposal: D.Proposal, n_verify: jax.Array, 
     drafts = proposal.tokens[:, :target_logits.shape[1] - 1]
     w = drafts.shape[1]
     j = jnp.arange(w)[None, :]
-    if sp.temperature <= 0:
+
+    def greedy(key):
         target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, w+1]
         ok = (drafts == target[:, :w]) & (j < n_verify[:, None])
         a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
         return a, jnp.take_along_axis(target, a[:, None], 1)[:, 0]
+
+    def sampled(key):
+        return _accept_sampled(target_logits, proposal, drafts, n_verify, key, sp)
+
+    return jax.lax.cond(jnp.asarray(sp.temperature) > 0, sampled, greedy, key)
+
+
+def _accept_sampled(target_logits, proposal, drafts, n_verify, key, sp: SpecParams):
+    """Rejection sampling of `accept` (temperature > 0)."""
+    w = drafts.shape[1]
+    j = jnp.arange(w)[None, :]
     b, _, v = target_logits.shape
     p_t = jax.nn.softmax(filter_logits(target_logits.reshape(-1, v), sp.temperature, sp.top_k, sp.top_p),
                          -1).reshape(b, w + 1, v)
@@ -123,8 +155,8 @@ def accept(target_logits: jax.Array, proposal: D.Proposal, n_verify: jax.Array, 
                          -1).reshape(b, w, v)  # the distributions the drafts were sampled from
     pt_d = jnp.take_along_axis(p_t[:, :w], drafts[..., None], -1)[..., 0]
     pd_d = jnp.take_along_axis(p_d, drafts[..., None], -1)[..., 0]
-    k_u, k_s = jax.random.split(key)
-    u = jax.random.uniform(k_u, (b, w))
+    k_u, k_s = split(key)
+    u = uniform(k_u, (b, w))
     ok = (u * pd_d < pt_d) & (j < n_verify[:, None])
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_a = jnp.take_along_axis(p_t, a[:, None, None], 1)[:, 0]  # target distribution at row a
@@ -133,7 +165,7 @@ def accept(target_logits: jax.Array, proposal: D.Proposal, n_verify: jax.Array, 
     residual = jnp.maximum(p_a - jnp.where(rejected[:, None], q_a, 0.0), 0.0)
     mass = jnp.sum(residual, -1, keepdims=True)
     residual = jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), p_a)  # empty residual: fall back
-    nxt = jax.random.categorical(k_s, jnp.log(jnp.maximum(residual, 1e-38)), axis=-1).astype(jnp.int32)
+    nxt = categorical(k_s, jnp.log(jnp.maximum(residual, 1e-38)))
     nxt = jnp.where(residual.max(-1) > 0, nxt, jnp.argmax(p_a, -1).astype(jnp.int32))
     return a, nxt
 
@@ -170,6 +202,9 @@ def verify(model: Transformer, cache: Cache, pending, proposal: D.Proposal, key,
 
     -> (cache, emitted tokens [B, k+1] (first a+1 valid), n_verify [B], Verified)."""
     k = sp.num_draft
+    if k > cache.spec_room:
+        raise ValueError(f"verifying {k} drafts writes {k} rows past the kept length, but the cache has "
+                         f"spec_room={cache.spec_room}: allocate it with spec_room >= {k}")
     n_verify = choose_width(proposal, sp)
     start = cache.lengths
     chunk = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)  # [B, k+1]
@@ -208,25 +243,73 @@ def spec_step(model: Transformer, cache: Cache, dc, pending, proposal: D.Proposa
     """Verify the proposal, accept, roll back, commit the drafter, propose again.
 
     -> (cache, dc, emitted tokens [B, k+1] (first a+1 valid), a [B], n_verify [B], next pending, proposal)."""
-    k_acc, k_prop = jax.random.split(key)
+    k_acc, k_prop = split(key)
     cache, emitted, n_verify, v = verify(model, cache, pending, proposal, k_acc, sp)
     dc, proposal = draft(model, dc, v, k_prop, sp)
     return cache, dc, emitted, v.a, n_verify, v.nxt, proposal
+
+
+def commit_rows(model: Transformer, dc, extras: dict, tokens, start, after, sp: SpecParams):
+    """The drafter's commit of the rows a prefill chunk returned: tokens [B, S] the chunk (row i at position
+    start[b] + i), after [B] the token following each sequence's last row. Under bounded replay the returned
+    rows are each sequence's kept tail: the drafter starts there. -> (dc, what `_propose` needs)."""
+    rows = extras["rows"]
+    offset = (extras["row_start"] - start)[:, None] + jnp.arange(extras["residual"].shape[1])[None, :]
+    row_tokens = jnp.take_along_axis(tokens, jnp.minimum(offset, tokens.shape[1] - 1), 1)
+    dc = dc.replace(lengths=extras["row_start"])
+    return _commit(model, dc, extras, _next_tokens(row_tokens, rows, after), rows, sp)
 
 
 def prefill_and_propose(model: Transformer, cache: Cache, dc, tokens, lengths, key, sp: SpecParams):
     """Prompt prefill + the first token + the drafter's state and first proposal."""
     start = cache.lengths
     logits, cache, extras = model.step(tokens, cache, lengths, last_only=True, replay_tail=sp.replay_tail)
-    k_first, k_prop = jax.random.split(key)
-    first = sample(logits[:, 0], k_first, sp.temperature, sp.top_k, sp.top_p)
-    # under bounded replay the returned rows are each prompt's kept tail: the drafter starts there
-    rows = extras["rows"]
-    offset = (extras["row_start"] - start)[:, None] + jnp.arange(extras["residual"].shape[1])[None, :]
-    row_tokens = jnp.take_along_axis(tokens, jnp.minimum(offset, tokens.shape[1] - 1), 1)
-    dc = dc.replace(lengths=extras["row_start"])
-    dc, commit_out = _commit(model, dc, extras, _next_tokens(row_tokens, rows, first), rows, sp)
-    return cache, dc, first, _propose(model, dc, first, commit_out, k_prop, sp)
+    dc, first, proposal = first_proposal(model, dc, logits[:, 0], extras, tokens, start, key, sp)
+    return cache, dc, first, proposal
+
+
+def first_proposal(model: Transformer, dc, logits, extras: dict, tokens, start, key, sp: SpecParams):
+    """After the prompt's last prefill chunk (tokens [B, S] from `start`, its extras): the first token from the
+    last rows' logits [B, V], the drafter's commit of the chunk (`commit_rows`) and its first proposal.
+    -> (dc, first, proposal)."""
+    k_first, k_prop = split(key)
+    first = sample(logits, k_first, sp.temperature, sp.top_k, sp.top_p)
+    dc, commit_out = commit_rows(model, dc, extras, tokens, start, first, sp)
+    return dc, first, _propose(model, dc, first, commit_out, k_prop, sp)
+
+
+@nnx.jit
+def _commit_jit(model, dc, extras, tokens, start, after, sp):
+    return commit_rows(model, dc, extras, tokens, start, after, sp)[0]
+
+
+@nnx.jit
+def _first_proposal_jit(model, dc, logits, extras, tokens, start, key, sp):
+    return first_proposal(model, dc, logits, extras, tokens, start, key, sp)
+
+
+def prefill_with_store_and_propose(model: Transformer, cache: Cache, dc, tokens: np.ndarray, lengths: np.ndarray,
+                                   store, key, sp: SpecParams):
+    """`replay.prefill_with_store` with the drafter committing every chunk's rows, then the first token and
+    proposal (the keys of `init_state`). The drafter's window starts at each sequence's first prefilled row:
+    [V4] a hit restores the target's state but no drafter rows, so drafts right after a hit see no context
+    before it (acceptance may change, the output never does); [V4.1] the encoder replay's rows [H - W, H) are
+    committed like any other. -> (cache, dc, first token [B], proposal, hits [B])."""
+    last: dict = {}
+
+    def commit(extras, rows, start, after):
+        nonlocal dc
+        rows, start = jnp.asarray(rows), jnp.asarray(start, jnp.int32)
+        if not last:  # the first chunk: nothing below its rows was committed
+            dc = dc.replace(floor=start)
+        last.update(extras=extras, rows=rows, start=start)
+        if after is not None:
+            dc = _commit_jit(model, dc, extras, rows, start, jnp.asarray(after, jnp.int32), sp)
+
+    logits, cache, hits = prefill_with_store(model, cache, tokens, lengths, store, sp.replay_tail, commit)
+    dc, first, proposal = _first_proposal_jit(model, dc, logits, last["extras"], last["rows"], last["start"],
+                                              fold_in(key, 0), sp)
+    return cache, dc, first, proposal, hits
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -234,9 +317,15 @@ def prefill_and_propose(model: Transformer, cache: Cache, dc, tokens, lengths, k
 def init_state(model: Transformer, cache: Cache, dc, tokens, lengths, key, stop_tokens, sp: SpecParams,
                max_new_tokens: int) -> dict:
     """Prefill + first proposal -> the loop state (output buffer, per-sequence progress, statistics)."""
-    b = tokens.shape[0]
+    cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, fold_in(key, 0), sp)
+    return start_state(cache, dc, first, proposal, stop_tokens, sp, max_new_tokens)
+
+
+def start_state(cache: Cache, dc, first, proposal: D.Proposal, stop_tokens, sp: SpecParams, max_new_tokens: int
+                ) -> dict:
+    """The loop state after the prefill: the first token emitted, the drafter's first proposal pending."""
+    b = first.shape[0]
     k = sp.num_draft
-    cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, jax.random.fold_in(key, 0), sp)
     out = jnp.full((b, max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(first)
     n_out = jnp.ones((b,), jnp.int32)
     done = jnp.isin(first, stop_tokens) | (n_out >= max_new_tokens)
@@ -252,7 +341,7 @@ def verify_phase(model: Transformer, s: dict, key, stop_tokens, sp: SpecParams, 
     """Verification and the bookkeeping of one iteration (emitted tokens, stops, statistics)."""
     b, width = s["out"].shape
     k = sp.num_draft
-    k_acc, _ = jax.random.split(jax.random.fold_in(key, s["i"]))
+    k_acc, _ = split(fold_in(key, s["i"]))
     cache, emitted, n_verify, v = verify(model, s["cache"], s["pending"], s["proposal"], k_acc, sp)
     a = v.a
     active = ~s["done"]
@@ -279,7 +368,7 @@ def verify_phase(model: Transformer, s: dict, key, stop_tokens, sp: SpecParams, 
 
 def draft_phase(model: Transformer, s: dict, v: Verified, key, sp: SpecParams) -> dict:
     """The drafter's half of the iteration whose verification produced `v` (s["i"] already advanced)."""
-    _, k_prop = jax.random.split(jax.random.fold_in(key, s["i"] - 1))
+    _, k_prop = split(fold_in(key, s["i"] - 1))
     dc, proposal = draft(model, s["dc"], v, k_prop, sp)
     return dict(s, dc=dc, proposal=proposal)
 
@@ -298,7 +387,11 @@ def run_loop(model: Transformer, cache: Cache, dc, tokens, lengths, key, stop_to
              max_new_tokens: int):
     """The whole speculative generation (traceable): -> (tokens [B, max_new], n_gen [B], stats arrays)."""
     s = init_state(model, cache, dc, tokens, lengths, key, stop_tokens, sp, max_new_tokens)
+    return run_from(model, s, key, stop_tokens, sp, max_new_tokens)
 
+
+def run_from(model: Transformer, s: dict, key, stop_tokens, sp: SpecParams, max_new_tokens: int):
+    """Speculative generation from a loop state (`init_state` / `start_state`) to the end (traceable)."""
     def body(s):
         s, v = verify_phase(model, s, key, stop_tokens, sp, max_new_tokens)
         return draft_phase(model, s, v, key, sp)

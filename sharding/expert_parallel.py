@@ -34,7 +34,9 @@ gives its `model.moe.LocalExperts`): grouped `ragged_dot`s (impl "reference", th
 or the Pallas grouped-GEMM kernel (impl "pallas"), which drops the rows of other shards' experts itself
 (ids outside its local range cost nothing). Row-for-row the arithmetic equals
 `pallas_kernels.reference.moe_experts`; only the order in which the k choices (and ep / tp partial sums)
-are added differs (float32, ~1e-7 relative).
+are added differs (float32, ~1e-7 relative). An expert function with `per_slot` (the model's batch-invariant
+mode) returns each choice's output unsummed, [M, k, D]: every strategy then brings each choice home on its
+own (the other shards add exact zeros to it) and the caller adds them in its own fixed order.
 
 An ExpertParallel is frozen and hashable: the model holds it as its static expert function (part of
 the graphdef, so a different mesh or strategy retraces). This module knows nothing of the model; it
@@ -77,10 +79,12 @@ class ExpertFn(Protocol):
     """The routed-expert block on one device: x [M, D], expert ids / weights [M, k], the stacked expert
     weights as stored (w1, w3 [E, I, D], w2 [E, D, I]; FP4: packed words, `scales` (s1, s2, s3)), the SwiGLU
     `limit`, `act_block` (act_quant of both GEMMs' inputs, 0 = off), `balanced` (a hint: the ids are
-    forced_balance_ids') -> [M, D] float32. Ids outside [0, E) select no expert. `impl` ("reference" |
-    "pallas") says how it treats them: the Pallas kernel drops such rows itself at no cost."""
+    forced_balance_ids') -> [M, D] float32 ([M, k, D], each choice's output, when `per_slot`). Ids outside
+    [0, E) select no expert. `impl` ("reference" | "pallas") says how it treats them: the Pallas kernel drops
+    such rows itself at no cost."""
 
     impl: str
+    per_slot: bool
 
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
                  w3: jax.Array, limit: float, scales=None, act_block: int = 0, balanced: bool = False
@@ -104,6 +108,10 @@ class ExpertParallel:
     @property
     def impl(self) -> str:
         return self.local.impl
+
+    @property
+    def per_slot(self) -> bool:
+        return self.local.per_slot
 
     # ------------------------------------------------------------------ the choice
     def choose(self, m: int) -> tuple[str, str, tuple[str, ...]]:
@@ -134,10 +142,10 @@ class ExpertParallel:
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
                  w3: jax.Array, limit: float, scales=None, act_block: int = 0, balanced: bool = False) -> jax.Array:
         """The `ExpertFn` contract over the whole mesh: x [M, D], ids/weights [M, k] (logical experts),
-        weights as stored -> [M, D] float32. `balanced` reaches `local` on one device without a placement
-        (replicas and shards see other row counts)."""
+        weights as stored -> [M, D] float32 ([M, k, D] when per_slot). `balanced` reaches `local` on one device
+        without a placement (replicas and shards see other row counts)."""
         m, k = ids.shape
-        local = _COMM_ONLY if self.comm_only else self.local
+        local = _CommOnly(per_slot=self.per_slot) if self.comm_only else self.local
         if self.record is not None:
             jax.debug.callback(_record_load, self.record, self.layer, w1.shape[0], ids)
         if self.placement is not None and not self.placement.is_identity:
@@ -179,14 +187,13 @@ class _CommOnly:
     went, scaled by its weight (0 for ids outside [0, E))."""
 
     impl: str = "comm_only"
+    per_slot: bool = False
 
     def __call__(self, x, ids, weights, w1, w2, w3, limit, scales=None, act_block=0, balanced=False):
         valid = (ids >= 0) & (ids < w1.shape[0])
         rows = x[:, None, :].astype(jnp.float32) * weights[..., None].astype(jnp.float32)
-        return jnp.sum(jnp.where(valid[..., None], rows, 0.0), axis=1)
-
-
-_COMM_ONLY = _CommOnly()
+        rows = jnp.where(valid[..., None], rows, 0.0)
+        return rows if self.per_slot else jnp.sum(rows, axis=1)
 
 
 def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, local, act_block):
@@ -197,11 +204,12 @@ def _local_experts(rows, slot, wts, valid, w1, w2, w3, scales, limit, local, act
     GEMMs' inputs."""
     ids = jnp.where(valid, slot, w1.shape[0])[:, None]
     y = local(rows, ids, wts[:, None].astype(jnp.float32), w1, w2, w3, limit, scales=scales, act_block=act_block)
-    return jnp.where(valid[:, None], y, 0.0)
+    return jnp.where(valid[:, None], y.reshape(rows.shape[0], -1), 0.0)
 
 
 def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, local, act_block):
-    """Every token [M, D] x its k choices against this shard's slots -> partial [M, D] float32."""
+    """Every token [M, D] x its k choices against this shard's slots -> partial [M, D] float32 ([M, k, D] when
+    per_slot: zero for the choices of other shards)."""
     m, k = ids.shape
     n_local = w1.shape[0]
     slot = ids - jax.lax.axis_index("ep") * n_local
@@ -210,8 +218,8 @@ def _experts_for_all(x, ids, wts, w1, w2, w3, scales, limit, local, act_block):
         return local(x, jnp.where(valid, slot, n_local), wts, w1, w2, w3, limit, scales=scales, act_block=act_block)
     rows = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[-1])).reshape(m * k, -1)
     y = _local_experts(rows, slot.reshape(-1), wts.reshape(-1), valid.reshape(-1), w1, w2, w3, scales, limit,
-                       local, act_block)
-    return jnp.sum(y.reshape(m, k, -1), axis=1)
+                       local, act_block).reshape(m, k, -1)
+    return y if local.per_slot else jnp.sum(y, axis=1)
 
 
 def _replicate_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, local, act_block):
@@ -259,8 +267,8 @@ def _dispatch_body(x, ids, wts, w1, w2, w3, scales, *, limit, transport, local, 
     back = a2a(y, jnp.zeros((n, y.shape[-1]), y.dtype), axis_name="ep",
                input_offsets=_exclusive_cumsum(recv_sizes), send_sizes=recv_sizes,
                output_offsets=_exclusive_cumsum(sizes, axis=1)[:, me], recv_sizes=send_sizes)
-    pairs = jnp.zeros_like(back).at[order].set(back)
-    return jax.lax.psum(jnp.sum(pairs.reshape(m, k, -1), axis=1), "tp")
+    pairs = jnp.zeros_like(back).at[order].set(back).reshape(m, k, -1)
+    return jax.lax.psum(pairs if local.per_slot else jnp.sum(pairs, axis=1), "tp")
 
 
 def _ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,

@@ -161,6 +161,10 @@ class ForcedBalance:
     def impl(self) -> str:
         return self.experts.impl
 
+    @property
+    def per_slot(self) -> bool:
+        return self.experts.per_slot
+
     def __call__(self, x, ids, weights, w1, w2, w3, limit, scales=None, act_block: int = 0, balanced: bool = False):
         m, k = ids.shape
         return self.experts(x, forced_balance_ids(m, k, w1.shape[0]), weights, w1, w2, w3, limit, scales=scales,

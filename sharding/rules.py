@@ -8,7 +8,8 @@ axes by regex on their names (model/sharded.py PARAM_RULES, CACHE_RULES), looked
 The defaults: attention, router, mHC, compressor and indexer weights are replicated (attention is data
 parallel); routed experts are split over `ep` on their leading axis; the batch of activations and
 caches is split over (dp, ep); with tp > 1, query heads / output-projection groups / the experts'
-intermediate width are split over `tp`. A spec that uses one mesh axis twice raises ValueError, and so
+intermediate width are split over `tp`; [V4.1] split Engram tables lie in row ranges over all three axes
+(sharding.row_lookup). A spec that uses one mesh axis twice raises ValueError, and so
 does a dimension that the mesh axes do not divide.
 """
 
@@ -40,7 +41,8 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "window": None,
     "ring": None,
     "entries": None,
-    "engram_rows": None,
+    "engram_rows": None,       # [V4.1] an Engram table kept whole on every device (placement "device")
+    "engram_split": ("dp", "ep", "tp"),   # an Engram table's rows split over every device ("sharded", "host")
     "layers": None,            # a scanned layer group's repeats (stacked arrays' leading axis): never sharded
 }
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import zlib
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+
+
+def seed_of_test() -> int:
+    """A fixed seed per test (from its pytest node id): inputs differ between tests, never between runs."""
+    return zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].encode()) % (1 << 30)
 
 
 def rel_err(a, b) -> float:
@@ -76,3 +84,68 @@ def teacher_forced_decode(model, prompts: np.ndarray, cont: np.ndarray, steps: i
         logits, cache = decode(model, cache, cont[:, i])
         out.append(np.asarray(logits))
     return np.stack(out, 1)
+
+
+@contextlib.contextmanager
+def recording_topk_margins(margins: list):
+    """While active, every top-k cut the reference model makes (indexer entries, candidate groups, router
+    experts) appends to `margins` the smallest relative gap between its k-th and (k+1)-th scores (a host
+    callback; rows with at most k finite scores make no cut). Only programs traced meanwhile record."""
+    import jax
+
+    import model.moe as moe
+    from pallas_kernels import reference as ref
+
+    def record(scores, k: int):
+        def host(s):
+            s = np.asarray(s, np.float64).reshape(-1, s.shape[-1])
+            if s.shape[-1] <= k:
+                return
+            top = -np.sort(-s, axis=-1)[:, :k + 1]
+            cut = np.isfinite(top[:, k])
+            a, b = top[cut, k - 1], top[cut, k]
+            if a.size:
+                margins.append(float(np.min((a - b) / np.maximum(np.maximum(abs(a), abs(b)), 1e-30))))
+        jax.debug.callback(host, scores)
+
+    originals = ref.topk_indices, ref.top_candidate_groups, moe.top_k_ids
+
+    def topk_indices(scores, k):
+        record(scores, k)
+        return originals[0](scores, k)
+
+    def top_candidate_groups(group_max, reachable, topk_groups, group):
+        record(group_max, topk_groups)
+        return originals[1](group_max, reachable, topk_groups, group)
+
+    def top_k_ids(scores, k):
+        record(scores, k)
+        return originals[2](scores, k)
+
+    ref.topk_indices, ref.top_candidate_groups, moe.top_k_ids = topk_indices, top_candidate_groups, top_k_ids
+    try:
+        yield margins
+    finally:
+        ref.topk_indices, ref.top_candidate_groups, moe.top_k_ids = originals
+
+
+def tie_free_tokens(model, seed: int, shape: tuple[int, int], low: int = 2, high: int | None = None,
+                    bound: float = 1e-4, draws: int = 8) -> np.ndarray:
+    """Seeded tokens [B, S] whose reference forward makes no top-k cut within `bound` (relative) of a tie, so
+    that float noise between two implementations cannot flip a selection: near-ties are ruled out by
+    construction (the tokens are drawn again), never absorbed by a tolerance."""
+    import jax
+    from flax import nnx
+
+    high = model.config.vocab_size if high is None else high
+    rng = np.random.default_rng(seed)
+    for _ in range(draws):
+        tokens = rng.integers(low, high, shape)
+        margins: list = []
+        with recording_topk_margins(margins):
+            forward = nnx.jit(lambda m, t: m.forward(t)[0])  # a fresh program: traced with the recorders
+            jax.block_until_ready(forward(model, jnp.asarray(tokens, jnp.int32)))
+            jax.effects_barrier()
+        if not margins or min(margins) > bound:
+            return tokens
+    raise AssertionError(f"{draws} token draws (seed {seed}) all have a top-k cut within {bound} of a tie")

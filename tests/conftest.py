@@ -40,15 +40,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start the 8-device sharding worker (tests/sharding_worker.py "meshes", ~100 s of XLA compiles) now if a
-    selected test needs its results (test_sharding.py's `mesh_results`): it runs on the second CPU core, which
-    this process (one compile at a time) mostly leaves idle, while this process runs the tests before it."""
+    """Start the 8-device sharding worker (tests/sharding_worker.py "meshes", ~100 s of XLA compiles; "engram",
+    ~150 s) now if a selected test needs its results (test_sharding.py's `mesh_results`, test_engram_sharded.py's
+    `engram_results`): it runs on the second CPU core, which this process (one compile at a time) mostly leaves
+    idle, while this process runs the tests before it."""
     if session.config.option.collectonly:
         return
-    if any("mesh_results" in getattr(item, "fixturenames", ()) for item in session.items):
-        import sharding_worker
+    for fixture, mode in (("mesh_results", "meshes"), ("engram_results", "engram")):
+        if any(fixture in getattr(item, "fixturenames", ()) for item in session.items):
+            import sharding_worker
 
-        sharding_worker.start_early("meshes")
+            sharding_worker.start_early(mode)
 
 
 def pytest_sessionfinish(session):

@@ -13,300 +13,18 @@ Extra helpers: ``hf_prefill_decode_logits`` (prefill + teacher-forced 1-token de
 cache), ``hf_greedy_reference`` (cache-free greedy), ``official_state_dict`` /
 ``save_official_checkpoint`` (same tensors under the official checkpoint names),
 ``discrete_margins`` / ``check_no_near_ties`` (smallest relative gap at every indexer top-k cut, every
-router top-k cut and every logits argmax), ``perturb_weights_``.  ``python tests/hf_oracle.py`` runs
+router top-k cut and every logits argmax), ``first_near_ties`` (per batch row, the first position with a
+near-tie at a top-k cut, in float64), ``perturb_weights_``.  ``python tests/hf_oracle.py`` runs
 a self-check.
 
-===================================================================================================
-0. VERIFIED (B=2, T=220, seed 0, tokens = default_rng(1234).integers(2,256))
-===================================================================================================
-* logits are finite, std 1.01, max|.| 4.4.  hf_logits(use_cache=False) and the one-shot cached
-  prefill give identical logits (bitwise).
-* An independent float64 re-implementation of MODEL_SPEC 2.1-2.5/2.8/2.9 (own code, scratch file,
-  reads official_state_dict names, *with* the indexer Hadamard) matches HF's fp32 logits to max|d|
-  1.3e-5 (relative 2.9e-6), with the same argmax everywhere; running it without the Hadamard gives the
-  same result.  So, with quant-sim off, HF == MODEL_SPEC V4 except for the points in section 4.
-  This also checks the key table of section 3 (w1/w3 order, wo_a grouping, ...).
-* Cache consistency: prefill 183 + 37 single-token decodes vs full forward: max|d| 7.5e-6 (this
-  crosses CSA emissions and the HCA ratio-16 emissions at p=191, 207); chunked prefill 37/50/61/72
-  vs one shot: 5.7e-6; ``generate`` (B=2, 12 new tokens, DynamicCache) == cache-free greedy
-  (identical tokens), per-step generate logits vs full forward: max|d| 8.9e-6.  HF's cached path is
-  consistent with its full forward.  Smallest top1-top2 relative margin over the 12 greedy steps:
-  7.8e-5.
-* Discrete margins, seed 0 (smallest relative gap over all cuts): indexer l2 1.2e-4, l4 1.8e-4;
-  router l2 6.3e-5, l3 1.0e-3, l4 7.7e-4, l5 1.2e-4; argmax 1.4e-4.  Seeds 1 and 2: indexer
-  >= 2.7e-4, router >= 2.0e-5.  With index_n_heads=4 the indexer has EXACT ties (margin 0 for every
-  seed): 6.6% of causally valid indexer scores are exactly 0.0 (all 4 ReLU(q.k) terms are zero), so
-  top-k among them depends on tie-breaking.  With 16 heads no score is exactly 0.  Keep HI=16; call
-  check_no_near_ties(model, tokens) on any new test input.
-* save/reload: every format reloads with from_pretrained with no missing or unexpected keys and
-  bitwise-equal weights.  Logits after reload: max|d| 0 (original-format and official files) or 9.5e-7
-  (pure-HF file: same weights, but a different BLAS path for the mmapped tensors).
-* Timings on this 2-core CPU, measured while nothing else was running: `import transformers` model
-  classes ~2.5 s (once per process), hf_tiny_config 1 ms, build_hf_model 0.07 s, forward B=2 T=220
-  0.07-0.09 s, generate 12 tokens 0.25 s, prefill+37 decodes 0.6 s, cache-free greedy 12 tokens
-  0.9 s.  When another process (a JAX job) was using the CPU, the same calls took 10-100x longer.
-  A forward at T=600 > max_position_embeddings works.
-
-===================================================================================================
-1. CONFIG (hf_tiny_config) - HF field names
-===================================================================================================
-HF's DeepseekV4Config does not use the official `compress_ratios` / `num_hash_layers` /
-`qk_rope_head_dim` / `rope_scaling` fields.  DeepseekV4Config.__post_init__ converts them:
-  compress_ratios (per layer, MTP slot dropped by truncating to num_hidden_layers) ->
-      layer_types[l] in {"sliding_attention" (0), "compressed_sparse_attention" (4),
-      "heavily_compressed_attention" (128)} through _COMPRESS_RATIO_TO_LAYER_TYPE, which knows ONLY
-      0/4/128.  `compress_ratios=[0,0,4,16,...]` raises KeyError 16.  For TINY we therefore pass
-      layer_types=[SWA,SWA,CSA,HCA,CSA,SWA] and
-      compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}.
-      There is ONE rate per layer TYPE.  Every CSA layer has the overlap compressor and the indexer,
-      every HCA layer has the non-overlap compressor and no indexer, whatever the rate.
-  num_hash_layers=2 -> mlp_layer_types = ["hash_moe"]*2 + ["moe"]*4
-  qk_rope_head_dim=32 -> partial_rotary_factor = 32/96 (the runtime attribute qk_rope_head_dim is
-      recomputed from it and also written to config.json)
-  rope: pass a flat YaRN dict in rope_parameters; __post_init__ nests it as
-      {"main":     {"rope_type":"default", "rope_theta":10000, "partial_rotary_factor":1/3},
-       "compress": {"rope_type":"yarn", "factor":4.0, "original_max_position_embeddings":32,
-                    "beta_fast":32, "beta_slow":1, "rope_theta":40000 (=compress_rope_theta),
-                    "partial_rotary_factor":1/3, "attention_factor":1.0}}
-      (a legacy `rope_scaling={"type":"yarn",...}` is folded in the same way.)
-Values: vocab 256, hidden 128, moe_intermediate_size 128, 6 layers, 4 heads, 1 kv head, head_dim 96,
-q_lora_rank 128, o_groups 2, o_lora_rank 64, sliding_window 8, index_n_heads 16, index_head_dim 64,
-index_topk 4, n_routed_experts 8, num_experts_per_tok 2, n_shared_experts 1, scoring sqrtsoftplus,
-routed_scaling_factor 1.5, hc 4/20/1e-6, swiglu_limit 10, rms_norm_eps 1e-6,
-max_position_embeddings 512, num_nextn_predict_layers 1, tie_word_embeddings False, bos 0, eos 1.
-Overrides: any HF field, plus compress_ratios / num_hash_layers / qk_rope_head_dim / yarn
-(translated as above).
-
-max_position_embeddings: HF uses it (a) in _compute_yarn_parameters ONLY when `factor` is missing
-(factor = max_pos/orig); we give factor=4, so it is not used.  A config validator then logs "factor
-4.0 does not match max_pos/orig = 16"; the explicit factor wins, and hf_tiny_config silences the
-warning.  (b) In DeepseekV4RotaryEmbedding.max_seq_len_cached, which only the dynamic/longrope
-rope types read.  There is no position limit.  512 is safe, and T=600 runs.  max_pos=128 (MODEL_SPEC
-1.4) would also work and makes the warning go away (128/32 = 4).
-
-config.json written by save_hf_model (save_pretrained) - exact key set:
-  architectures ["DeepseekV4ForCausalLM"], attention_bias, attention_dropout, bos_token_id,
-  compress_rates, compress_rope_theta, dtype ("float32"), eos_token_id, hc_eps, hc_mult,
-  hc_sinkhorn_iters, head_dim, hidden_act, hidden_size, index_head_dim, index_n_heads, index_topk,
-  initializer_range, layer_types, max_position_embeddings, mlp_bias, mlp_layer_types, model_type
-  ("deepseek_v4"), moe_intermediate_size, n_routed_experts, n_shared_experts, norm_topk_prob,
-  num_attention_heads, num_experts_per_tok, num_hidden_layers, num_key_value_heads,
-  num_nextn_predict_layers, o_groups, o_lora_rank, output_router_logits, pad_token_id (null),
-  partial_rotary_factor, q_lora_rank, qk_rope_head_dim, rms_norm_eps, rope_parameters
-  ({"main":{...},"compress":{...}} as above), rope_theta, routed_scaling_factor,
-  router_aux_loss_coef, router_jitter_noise, scoring_func, sliding_window, swiglu_limit,
-  tie_word_embeddings, transformers_version, use_cache, vocab_size.
-  (It has NO compress_ratios, num_hash_layers, rope_scaling or quantization_config.)  Also
-  generation_config.json = {bos_token_id 0, eos_token_id 1, use_cache true, ...}.
-A jaxinfer config loader should accept both this HF form and the official form.
-
-===================================================================================================
-2. WEIGHTS (build_hf_model)
-===================================================================================================
-DeepseekV4ForCausalLM(config) is built under torch.random.fork_rng (the global RNG is unchanged), in
-float32, eval(), _attn_implementation="eager".  Experts use transformers' default "grouped_mm"
-implementation; it gives the same maths as the eager loop.  Then perturb_weights_ overwrites
-every learned tensor, in sorted-name order, from one torch.Generator(seed).  N = standard normal.
-  *norm.weight / *layernorm.weight (q_a_norm, kv_norm, compressor(.indexer).kv_norm,
-      input_layernorm, post_attention_layernorm, model.norm)   1 + 0.1 N
-  attn_hc/ffn_hc .fn, hc_head.hc_fn           0.05 N
-  .base, hc_base                              0.2 N
-  .scale, hc_scale                            0.5 + 0.2 N
-  self_attn.sinks                             0.5 N
-  mlp.gate.e_score_correction_bias (buffer)   0.3 N
-  compressor(.indexer).position_bias (= ape)  0.1 N
-  model.embed_tokens.weight                   0.5 N
-  every other 2-D weight [out,in]             N * in^-0.5   (lm_head, all projections, router gate)
-  mlp.experts.gate_up_proj [E,2I,D]           N * D^-0.5 ;  down_proj [E,D,I]   N * I^-0.5
-  mlp.gate.tid2eid [V,k] (buffer, int64)      per token: the first k of a random permutation of the E
-                                              experts (k distinct experts)
-The only things not perturbed are the rotary inv_freq buffers, which are not persistent and are
-derived from the config.
-
-===================================================================================================
-3. CHECKPOINT LAYOUT (save_hf_model) and the HF -> official name table
-===================================================================================================
-save_hf_model(model, dir) (default original_format=False) writes ONE model.safetensors (metadata
-{"format":"pt"}), 168 tensors, all float32 except tid2eid (int64).  Every linear weight is
-nn.Linear-style [out, in], the same orientation as the official checkpoint, so NO transposition is
-needed anywhere.  Experts are STACKED, and gate+up are FUSED (gate first).
-Layer sets: all = 0..5, CSA = {2,4}, HCA = {3}, hash = {0,1}, scored = {2,3,4,5}.
-
- HF key (shape for TINY)                                           official name (MODEL_SPEC 3.7)
- ----------------------------------------------------------------  ---------------------------------
- model.embed_tokens.weight [256,128]                               embed.weight
- lm_head.weight [256,128]  (untied)                                head.weight
- model.norm.weight [128]                                           norm.weight
- model.hc_head.hc_fn [4,512] / .hc_base [4] / .hc_scale [1]        hc_head_fn / hc_head_base / hc_head_scale
- model.layers.{l}.attn_hc.fn [24,512] / .base [24] / .scale [3]    layers.{l}.hc_attn_fn / hc_attn_base / hc_attn_scale
- model.layers.{l}.ffn_hc.fn [24,512] / .base [24] / .scale [3]     layers.{l}.hc_ffn_fn / hc_ffn_base / hc_ffn_scale
- model.layers.{l}.input_layernorm.weight [128]                     layers.{l}.attn_norm.weight
- model.layers.{l}.post_attention_layernorm.weight [128]            layers.{l}.ffn_norm.weight
- model.layers.{l}.self_attn.q_a_proj.weight [128,128]              layers.{l}.attn.wq_a.weight
- model.layers.{l}.self_attn.q_a_norm.weight [128]                  layers.{l}.attn.q_norm.weight
- model.layers.{l}.self_attn.q_b_proj.weight [384,128]              layers.{l}.attn.wq_b.weight   (rows = head-major H x Dh)
- model.layers.{l}.self_attn.kv_proj.weight [96,128]                layers.{l}.attn.wkv.weight
- model.layers.{l}.self_attn.kv_norm.weight [96]                    layers.{l}.attn.kv_norm.weight
- model.layers.{l}.self_attn.o_a_proj.weight [128,192]              layers.{l}.attn.wo_a.weight   ([G*o_lora, H*Dh/G]; view [G,o_lora,H*Dh/G])
- model.layers.{l}.self_attn.o_b_proj.weight [128,128]              layers.{l}.attn.wo_b.weight
- model.layers.{l}.self_attn.sinks [4]                              layers.{l}.attn.attn_sink
- -- CSA (l in {2,4}) --
- ...self_attn.compressor.kv_proj.weight [192,128]                  layers.{l}.attn.compressor.wkv.weight   (rows [0:96]=A half, [96:192]=B half)
- ...self_attn.compressor.gate_proj.weight [192,128]                layers.{l}.attn.compressor.wgate.weight
- ...self_attn.compressor.position_bias [4,192]                     layers.{l}.attn.compressor.ape
- ...self_attn.compressor.kv_norm.weight [96]                       layers.{l}.attn.compressor.norm.weight
- ...self_attn.compressor.indexer.kv_proj.weight [128,128]          layers.{l}.attn.indexer.compressor.wkv.weight
- ...self_attn.compressor.indexer.gate_proj.weight [128,128]        layers.{l}.attn.indexer.compressor.wgate.weight
- ...self_attn.compressor.indexer.position_bias [4,128]             layers.{l}.attn.indexer.compressor.ape
- ...self_attn.compressor.indexer.kv_norm.weight [64]               layers.{l}.attn.indexer.compressor.norm.weight
- ...self_attn.compressor.indexer.q_b_proj.weight [1024,128]        layers.{l}.attn.indexer.wq_b.weight      (rows = HI x DI, head-major)
- ...self_attn.compressor.indexer.scorer.weights_proj.weight [16,128]  layers.{l}.attn.indexer.weights_proj.weight
- -- HCA (l = 3) --
- ...self_attn.compressor.kv_proj.weight [96,128]                   layers.{l}.attn.compressor.wkv.weight
- ...self_attn.compressor.gate_proj.weight [96,128]                 layers.{l}.attn.compressor.wgate.weight
- ...self_attn.compressor.position_bias [16,96]                     layers.{l}.attn.compressor.ape
- ...self_attn.compressor.kv_norm.weight [96]                       layers.{l}.attn.compressor.norm.weight
- -- MoE (all layers) --
- model.layers.{l}.mlp.gate.weight [8,128]                          layers.{l}.ffn.gate.weight
- model.layers.{l}.mlp.gate.tid2eid [256,2] int64   (hash layers)   layers.{l}.ffn.gate.tid2eid
- model.layers.{l}.mlp.gate.e_score_correction_bias [8] (scored)    layers.{l}.ffn.gate.bias
- model.layers.{l}.mlp.experts.gate_up_proj [8,256,128]             layers.{l}.ffn.experts.{e}.w1.weight = gate_up_proj[e, :I, :]
-                                                                   layers.{l}.ffn.experts.{e}.w3.weight = gate_up_proj[e, I:, :]
- model.layers.{l}.mlp.experts.down_proj [8,128,128]                layers.{l}.ffn.experts.{e}.w2.weight = down_proj[e]
- model.layers.{l}.mlp.shared_experts.gate_proj.weight [128,128]    layers.{l}.ffn.shared_experts.w1.weight
- model.layers.{l}.mlp.shared_experts.up_proj.weight [128,128]      layers.{l}.ffn.shared_experts.w3.weight
- model.layers.{l}.mlp.shared_experts.down_proj.weight [128,128]    layers.{l}.ffn.shared_experts.w2.weight
- (not in HF at all: mtp.0.* - see 4.13; the FP8/FP4 `.scale` tensors - HF files are fp32.)
-Count: 6 top-level + 23 per layer x 6 + 10 per CSA layer x 2 + 4 for the HCA layer = 168.  In the
-official layout (per-expert w1/w2/w3): 300.
-This table is transformers' conversion_mapping["deepseek_v4"] (official -> HF renames, plus
-MergeModulelist(dim=0)+Concatenate(dim=1) for w1/w3 -> gate_up_proj and MergeModulelist for w2),
-written out.  official_state_dict() is its inverse.  save_official_checkpoint() writes exactly
-those names (no "model." prefix), and from_pretrained loads that file back bitwise.
-Pitfall: save_pretrained's DEFAULT (save_original_format=True, i.e. save_hf_model(...,
-original_format=True)) reverses the renames only partly and gives a HYBRID layout that is neither
-HF nor official: "model.layers.{l}.attn.wq_a.weight", per-expert "model.layers.{l}.ffn.experts.{e}.w1
-.weight", "model.layers.{l}.hc_attn_fn", "head.weight", but "model.embed_tokens.weight",
-"model.norm.weight", "model.hc_head.hc_fn", and the main kv_norm written as
-"model.layers.{l}.attn.norm.weight" (the official name is attn.kv_norm.weight).  Don't build a
-loader against that format.
-
-===================================================================================================
-4. SEMANTICS: HF (modeling_deepseek_v4.py) vs MODEL_SPEC (V4).  "SAME" means verified equal
-   (section 0); the real differences are marked DIFF.
-===================================================================================================
-4.1  RoPE [DeepseekV4RotaryEmbedding, apply_rotary_pos_emb]: SAME.  Interleaved pairs
-     (x[2k], x[2k+1]) of the LAST R=32 dims of each 96-dim head: out = (a cos - b sin, a sin + b cos),
-     angle = p * inv_freq[k], computed in fp32.  rotate_half is the interleaved form (-x[1::2], x[0::2]).
-     Two inv_freq tables: "main" = 10000^(-2k/32), no YaRN, for sliding_attention layers;
-     "compress" = YaRN(theta 40000) for CSA/HCA layers.  The compress table is used for that layer's
-     q, its SWA kv, its compressed entries and its indexer q/k.  The compressor and indexer own their
-     DeepseekV4RotaryEmbedding instances, built from the same config, so the tables are identical.
-4.2  YaRN [_compute_yarn_parameters]: SAME as spec 2.3.  c(b) = R ln(orig/(2 pi b)) / (2 ln theta),
-     with orig = rope_parameters.compress.original_max_position_embeddings (32, NOT
-     max_position_embeddings); lo = max(floor(c(beta_fast)), 0), hi = min(ceil(c(beta_slow)), R-1)
-     (truncate=True); ramp_k = clip((k-lo)/(hi-lo), 0, 1) over k < R/2, with hi += 0.001 only if
-     lo == hi; inv_freq = w/factor * ramp + w * (1-ramp).  attention_factor is forced to 1.0, so cos/sin
-     are not scaled (no mscale).  TINY: lo=0, hi=3, so k=0 is not interpolated, k=1,2 are partly
-     interpolated (ramp 1/3, 2/3), k>=3 are divided by 4.  compress inv_freq[:4] = [1.0, 0.38675,
-     0.13296, 0.034281].  Real config: lo=15, hi=25.
-4.3  q path [DeepseekV4Attention.forward]: SAME.  c_q = q_a_norm(q_a_proj h) (weighted RMSNorm);
-     q = q_b_proj c_q -> [H,Dh]; q_b_norm = DeepseekV4UnweightedRMSNorm: q_h * rsqrt(mean(q_h^2) +
-     rms_norm_eps), per head, no weight, applied BEFORE RoPE; then RoPE.  kv = kv_norm(kv_proj h),
-     then RoPE; K = V = kv (one shared head).
-4.4  Attention/sink [eager_attention_forward]: SAME.  logits = q.k * head_dim^-0.5 (1/sqrt(96)) +
-     mask; the per-head `sinks` value is appended as an extra logit column (NOT scaled by 1/sqrt(Dh),
-     NOT added to the keys); softmax over [keys..., sink], then the sink column is dropped, which
-     equals exp(sink) in the denominator only.  A max-subtraction is applied first (no effect on the
-     maths).  SWA mask: key s visible iff q-W < s <= q (W=8 keys including itself)
-     [sliding_window_overlay].  The DynamicSlidingWindowLayer cache keeps the last W-1 rows and
-     concatenates the new rows.
-4.5  Inverse RoPE on the output: SAME.  apply_rotary_pos_emb(attn_out, cos, -sin) with the query
-     position and the layer's own table (main/compress), applied to the last R dims of every head
-     output.
-4.6  Grouped output [DeepseekV4GroupedLinear]: SAME.  o [B,S,H*Dh] -> G=2 contiguous groups of
-     H*Dh/G=192; u_g = W_oa.view(G, o_lora, 192)[g] @ o_g; out = o_b_proj(concat_g u_g).
-4.7  Compressor (CSA overlap, DeepseekV4CSACompressor; indexer key DeepseekV4Indexer): SAME as spec
-     2.5 ("official" overlap).  kv = kv_proj h, gate = gate_proj h + position_bias[t mod r]; only
-     complete windows (usable = floor(T/r)*r); each window is [B,nW,r,2d].  Slots 0..r-1 are the
-     PREVIOUS window's A half (kv[..., :d], gate[..., :d]); slots r..2r-1 are the CURRENT window's B
-     half ([..., d:]).  The first window's A slots are kv 0 / gate -inf (no cache) or the carried
-     overlap state (cache).  softmax over the 2r slots, per channel, in fp32; C = sum(softmax * kv);
-     then kv_norm (weighted RMSNorm, eps=rms_norm_eps); then RoPE at position j*r (+ entry_count*r
-     under the cache).  ape's first d columns go with A, because it is added before the split.
-     Indexer-key compressor: same code with d = DI = 64, its own kv_proj/gate_proj [2*DI, D],
-     position_bias [r, 2*DI], kv_norm [DI], always with overlap.
-     HCA (DeepseekV4HCACompressor): C_j = sum over the r tokens of softmax_t(gate + position_bias)
-     * kv, then kv_norm, then RoPE at j*r.  All SAME.
-4.8  Visibility: SAME.  HCA: entry j visible iff j < floor((p+1)/r) (block_bias in
-     DeepseekV4HCACompressor; with seq_len==1 in decode block_bias is None and every cached entry is
-     visible, which is the same set).  CSA: only the indexer-selected entries are visible
-     (DeepseekV4CSACompressor builds block_bias by scattering 0 at the valid top-k indices).
-4.9  Indexer [DeepseekV4Indexer, DeepseekV4IndexerScorer]: SAME up to the Hadamard.
-     qI = q_b_proj(c_q) (c_q = q_a_norm output; qI gets NO per-head norm) -> [HI=16, DI=64]; RoPE on
-     the last R=32 dims of each index head with the compress table at the query position; keys from
-     the indexer compressor (4.7), RoPE'd at j*r.  score[p,j] = sum_h (ReLU(qI_h . K_j) * DI^-0.5) *
-     (weights_proj(h)_h * HI^-0.5), where h = the attention input (input_layernorm(collapse)).
-     Future entries j >= floor((p+1)/r) are set to -inf; torch.topk(k = min(index_topk,
-     n_entries_total)); picks that land on future entries become -1 (invalid), so in effect it is
-     top-min(K, floor((p+1)/r)).  Tie order is whatever torch.topk gives (see the HI=4 note in 0).
-     DIFF: HF has NO Hadamard transform and NO FP4 quant-sim on qI / K.  The Sylvester Hadamard /
-     sqrt(DI) is orthonormal, so qI.K is unchanged: with quant-sim off this is not a real difference
-     (checked in float64).  Apply the Hadamard only together with the FP4 sim, or compare against
-     HF with quant-sim off.
-4.10 mHC [DeepseekV4HyperConnection]: SAME as spec 2.2.  flat = X.view(B,S,n*D) in fp32;
-     input_norm = unweighted RMSNorm over all n*D values (eps = rms_norm_eps); m = flat_normed @
-     fn^T (the same as spec's rho*(fn.x)); split [pre n | post n | comb n*n]; pre = sigmoid(m*scale0
-     + base) + hc_eps; post = 2*sigmoid(m*scale1 + base); comb = softmax(m*scale2 + base, over the last
-     axis = rows) + hc_eps; then comb /= colsum+hc_eps; then (iters-1)=19 times (comb /= rowsum+eps;
-     comb /= colsum+eps).  collapse y = sum_i pre_i X_i.  Update
-     [DeepseekV4DecoderLayer.forward]: X'_k = post_k*F + sum_j comb[j,k]*X_j (matmul(comb^T, X)),
-     which is spec X'_j = post_j F + sum_i comb_ij X_i.  Block: attn_hc -> input_layernorm -> attn
-     -> update; ffn_hc -> post_attention_layernorm -> MoE -> update.  The V4 per-sublayer pre-mix,
-     with no carry.
-4.11 hc_head [DeepseekV4HyperHead]: SAME.  a = sigmoid(rmsnorm_unweighted(flat) @ hc_fn^T *
-     hc_scale + hc_base) + hc_eps; no Sinkhorn; y = sum a_i X_i; then model.norm; then lm_head
-     (untied).
-4.12 MoE [DeepseekV4TopKRouter, DeepseekV4HashRouter, DeepseekV4Experts, DeepseekV4MLP]:
-     s = sqrt(softplus(gate.weight @ h)) (SqrtSoftplusActivation; torch softplus is linear above 20).
-     Scored layers: idx = topk(s + e_score_correction_bias, k, sorted=False); w = s[idx].
-     Hash layers: idx = tid2eid[input_ids] (NO bias), w = s[idx].  Both: w = w/(sum w + 1e-20) *
-     routed_scaling_factor.
-       DIFF (negligible): 1e-20 in the normaliser (spec V4: no eps).  Both norm_topk_prob and
-       n_shared_experts are IGNORED (the weights are always normalised; there is always exactly one
-       shared DeepseekV4MLP of width moe_intermediate_size).
-     Expert: gate_up = gate_up_proj[e] @ x; gate, up = chunk(2) (the first I rows = w1/gate);
-     gate.clamp(max=L); up.clamp(-L, L); z = silu(gate)*up; y = down_proj[e] @ z; THEN
-     y *= routing weight.
-       DIFF (rounding only): spec multiplies z by the weight BEFORE W2; the two are equal because it
-       is linear.
-     Shared expert: the same clamped SwiGLU (clamp on gate max=L, up +-L), weight 1.  out = sum of
-     the routed outputs + shared.  Clamped SwiGLU: SAME for routed and shared.  The hash router
-     needs input_ids (it fails with inputs_embeds).
-4.13 MTP: DIFF - HF does NOT implement MTP.  No module; `mtp.*` keys are dropped on load
-     (_keys_to_ignore_on_load_unexpected); num_nextn_predict_layers is only stored in the config;
-     the MTP compress-ratio slot is truncated away.  There is no HF oracle for mtp.0 (e_proj/h_proj/
-     enorm/hnorm/hc_head/norm) or for speculative verification: _is_stateful=True disables assisted
-     generation, and the compressor cache cannot be rolled back.
-4.14 Quantisation: DIFF - HF has no fake-quant at all (no act_quant, no FP8 KV nope sim, no FP4
-     indexer sim, no bf16 rounding of the sparse-attention probabilities).  HF in fp32 = jaxinfer with
-     quant_sim off.
-4.15 Precision: the compressor/indexer projections and the router run in the activation dtype
-     (fp32 here; in a bf16 model they would run in bf16, with the compressor softmax explicitly fp32).  The mHC,
-     hc_head, norms, sinks and position_bias are kept in fp32 (_keep_in_fp32_modules_strict).  No
-     difference in fp32 tests.
-4.16 Padding/positions: position_ids = arange(T) + cache length, shared by the whole batch.  The
-     compressors and the indexer IGNORE attention_mask: pad tokens are compressed like real tokens
-     and positions are not shifted for left padding.  Only compare unpadded, equal-length batches
-     (hf_greedy does this).  Incremental state [DeepseekV4CSACache/HCACache]: raw (kv, gate-without-
-     ape) rows of the incomplete window are buffered; the CSA overlap carry stores the last window's
-     A half (with ape); entries are emitted when a window completes.  Chunked prefill and 1-token
-     decode match the one-shot forward (section 0).
+What the oracle was checked to do, the config / weight / checkpoint-name mappings and HF's semantic
+differences from the official model: docs/hf_oracle.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -327,11 +45,12 @@ __all__ = [
     "hf_greedy",
     "hf_greedy_reference",
     "discrete_margins",
+    "first_near_ties",
     "check_no_near_ties",
     "perturb_weights_",
 ]
 
-# Per-layer compress ratios of TINY-V4, including the trailing MTP slot (MODEL_SPEC 1.4).
+# Per-layer compress ratios of TINY-V4, including the trailing MTP slot (docs/model.md §0.4).
 TINY_COMPRESS_RATIOS = (0, 0, 4, 16, 4, 0, 0)
 
 _SWA, _CSA, _HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -545,7 +264,7 @@ def save_hf_model(model, directory: str, original_format: bool = False) -> list[
 
 
 def official_state_dict(model) -> dict[str, torch.Tensor]:
-    """HF model -> tensors under the official DeepSeek-V4 checkpoint names (MODEL_SPEC 3.7),
+    """HF model -> tensors under the official DeepSeek-V4 checkpoint names (docs/model.md §14),
     unquantised (fp32), no ``model.`` prefix, experts split per expert, no MTP tensors.
     Inverse of transformers' ``conversion_mapping['deepseek_v4']``."""
     out: dict[str, torch.Tensor] = {}
@@ -797,6 +516,62 @@ def discrete_margins(model, tokens) -> dict[str, float]:
     top2 = logits.topk(2, dim=-1).values
     res["argmax"] = float(((top2[..., 0] - top2[..., 1]) / top2[..., 0].abs().clamp_min(1e-30)).min())
     return res
+
+
+@torch.no_grad()
+def first_near_ties(model, tokens, bound: float = 1e-4) -> np.ndarray:
+    """Per batch row, the first position with a near-tie at a top-k cut, computed in float64 (a copy of the model):
+    a CSA indexer cut (k-th vs (k+1)-th causally valid score) or a score-routed MoE cut (on sqrtsoftplus /
+    sigmoid(logits) + bias) whose gap is at most `bound` x the larger score (exact ties included, e.g. the
+    all-zero scores of few indexer heads). Float32 noise may flip such a choice, and a flip at position p
+    changes every later position (its KV), so a parity test compares rows before it. -> [B] int (T: none)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
+
+    m = copy.deepcopy(model).double()
+    m.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    ids = _ids(tokens)
+    B, T = ids.shape
+    first = np.full(B, T)
+    pos = torch.arange(T)
+
+    def record(scores: torch.Tensor, valid: torch.Tensor, k: int):
+        s = scores.masked_fill(~valid, float("-inf"))
+        if s.shape[-1] <= k:
+            return
+        top = s.topk(k + 1, dim=-1).values
+        a, b = top[..., k - 1], top[..., k]
+        tie = torch.isfinite(b) & ((a - b) <= bound * torch.maximum(a.abs(), b.abs()))
+        for row in range(B):
+            at = torch.nonzero(tie[row]).flatten()
+            if len(at):
+                first[row] = min(first[row], int(at[0]))
+
+    hooks = []
+    for layer in m.model.layers:
+        comp = getattr(layer.self_attn, "compressor", None)
+        if isinstance(comp, M.DeepseekV4CSACompressor):
+            idx = comp.indexer
+
+            def _h(mod, args, out, idx=idx):
+                n = out.shape[-1]
+                valid = torch.arange(n)[None, None, :] < ((pos + 1) // idx.compress_rate)[None, :, None]
+                record(out, valid.expand(B, T, n), idx.index_topk)
+
+            hooks.append(idx.scorer.register_forward_hook(_h))
+        gate = layer.mlp.gate
+        if isinstance(gate, M.DeepseekV4TopKRouter):
+
+            def _g(mod, args, out, gate=gate):
+                sc = (gate.score_fn(out[0]) + gate.e_score_correction_bias).reshape(B, T, -1)
+                record(sc, torch.ones_like(sc, dtype=torch.bool), gate.top_k)
+
+            hooks.append(gate.register_forward_hook(_g))
+    try:
+        m(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return first
 
 
 def check_no_near_ties(model, tokens, tol: float = 1e-5) -> dict[str, float]:

@@ -6,6 +6,8 @@ be set before jax is imported, so the pytest process, which has one device, laun
     python tests/sharding_worker.py generations OUT.json       # 8 devices: greedy generate on every mesh
     python tests/sharding_worker.py multihost OUT PORT PID CKPT  # one of 2 processes x 4 devices
     python tests/sharding_worker.py fp8 OUT.json                # 8 devices: FP8-resident dense weights
+    python tests/sharding_worker.py engram OUT.json             # 8 devices: Engram table placements (and
+                                                                # engram-full, slow: every mesh and output)
 
 Results go to OUT as JSON (or .npy logits) for the test to check; this file asserts nothing.
 """
@@ -267,6 +269,184 @@ def run_fp8(out_path: str) -> None:
     Path(out_path).write_text(json.dumps(cases, indent=1))
 
 
+# ----------------------------------------------------------------------------- Engram tables ("engram")
+# [V4.1] Engram tables whole on every device, split over the devices or in host memory: the same random model (two
+# Engram layers, FP8 tables) with each placement and exchange against the replicated placement on the same mesh,
+# bitwise: prefill logits, teacher-forced decode logits, DSpark speculative tokens and greedy tokens; what a traced
+# decode step contains (host callbacks, the exchange's collectives, host gathers); born-sharded tables
+# (init_random(mesh)) against one device's. "engram": the CI cases on dp=2 x ep=4; "engram-full" (slow): every mesh
+# of ENGRAM_MESHES x every variant x every output.
+
+ENGRAM_OUTPUTS = ("prefill", "decode", "speculative", "greedy")
+# CI: (placement, exchange, outputs) on dp=2 x ep=4: each exchange in prefill, the all-to-all in decode, the
+# speculative loop with host tables (a host gather and an all-to-all in every verify step)
+ENGRAM_CASES = [("sharded", "all_to_all", ("prefill", "decode")), ("sharded", "all_gather", ("prefill",)),
+                ("host", "all_to_all", ("prefill", "decode", "speculative")), ("host", "all_gather", ("prefill",))]
+ENGRAM_MESHES = [(2, 4, 1), (2, 2, 2), (1, 8, 1), (8, 1, 1)]
+ENGRAM_NEW_TOKENS = 5
+
+
+def engram_config():
+    """tiny-v41 cut to SWA + Engram, Full (r=2: the KV and index source) + Engram, SWA and one DSpark stage: two
+    tables (one exchange for both) of 358 and 522 rows (padded to a multiple of the devices), held as the release
+    ships them; the Engram layers at or before the KV source, as bounded replay needs."""
+    from model import ModelConfig
+
+    return ModelConfig.preset("tiny-v41").replace(
+        num_layers=3, compress_ratios=(0, 2, 0, 0), kv_source_layer_ids=(1,), index_source_layer_ids=(1,),
+        candidate_source_layer_id=-1, engram_layer_ids=(0, 1), engram_vocab_size=44, num_mtp_layers=1,
+        dspark_target_layer_ids=(1, 2), engram_tables="fp8", name="v41-engram")
+
+
+def engram_inputs(cfg):
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size - 2, n).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6)]
+    tokens = rng.integers(3, cfg.vocab_size - 2, (8, 11))
+    cont = rng.integers(3, cfg.vocab_size - 2, (8, 3))
+    return tokens, cont, prompts
+
+
+def engram_lookups() -> list[dict]:
+    """sharding.RowLookup alone against numpy gathers: two tables of three arrays each (FP8 rows, uint8 scales and a
+    float32 column of another width), with 8 or 3 sequences (the batch split over dp x ep, or replicated), every
+    exchange, on meshes with and without tp, in device and host memory."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from sharding import ParallelConfig
+    from sharding.row_lookup import HOST_MEMORY, SPLIT, RowLookup
+
+    rng = np.random.default_rng(12)
+    out = []
+    for shape, batch, host in (((2, 4, 1), 8, False), ((2, 2, 2), 8, False), ((1, 8, 1), 3, False),
+                               ((2, 4, 1), 8, True), ((8, 1, 1), 3, True)):
+        mesh = ParallelConfig(*shape).make_mesh()
+        split = NamedSharding(mesh, P(SPLIT), memory_kind=HOST_MEMORY if host else None)
+        tok = NamedSharding(mesh, P(("dp", "ep")) if batch % (shape[0] * shape[1]) == 0 else P())
+        tables, ids, columns = [], [], []
+        for primes in ([53, 59, 61, 67, 71, 73], [79, 83, 89, 97, 101, 103]):
+            lo = np.concatenate([[0], np.cumsum(primes)[:-1]])
+            rows = -(-int(np.sum(primes)) // 8) * 8
+            held = (rng.integers(0, 256, (rows, 64), dtype=np.uint8).view(jnp.float8_e4m3fn),
+                    rng.integers(0, 256, (rows, 2), dtype=np.uint8), rng.normal(size=(rows, 3)).astype(np.float32))
+            tables.append(tuple(jax.device_put(a, split) for a in held))
+            ids.append(np.stack([rng.integers(a, a + p, (batch, 5)) for a, p in zip(lo, primes)], -1))
+            columns.append(tuple((int(a), int(a + p)) for a, p in zip(lo, primes)))
+        for exchange in ("all_to_all", "all_gather"):
+            look = RowLookup(mesh, exchange)
+            got = jax.jit(lambda t, i: look(t, i, columns))(tables, [jax.device_put(jnp.asarray(i, jnp.int32), tok)
+                                                                      for i in ids])
+            equal = all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(a)[i].view(np.uint8))
+                        for t, i, gs in zip(tables, ids, got) for a, g in zip(t, gs))
+            out.append({"mesh": list(shape), "batch": batch, "host": host, "exchange": exchange, "equal": equal})
+    return out
+
+
+def run_engram(out_path: str, full: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from model import init_random, load_checkpoint, shard_model
+    from model.checkpoint import save_safetensors
+    from model.sharded import allocate_cache
+    from model.transformer import decode, prefill
+    from sampling import generate
+    from sharding import ParallelConfig, shard_batch, to_host
+
+    assert jax.device_count() == 8, jax.devices()
+    cfg = engram_config()
+    tokens, cont, prompts = engram_inputs(cfg)
+    one = init_random(cfg, seed=0, dtype="float32")
+    results = {"cases": [], "born_sharded": [], "timings": {}}
+    ckpt = Path(out_path).with_suffix(".ckpt")
+    save_safetensors(one, ckpt)
+
+    def outputs(model, mesh, which):
+        out = {}
+        with jax.set_mesh(mesh):
+            if "prefill" in which:
+                out["prefill"] = to_host(model(shard_batch(tokens, mesh)))
+            if "decode" in which:   # a prefill chunk, then one token at a time
+                cache = allocate_cache(model.config, tokens.shape[0], 32, jnp.float32, mesh)
+                _, cache = prefill(model, cache, shard_batch(tokens, mesh), shard_batch(np.full(8, 11), mesh))
+                steps = []
+                for i in range(cont.shape[1]):
+                    logits, cache = decode(model, cache, shard_batch(cont[:, i], mesh))
+                    steps.append(to_host(logits))
+                out["decode"] = np.stack(steps, 1)
+        if "speculative" in which:
+            out["speculative"] = generate(model, prompts, max_new_tokens=ENGRAM_NEW_TOKENS, mesh=mesh,
+                                          speculative="dspark", num_draft=2).tokens
+        if "greedy" in which:
+            out["greedy"] = generate(model, prompts, max_new_tokens=ENGRAM_NEW_TOKENS, mesh=mesh).tokens
+        return out
+
+    def traced_decode(model, mesh) -> str:
+        graphdef, state = nnx.split(model)
+        cache = allocate_cache(model.config, 8, 32, jnp.float32, mesh)
+
+        def step(state, cache, tok):
+            return nnx.merge(graphdef, state).step(tok, cache, jnp.ones((8,), jnp.int32))[:2]
+
+        with jax.set_mesh(mesh):
+            return str(jax.make_jaxpr(step)(state, cache, shard_batch(np.zeros((8, 1), np.int32), mesh)))
+
+    def held(model):
+        """Each Engram table's arrays as held, padding rows dropped, as numpy bytes."""
+        return [[np.asarray(a)[:block.engram.embed.rows].view(np.uint8) for a in block.engram.embed.stored()]
+                for block in model.layers if block.engram is not None]
+
+    results["lookups"] = engram_lookups()
+    meshes = ENGRAM_MESHES if full else ENGRAM_MESHES[:1]
+    cases = [(p, e, ENGRAM_OUTPUTS) for p, e, _ in ENGRAM_CASES] if full else ENGRAM_CASES
+    for shape in meshes:
+        mesh = ParallelConfig(*shape).make_mesh()
+        t0 = time.perf_counter()
+        want = outputs(shard_model(one, mesh), mesh, ENGRAM_OUTPUTS if full else ENGRAM_OUTPUTS[:3])
+        results["timings"][f"{shape} device"] = time.perf_counter() - t0
+        for placement, exchange, which in cases:
+            t0 = time.perf_counter()
+            # onto the mesh from one device's model, or loaded from the checkpoint (host tables)
+            if placement == "host" and exchange == "all_to_all":
+                how, model = "load_checkpoint(mesh)", load_checkpoint(
+                    ckpt, dtype="float32", mesh=mesh, engram_placement=placement, engram_tables="fp8")
+            else:
+                how = "shard_model"
+                model = shard_model(init_random(cfg.replace(engram_placement=placement, engram_exchange=exchange),
+                                                seed=0, dtype="float32"), mesh)
+            got = outputs(model, mesh, which)
+            table = model.layers[0].engram.embed.stored()[0]
+            text = traced_decode(model, mesh)
+            results["cases"].append({
+                "mesh": list(shape), "placement": placement, "exchange": exchange, "built": how,
+                "equal": {k: bool(np.array_equal(got[k], want[k])) for k in got},
+                "table_memory": table.sharding.memory_kind, "table_rows": int(table.shape[0]),
+                "table_shard_rows": int(table.addressable_shards[0].data.shape[0]),
+                "decode_callback": "callback" in text,
+                "decode_ops": sorted(op for op in ("all_to_all", "all_gather", "psum_scatter", "compute_on")
+                                     if op in text)})
+            results["timings"][f"{shape} {placement} {exchange}"] = time.perf_counter() - t0
+        # born sharded (init_random(mesh), the tables padded inside the init programs): the tables one device holds
+        for placement in ("sharded", "host"):
+            born = init_random(cfg.replace(engram_placement=placement), seed=0, dtype="float32", mesh=mesh)
+            rec = {"mesh": list(shape), "placement": placement,
+                   "tables_equal": all(np.array_equal(a, b) for x, y in zip(held(born), held(one))
+                                       for a, b in zip(x, y)),
+                   "table_memory": born.layers[0].engram.embed.stored()[0].sharding.memory_kind}
+            if full:   # the rest of a born-sharded model matches one device's to float32 rounding, not bitwise
+                ref = init_random(cfg, seed=0, dtype="float32", mesh=mesh)
+                rec["prefill_equal_born_device"] = bool(np.array_equal(outputs(born, mesh, ("prefill",))["prefill"],
+                                                                      outputs(ref, mesh, ("prefill",))["prefill"]))
+            results["born_sharded"].append(rec)
+    Path(out_path).write_text(json.dumps(results, indent=1))
+
+
 def run_multihost(out_prefix: str, port: str, pid: str, checkpoint: str) -> None:
     """One of two processes: join the job, load the checkpoint onto an ep=8 mesh spanning both
     (each process reads only its own experts), run a forward (expert all-to-all across processes)."""
@@ -304,5 +484,7 @@ if __name__ == "__main__":
         run_meshes(sys.argv[2], mode)
     elif mode == "fp8":
         run_fp8(sys.argv[2])
+    elif mode in ("engram", "engram-full"):
+        run_engram(sys.argv[2], mode == "engram-full")
     else:
         run_multihost(*sys.argv[2:6])

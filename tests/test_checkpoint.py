@@ -1,6 +1,5 @@
 """Tests for model/checkpoint.py: safetensors round trip, the quantised official format (FP8 128-blocks,
-FP4 experts, sharded index), error messages, orbax save/restore, and parameter counts (MODEL_SPEC
-2.13, 3.7)."""
+FP4 experts, sharded index), error messages, orbax save/restore, and parameter counts (docs/model.md §14, §17.1)."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from model.checkpoint import (  # noqa: E402
 TINY = ModelConfig.preset("tiny-v4")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
-# Storage classes of the official checkpoint (MODEL_SPEC 3.7; golden/README.md section 3).
+# Storage classes of the official checkpoint (docs/model.md §14; golden/README.md section 3).
 FP8_LINEAR = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.ffn\.shared_experts\.w[123]"
                         r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
 FP4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
@@ -319,7 +318,7 @@ def test_bad_tokens(model, logits):
 
 
 def expected_parameter_count(cfg: ModelConfig, include_mtp: bool = True) -> int:
-    """Independent count from the shapes of MODEL_SPEC 2.13 (nnx.Param only: tid2eid is a table)."""
+    """Independent count from the shapes of docs/model.md §17.1 (nnx.Param only: tid2eid is a table)."""
     d, n, h, dh, q = cfg.hidden_size, cfg.hc_mult, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
     e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
     mix = (2 + n) * n
@@ -396,7 +395,7 @@ def test_parameter_count_v4_flash(flash_abstract):
 
 def test_v4_flash_checkpoint_tensor_names(flash_abstract):
     """Official names of the abstract model + one .scale per FP8/FP4 weight = the release's 69,187
-    tensors, 1,575 of them under mtp.0 (MODEL_SPEC 3.7)."""
+    tensors, 1,575 of them under mtp.0 (docs/model.md §14)."""
     names = []
     for path, var in nnx.to_flat_state(nnx.state(flash_abstract)):
         name = path_to_official(path)

@@ -1,5 +1,5 @@
 """Tests for model/config.py (ModelConfig, LayerSpec, presets, config.json readers) and the RoPE/YaRN
-helpers of model/layers.py (MODEL_SPEC 1.1-1.4, 2.3, Appendix A.2)."""
+helpers of model/layers.py (docs/model.md §0.1, §0.2, §0.3, §0.4, §3.2, §3.3)."""
 
 from __future__ import annotations
 
@@ -307,7 +307,7 @@ def test_missing_config_json(tmp_path):
 
 
 def test_yarn_ramp_boundaries_real_config():
-    """MODEL_SPEC 2.3 / A.2: for R=64, theta=160000, factor 16, orig 65536: lo = 15, hi = 25."""
+    """docs/model.md §3.2, §3.3: for R=64, theta=160000, factor 16, orig 65536: lo = 15, hi = 25."""
     cfg = ModelConfig.preset("v4-flash")
     spec = cfg.layer_spec(2)  # a CSA layer: compress theta + YaRN
     r, y = cfg.rope_head_dim, spec.yarn
@@ -356,7 +356,7 @@ def test_rope_inverse_of_forward_is_identity():
         np.testing.assert_array_equal(y[..., :cfg.nope_head_dim], x[..., :cfg.nope_head_dim])
         np.testing.assert_allclose(y[0, 0], x[0, 0], atol=1e-6)
         assert not np.allclose(y, x, atol=1e-3)
-        # interleaved-pair ("complex") convention, MODEL_SPEC 2.3
+        # interleaved-pair ("complex") convention, docs/model.md §3.2
         ref = _rope_reference(x, pos[..., None].astype(np.float64), freqs)
         np.testing.assert_allclose(y, ref, atol=5e-3, rtol=0)  # float32 angles at p ~ 4096
     # positions broadcast over a [B, T, D] tensor (the shared kv) too

@@ -35,7 +35,7 @@ def tiny_hasher(vocab=96) -> EngramHasher:
 
 
 def naive_hash_ids(h: EngramHasher, seq: list[int], dead: set[int] = frozenset()) -> np.ndarray:
-    """Per-position Python-int reimplementation straight from MODEL_SPEC 2.10 (one sequence)."""
+    """Per-position Python-int reimplementation straight from docs/model.md §10 (one sequence)."""
     out = np.zeros((len(seq), h.n_layers, h.n_columns), np.int64)
     for p in range(len(seq)):
         taus, blocked = [], False
@@ -87,7 +87,7 @@ def test_real_config_table_sizes():
 
 
 def test_real_config_multipliers_and_vectors():
-    """Multipliers and hash ids for compressed ids [5, 17, 99091, 0, 42] (V41_NOTES 2.5 vectors)."""
+    """Multipliers and hash ids for compressed ids [5, 17, 99091, 0, 42] (docs/model.md §10 vectors)."""
     h = real_hasher()
     assert h.multipliers.tolist() == [[76632096046245, 4839876093313, 35959672319349, 73987337458391],
                                       [67716810739261, 51510806800915, 30921347202721, 82619226485591]]
@@ -333,14 +333,16 @@ def test_device_hash_matches_numpy_on_random_streams(seed):
     np.testing.assert_array_equal(_device_ids(h, tokens, history), h.hash_ids(tokens, history))
 
 
-def test_decode_step_has_no_host_callback():
-    """A V4.1 decode step with device-placed tables is one device program: no callback in its jaxpr."""
+@pytest.mark.parametrize("placement", ["device", "sharded", "host"])
+def test_decode_step_has_no_host_callback(placement):
+    """A V4.1 decode step is one device program: no callback in its jaxpr, whichever the tables' placement (host
+    tables are gathered by a host computation inside the program; on a mesh: tests/test_engram_sharded.py)."""
     import jax
 
     from model import ModelConfig, init_random
     from model.cache import allocate
 
-    model = init_random(ModelConfig.preset("tiny-v41"), seed=0, dtype="float32")
+    model = init_random(ModelConfig.preset("tiny-v41").replace(engram_placement=placement), seed=0, dtype="float32")
     graphdef, state = nnx.split(model)
     cache = allocate(model.config, 2, 32)
 
@@ -349,3 +351,123 @@ def test_decode_step_has_no_host_callback():
 
     text = str(jax.make_jaxpr(step)(state, cache, jnp.zeros((2, 1), jnp.int32)))
     assert model.hasher is not None and "callback" not in text
+    assert ("compute_on" in text) == (placement == "host")
+
+
+# ----------------------------------------------------------------------------- table formats and placements
+
+def _engram_model(**changes):
+    from model import init_random
+    from sharding_worker import engram_config  # two Engram layers, FP8 tables (tables of 358 and 522 rows)
+
+    return init_random(engram_config().replace(**changes), seed=0, dtype="float32")
+
+
+def test_fp8_rows_quantiser_matches_quant_io():
+    """The traceable FP8-row quantiser (random FP8 tables) and its dequantiser give quant_io's bytes and values."""
+    from model.engram import dequant_fp8_rows, quantize_fp8_rows
+
+    rng = np.random.default_rng(8)
+    w = (rng.normal(size=(37, 64)) * 10.0 ** rng.uniform(-4, 4, (37, 1))).astype(np.float32)
+    w[3] = 0.0
+    q_jnp, s_jnp = quantize_fp8_rows(jnp.asarray(w))
+    q_np, s_np = q.quantize_fp8_rows(w)
+    np.testing.assert_array_equal(np.asarray(q_jnp).view(np.uint8), q_np.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s_jnp), s_np.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(dequant_fp8_rows(q_jnp, s_jnp)), q.dequant_fp8_rows(q_np, s_np))
+
+
+@pytest.mark.parametrize("tables", ["fp8", pytest.param("model", marks=pytest.mark.slow)])
+def test_placements_equal_on_one_device(tables):
+    """On one device every placement gathers the same rows: prefill and decode logits equal bitwise; host tables
+    live in host memory (pinned_host), gathered there inside the step."""
+    from common import teacher_forced_decode
+
+    rng = np.random.default_rng(9)
+    prompts, cont = rng.integers(3, 94, (2, 9)), rng.integers(3, 94, (2, 2))
+    want = None
+    for placement in ("device", "sharded", "host"):
+        model = _engram_model(engram_tables=tables, engram_placement=placement)
+        held = model.layers[1].engram.embed.stored()
+        assert [a.dtype for a in held] == ([jnp.float32] if tables == "model" else [jnp.float8_e4m3fn, jnp.uint8])
+        assert {a.sharding.memory_kind for a in held} == {"pinned_host" if placement == "host" else "device"}
+        got = np.asarray(model(prompts)), teacher_forced_decode(model, prompts, cont, steps=2)
+        if want is None:
+            want = got
+        np.testing.assert_array_equal(got[0], want[0], err_msg=placement)
+        np.testing.assert_array_equal(got[1], want[1], err_msg=placement)
+
+
+def test_fp8_tables_saved_as_shipped_and_loaded_back(tmp_path):
+    """FP8 tables save as the release's tensors (E4M3 rows + UE8M0 per 32); loaded dequantised ("model") onto the
+    device or as FP8 rows into host memory, the logits are the FP8 model's bitwise."""
+    from model.checkpoint import load_checkpoint, official_tensors, save_safetensors
+
+    fp8 = _engram_model()
+    tensors = official_tensors(fp8)
+    assert tensors["layers.0.engram.embed.weight"].dtype == q.F8_E4M3
+    assert tensors["layers.0.engram.embed.weight"].shape == (358, 64)
+    assert tensors["layers.0.engram.embed.scale"].dtype == q.F8_E8M0
+    assert tensors["layers.0.engram.embed.scale"].shape == (358, 2)
+    save_safetensors(fp8, tmp_path)
+    prompts = np.random.default_rng(10).integers(3, 94, (2, 7))
+    want = np.asarray(fp8(prompts))
+    for tables, placement in (("model", "device"), ("fp8", "host")):
+        model = load_checkpoint(tmp_path, dtype="float32", engram_tables=tables, engram_placement=placement)
+        np.testing.assert_array_equal(np.asarray(model(prompts)), want, err_msg=f"{tables} {placement}")
+        if tables == "fp8":  # kept as shipped, and saved back the same
+            again = official_tensors(model)
+            for name in ("layers.1.engram.embed.weight", "layers.1.engram.embed.scale"):
+                np.testing.assert_array_equal(again[name].view(np.uint8), tensors[name].view(np.uint8))
+
+
+def test_memory_per_device_by_placement():
+    """Engram tables per device: a whole copy replicated, a 1/8 share (rows padded to 8) split or in host memory."""
+    from model.sharded import describe_memory_per_device, memory_per_device
+    from sharding_worker import engram_config
+
+    cfg = engram_config()
+    row = 64 + 2  # FP8 row + one UE8M0 byte per 32 values
+    mem = {p: memory_per_device(cfg.replace(engram_placement=p), 2, 4, 1, 1, 64) for p in ("device", "sharded", "host")}
+    assert mem["device"]["engram"] == (358 + 522) * row and mem["device"]["engram_host"] == 0
+    assert mem["sharded"]["engram"] == (45 + 66) * row and mem["sharded"]["engram_host"] == 0
+    assert mem["host"]["engram"] == 0 and mem["host"]["engram_host"] == (45 + 66) * row
+    assert mem["device"]["params"] - mem["sharded"]["params"] == (358 + 522 - 45 - 66) * row
+    assert mem["sharded"]["params"] - mem["host"]["params"] == (45 + 66) * row
+    line = describe_memory_per_device(cfg.replace(engram_placement="host"), 2, 4, 1, 1, 64)
+    assert "Engram host (fp8)" in line and "host memory" in line
+
+
+def test_engram_switch_errors():
+    from model import ModelConfig
+    from model.runtime import Runtime, make_runtime
+    from sharding import ParallelConfig
+    from sharding.row_lookup import RowLookup
+
+    cfg = ModelConfig.preset("tiny-v41")
+    for field, value in (("engram_placement", "hbm"), ("engram_tables", "fp4"), ("engram_exchange", "ragged")):
+        with pytest.raises(ValueError, match=f"{field} must be one of .* got '{value}'"):
+            cfg.replace(**{field: value})
+    with pytest.raises(ValueError, match="engram_tables='fp8' needs engram_head_dim \\(48\\) to be a multiple of 32"):
+        cfg.replace(engram_tables="fp8", engram_head_dim=48)
+    mesh = ParallelConfig().make_mesh()
+    split = cfg.replace(engram_placement="sharded")
+    assert make_runtime(split, mesh).engram == RowLookup(mesh, "all_to_all")
+    with pytest.raises(ValueError, match="splits the Engram tables over the mesh: the runtime needs their lookup"):
+        Runtime(mesh=mesh).check(split)
+    with pytest.raises(ValueError, match="looks up split Engram tables, but engram_placement='device'"):
+        Runtime(mesh=mesh, engram=RowLookup(mesh)).check(cfg)
+    with pytest.raises(ValueError, match="RowLookup.exchange must be one of"):
+        RowLookup(mesh, "ragged")
+
+
+def test_golden_fp8_host_tables_equal_device(golden_dir):
+    """The golden V4.1 checkpoint with its FP8 tables kept as shipped in host memory: the logits of the default
+    (dequantised, device) load, bitwise."""
+    from model.checkpoint import load_checkpoint
+
+    prompts = np.array(json.loads((golden_dir / "v41" / "inputs.json").read_text())["prompts"])
+    want = np.asarray(load_checkpoint(golden_dir / "v41", dtype="float32")(prompts))
+    host = load_checkpoint(golden_dir / "v41", dtype="float32", engram_tables="fp8", engram_placement="host")
+    assert host.layers[1].engram.embed.host.weight[...].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(host(prompts)), want)

@@ -15,12 +15,14 @@ from model.checkpoint import load_checkpoint, save_safetensors
 from pallas_kernels import reference as ref
 from pallas_kernels.moe import fp4_scale_bytes, fp4_weight_bytes
 
+from common import seed_of_test
+
 CFG = ModelConfig.preset("tiny-v4").replace(num_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1,
                                             name="v4-small")
 
 
 def test_traceable_quantiser_is_quant_io():
-    seed = np.random.randint(1 << 30)
+    seed = seed_of_test()
     rng = np.random.default_rng(seed)
     w = (rng.normal(size=(3, 16, 96)) * np.exp(2 * rng.normal(size=(3, 16, 1)))).astype(np.float32)
     w[0, 0, :32] = 0.0  # an all-zero block
@@ -75,7 +77,7 @@ def test_pallas_kernel_on_fp4_experts(fp4_checkpoint):
     _, d = fp4_checkpoint
     r = load_checkpoint(d, dtype="float32", expert_weights="fp4")
     k = load_checkpoint(d, dtype="float32", expert_weights="fp4", moe_impl="pallas")
-    rng = np.random.default_rng(np.random.randint(1 << 30))
+    rng = np.random.default_rng(seed_of_test())
     h = jnp.asarray(rng.normal(size=(2, 24, CFG.hidden_size)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 24)), jnp.int32)
     for layer in (0, 1, 2):  # hash-routed and score-routed
@@ -88,7 +90,7 @@ def test_memory_accounting():
     """Resident bytes of an FP4 model = the released-format estimate of the dense one plus one byte per 32
     expert weights (the scales are held as bf16, fp4_kernel_scales); the full V4-Flash (bf16 dense, FP4
     experts) needs ~190 GB: two H200s with the experts split (ep=2) hold it."""
-    from experiments.roofline import bytes_per_param
+    from experiments.roofline_formats import bytes_per_param
     from model.sharded import memory_per_device
 
     cfg = ModelConfig.preset("v4-flash")

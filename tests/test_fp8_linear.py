@@ -104,14 +104,21 @@ def test_model_with_fp8_kernels_matches_the_reference_path(preset, quant_sim):
 
 # ----------------------------------------------------------------------------- on the GPU, at V4-Flash shapes
 
+MGPU_ROW_TILES_OPEN = pytest.mark.xfail(strict=True, reason="Mosaic GPU row tiles at wq_b's shape: measured off the "
+                                       "reference on an H200 (auto runs Triton)")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,act_block", [(32, 0), (256, 0), (1024, 0), (32, 128), (4096, 128)])
-def test_gpu_fp8_linear_v4_shapes(m, act_block):
-    """wq_b-sized FP8 weights (32768 x 1024) at decode, verify and prefill loads, compiled (Triton / Mosaic GPU)."""
+@pytest.mark.parametrize("m,act_block,backend", [(32, 0, "auto"), (256, 0, "auto"), (1024, 0, "auto"),
+                                                 (32, 128, "auto"), (4096, 128, "auto"),
+                                                 pytest.param(4096, 128, "mgpu", marks=MGPU_ROW_TILES_OPEN)])
+def test_gpu_fp8_linear_v4_shapes(m, act_block, backend):
+    """wq_b-sized FP8 weights (32768 x 1024) at decode, verify and prefill loads, compiled."""
     rng = np.random.default_rng(9 + m)
     w, s = _weights(rng, 1, 32768, 1024, 128)
     x = jnp.asarray(rng.standard_normal((1, m, 1024)), jnp.bfloat16)
-    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, act_block=act_block, out_dtype=jnp.float32))(x, w, s)
+    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, act_block=act_block, backend=backend,
+                                             out_dtype=jnp.float32))(x, w, s)
     assert _rel(got, fp8_linear_reference(x, w, s, act_block=act_block)) < 1e-5
 
 

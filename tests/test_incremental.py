@@ -99,7 +99,7 @@ def test_memory_estimate_real_configs():
     # bf16 entries: 21 CSA layers x (512 + 128) x 2 B / 4 tokens + 20 HCA x 512 x 2 B / 128 tokens
     assert m["bytes_per_token"] == pytest.approx(21 * 640 * 2 / 4 + 20 * 1024 / 128)
     assert m["fixed_bytes_per_sequence"] > 0
-    # trained storage formats (MODEL_SPEC 2.7): V4 3514 B/token, V4.1 890 B/token (global KV only in
+    # trained storage formats (docs/model.md §13.7): V4 3514 B/token, V4.1 890 B/token (global KV only in
     # the four KV sources: 3 x (288 + 68) / 2 + (288 + 68))
     assert memory_estimate(cfg, 1 << 16, packed=True)["bytes_per_token"] == pytest.approx(3514.25)
     v41 = ModelConfig.preset("v41-flash")

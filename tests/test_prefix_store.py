@@ -1,4 +1,4 @@
-"""Prefix reuse (issue 9, MODEL_SPEC 3.5): export/import of a sequence's resume state and the host
+"""Prefix reuse (docs/model.md §13.6): export/import of a sequence's resume state and the host
 PrefixStore.
 
 * V4 exact resume: a prefix exported at a length that ends inside both a r=4 and a r=16 block, imported

@@ -1,5 +1,5 @@
-"""Sanity checks of experiments/roofline.py against numbers derived independently from MODEL_SPEC
-(2.13 shapes, 2.7 cache formats, 3.7 checkpoint sizes), V41_NOTES 4 and BENCHMARKS.md 2."""
+"""Sanity checks of experiments/roofline.py against numbers derived independently from docs/model.md
+(§17.1 shapes, §13.7 cache formats, §14 and §17 checkpoint sizes) and BENCHMARKS.md 2."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def rel(a, b):
     return abs(a - b) / abs(b)
 
 
-# ------------------------------------------------------------------ independent counts (MODEL_SPEC 2.13)
+# ------------------------------------------------------------------ independent counts (docs/model.md §17.1)
 
 def v4_active_params() -> dict:
-    """V4-Flash parameters used per token, written out from the MODEL_SPEC 2.13 table (not from the config)."""
+    """V4-Flash parameters used per token, written out from the docs/model.md §17.1 table (not from the config)."""
     D = 4096
     common = (2 * (24 * 16384 + 24 + 3) + 2 * D             # hc_{attn,ffn}_{fn,base,scale}, attn/ffn norms
               + 1024 * 4096 + 1024 + 32768 * 1024            # wq_a, q_norm, wq_b
@@ -138,8 +138,8 @@ def test_hf_peer_rough_floors():
 
 
 def test_weights_match_released_checkpoints():
-    """FP8 dense + FP4 experts as released: V4-Flash total_size 159.6 GB (MODEL_SPEC 3.7, MTP included);
-    V4.1-Flash shard audit (V41_NOTES 4): routed experts 268.95, Engram 189.13, DSpark 7.39, attention
+    """FP8 dense + FP4 experts as released: V4-Flash total_size 159.6 GB (docs/model.md §14, MTP included);
+    V4.1-Flash shard audit (docs/model.md §14, §17): routed experts 268.95, Engram 189.13, DSpark 7.39, attention
     4.72, shared 1.32, embed + head 2.46 GiB."""
     m = rl.roofline(V4, "decode", 1, 1024, 4, "fp4-experts")["memory"]
     assert rel(m["weights_bytes"], 159.6e9) < 0.005
@@ -150,7 +150,7 @@ def test_weights_match_released_checkpoints():
 
 
 def test_kv_bytes_follow_cache_formats():
-    """Packed global KV per token (MODEL_SPEC 2.7): V4 3514 B, V4.1 890 B; decode reads of one HCA-heavy
+    """Packed global KV per token (docs/model.md §13.7): V4 3514 B, V4.1 890 B; decode reads of one HCA-heavy
     step scale with context; memory comes from model.cache.memory_estimate."""
     from model.cache import memory_estimate
 

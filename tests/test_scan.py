@@ -114,6 +114,18 @@ def test_checkpoints_round_trip_bitwise_in_both_layouts(expert_weights, tmp_path
         restore_orbax(tmp_path / "orbax", cfg.replace(scan_layers=False), dtype="float32")
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(batch_invariant=True), r"scan_layers=True with batch_invariant=True is not supported"),
+    (dict(engram_placement="sharded"), r"scan_layers=True with engram_placement='sharded' is not supported"),
+    (dict(engram_placement="host"), r"scan_layers=True with engram_placement='host' is not supported"),
+])
+def test_unsupported_combinations_raise(change, message):
+    cfg = ModelConfig.preset("tiny-v41")
+    cfg.replace(**change)   # each alone is fine
+    with pytest.raises(ValueError, match=message):
+        cfg.replace(scan_layers=True, **change)
+
+
 def test_cache_groups_must_match_the_model():
     cfg = scanned("tiny-v4")
     graphdef, state = nnx.split(abstract_model(cfg, "float32"))

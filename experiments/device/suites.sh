@@ -8,7 +8,8 @@
 #   step-release          release format (FP8 dense + FP4 experts), V4 and V4.1: verify 8 / 64 / 256 x 4,
 #                         prefill 1 / 2 x 4096
 #   step-release-targets  the same at the target points only (V4: verify 8 / 64 / 256, prefill 2; V4.1: verify 64,
-#                         prefill 1)
+#                         prefill 1); step-release-targets-fp8: the same with the FP8 projections multiplied from
+#                         their bytes (--dense-impl pallas)
 #   step-bf16             V4 in bf16 (dense and experts): verify 8 / 64 / 256 x 4, prefill 1 / 4 x 4096; verify
 #                         256 x 4 with the bf16 LM head (V4.1's bf16 experts do not fit one GPU)
 #   step-fp4-experts      V4, bf16 dense + FP4 experts: verify 8 / 64 / 256 x 4, prefill 1 / 2 / 4 x 4096; verify
@@ -16,6 +17,8 @@
 #   step-v41-fp4-experts  V4.1 (Engram vocabulary 160K), bf16 dense + FP4 experts: verify 8 / 64 / 256 x 4 at 4K and
 #                         32K, prefill 1 x 4096
 #   step-index-keys       V4, FP4 experts, verify 64 x 4 at 128K with bf16 and MXFP4 index keys
+#   launch-gap            the host / launch gap of the release-format verify 64 x 4 under XLA's command buffers (CUDA
+#                         graphs): today's default, custom calls and loops captured too, every graph size, none
 #   fp8-dense             the FP8 projections multiplied from their bytes (--dense-impl pallas) against the in-graph
 #                         dequantisation, release format, V4 verify 64 / 256 x 4 and prefill 2 x 4096 (and the
 #                         official act_quant'd FP8 x FP8 prefill, --quant-sim), after the kernels' GPU tests
@@ -45,6 +48,14 @@
 #                         XLA with Triton GEMMs off, PyTorch grouped GEMMs)
 #   kernels               the four above (four device commands)
 #   gpu-tests             the GPU tests (pytest -m gpu)
+# Engram (experiments.bench_engram, V4.1 widths: 2 layers x 24 columns of FP8 rows, 16M-row tables):
+#   engram                the rows' fetch per step for 1 / 64 / 256 / 4096 tokens, alone and beside a GEMM workload:
+#                         device, host and host-callback tables on one GPU; on [x2] also split tables (sharded and
+#                         host, each exchange)
+# Batch invariance (docs/batch_invariance.md):
+#   batch-invariance      its GPU tests (tests/test_batch_invariance.py -m gpu), then the release-format steps with
+#                         the switch off and on in the same call (--batch-invariant both): V4 verify 8 / 64 x 4 and
+#                         prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
 # Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound.
 set -u
@@ -94,11 +105,21 @@ for suite in "${suites[@]}"; do
             --context 32768 --kernel-times 2
         bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 1,2 \
             --context 32768 --kernel-times 2 ;;
-    step-release-targets)
-        bench 280 v4_release $V4 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 2 --context 32768 \
+    step-release-targets|step-release-targets-fp8)
+        fmt=$RELEASE tag=release
+        [ "$suite" = step-release-targets-fp8 ] && fmt="$RELEASE --dense-impl pallas" tag=release_fp8_kernels
+        bench 280 "v4_$tag" $V4 $fmt --phase decode,prefill --batch 8,64,256 --prefill-batch 2 --context 32768 \
             --kernel-times 2
-        bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
+        bench 280 "v41_$tag" $V41 $fmt --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
             --kernel-times 2 ;;
+    launch-gap)
+        for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+                     "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+                     "--xla_gpu_enable_command_buffer="; do
+            echo "-- XLA_FLAGS=$flags"
+            XLA_FLAGS="$flags" bench 150 "v4_release_graphs" $V4 $RELEASE --dense-impl pallas --phase decode \
+                --batch 64 --context 32768 --kernel-times 2
+        done ;;
     fp8-dense)
         limit 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_linear.py 2>&1 | tail -3
         for impl in reference pallas; do
@@ -181,8 +202,15 @@ for suite in "${suites[@]}"; do
         XLA_FLAGS=--xla_gpu_enable_triton_gemm=false limit 90 python -m experiments.probes.vendor_gemm_ceiling \
             --dtypes fp8 2>&1 | grep -v Warning
         limit 90 python -m experiments.probes.vendor_gemm_ceiling --torch 2>&1 | grep -v Warning ;;
+    engram)
+        limit 560 python -m experiments.bench_engram --rows 16000000 --tokens 1,64,256,4096 --repeats 20 \
+            --out "$OUTDIR" 2>&1 | grep -E "^\| |rror" ;;
     gpu-tests)
         limit 560 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -15 ;;
+    batch-invariance)
+        limit 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance.py 2>&1 | tail -5
+        bench 380 v4_release_batch_invariant $V4 $RELEASE --batch-invariant both --phase decode,prefill --batch 8,64 \
+            --prefill-batch 1 --context 32768 --time-budget 340 ;;
     *)
         echo "unknown suite $suite"; exit 2 ;;
     esac

@@ -22,8 +22,8 @@ import numpy as np
 
 
 def config():
-    """tiny-v4 cut to 4 layers (experiments.roofline.scale_layers) and narrowed: 0.4 M parameters."""
-    from experiments.roofline import scale_layers
+    """tiny-v4 cut to 4 layers (experiments.layer_scaling.scale_layers) and narrowed: 0.4 M parameters."""
+    from experiments.layer_scaling import scale_layers
     from model import ModelConfig
 
     return scale_layers(ModelConfig.preset("tiny-v4"), 4).replace(

@@ -1,4 +1,4 @@
-"""Routed-expert SwiGLU block as grouped GEMMs in Pallas (MODEL_SPEC 2.8 experts, 3.7 FP8/FP4 weights).
+"""Routed-expert SwiGLU block as grouped GEMMs in Pallas (docs/model.md §9 experts, §14 FP8/FP4 weights).
 
     experts.py        moe_experts, the entry point: dispatch, the two grouped GEMMs, combine
     routing.py        the routing plan (route_plan, RoutePlan, max_tiles) and forced_balance

@@ -1,4 +1,4 @@
-"""`moe_experts`, the routed-expert SwiGLU block on the grouped-GEMM kernels (MODEL_SPEC 2.8 experts, 3.7
+"""`moe_experts`, the routed-expert SwiGLU block on the grouped-GEMM kernels (docs/model.md §9 experts, §14
 FP8/FP4 weights):
 
     out[t] = sum_j w[t,j] * W2_e (silu(min(W1_e x_t, L)) * clip(W3_e x_t, -L, L)),  e = ids[t, j]

@@ -1,0 +1,88 @@
+"""Subprocess side of tests/test_batch_invariance.py's mesh checks: 8 simulated CPU devices (the device count is
+fixed when jax is imported, so the pytest process launches this).
+
+    python tests/invariance_worker.py mesh OUT.json          # dp=2 x ep=4, default strategies (V4, bf16)
+    python tests/invariance_worker.py mesh-matrix OUT.json   # dp=8, ep=8, dp=2 x ep=4; every EP variant,
+                                                             # redundant experts; both generations and dtypes
+
+Each case compares a batch-invariant model on a mesh with the same model on one device (in this process):
+logits of a forward, greedy tokens and sampled tokens of a ragged `generate`; OUT gets {"cases": [{..., "equal":
+bool}]}. This file asserts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def run(out_path: str, mode: str) -> None:
+    import jax
+    import numpy as np
+
+    from common import small_config
+    from model import init_random, shard_model
+    from sampling import generate
+    from sharding import EPConfig, ParallelConfig, rebalance, shard_batch, to_host
+
+    assert jax.device_count() == 8, jax.devices()
+    matrix = mode == "mesh-matrix"
+    cases = []
+    sampled = dict(temperature=1.0, seed=5, sequence_ids=[11, 3, 29, 7, 0, 18, 2, 40])
+    for preset, dtype in ([("tiny-v4", "bfloat16"), ("tiny-v4", "float32"), ("tiny-v41", "bfloat16"),
+                           ("tiny-v41", "float32")] if matrix else [("tiny-v4", "bfloat16")]):
+        cfg = small_config(preset).replace(batch_invariant=True)
+        model = init_random(cfg, seed=0, dtype=dtype)
+        rng = np.random.default_rng(11)
+        tokens = rng.integers(3, cfg.vocab_size - 2, (8, 12))
+        prompts = [rng.integers(3, cfg.vocab_size - 2, n).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6)]
+        want = {"logits": np.asarray(model(tokens)),
+                "greedy": generate(model, prompts, max_new_tokens=4).tokens,
+                "sampled": generate(model, prompts, max_new_tokens=4, **sampled).tokens if matrix else None}
+
+        def case(name, mesh, sharded, gen=True):
+            t0 = time.perf_counter()
+            with jax.set_mesh(mesh):
+                got = {"logits": to_host(sharded(shard_batch(tokens, mesh)))}
+            if gen:
+                got["greedy"] = generate(sharded, prompts, max_new_tokens=4, mesh=mesh).tokens
+                if matrix:
+                    got["sampled"] = generate(sharded, prompts, max_new_tokens=4, mesh=mesh, **sampled).tokens
+            equal = {k: bool(np.array_equal(v, want[k])) for k, v in got.items()}
+            cases.append({"preset": preset, "dtype": dtype, "case": name, "mesh": dict(mesh.shape), **equal,
+                          "equal": all(equal.values()), "strategy": sharded.runtime.expert_parallel.describe(
+                              tokens.size), "seconds": round(time.perf_counter() - t0, 1)})
+            print(cases[-1], flush=True)
+
+        dp_ep = ParallelConfig(2, 4).make_mesh()
+        case("auto", dp_ep, shard_model(model, dp_ep))
+        if not matrix:
+            continue
+        for dp, ep in ((8, 1), (1, 8)):
+            mesh = ParallelConfig(dp, ep).make_mesh()
+            case("auto", mesh, shard_model(model, mesh))
+        for ep_cfg in (EPConfig("all_to_all", "padded"), EPConfig("replicate")):
+            case(f"{ep_cfg.strategy}/{ep_cfg.transport}", dp_ep, shard_model(model, dp_ep, ep_cfg), gen=False)
+        case("init_random(mesh)", dp_ep, init_random(cfg, seed=0, dtype=dtype, mesh=dp_ep), gen=False)
+        ep8 = ParallelConfig(1, 8).make_mesh()
+        n_experts = cfg.n_routed_experts
+        placements = {b: rebalance(np.arange(1, cfg.layer_spec(b).n_experts + 1) ** 2, ep=8,
+                                   num_redundant=cfg.layer_spec(b).n_experts) for b in range(cfg.num_blocks)}
+        assert all(p.num_experts == n_experts for p in placements.values())
+        case("redundant+rebalanced", ep8, shard_model(model, ep8, EPConfig("all_to_all", "padded"),
+                                                      placements=placements))
+    Path(out_path).write_text(json.dumps({"cases": cases}, indent=1))
+
+
+if __name__ == "__main__":
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    run(sys.argv[2], sys.argv[1])

@@ -76,6 +76,8 @@ from typing import Any
 
 import numpy as np
 
+from . import compile_cache
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODES = ("deepinfer", "realistic")
 PHASES = ("prefill", "decode")
@@ -217,7 +219,8 @@ def environment(command: str) -> dict:
             "git_revision": rev, "git_dirty": dirty,
             "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
             "device_count": jax.device_count(), "jax": jax.__version__, "flax": flax.__version__,
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "compile_cache_dir": jax.config.jax_compilation_cache_dir
+            if jax.config.jax_enable_compilation_cache else None}
 
 
 def command_line(argv, module: str = "experiments.bench") -> str:
@@ -231,12 +234,13 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
                    attention_impl: str | None = None, expert_weights: str | None = None,
                    dense_weights: str | None = None, engram_vocab: int | None = None,
                    head_dtype: str | None = None, index_key_format: str | None = None, *,
-                   dense_impl: str | None = None, quant_sim: bool = False):
+                   dense_impl: str | None = None, quant_sim: bool = False, scan_layers: bool = False):
     """A preset, scaled to `layers`, with the kernels and weight formats asked for. [V4.1] `engram_vocab`
     replaces the Engram hash vocabulary (the tables' rows follow from it: v41-flash's 16M gives 2 x 197 GB
     of bf16 tables); a token reads the same number of rows whatever the vocabulary, so a small one keeps the
     step's bytes and lets V4.1 widths run on one GPU. `head_dtype` / `index_key_format` / `dense_impl` /
-    `quant_sim` (the official numerics: act_quant'd FP8 GEMM inputs, KV fake-quant): the ModelConfig fields."""
+    `quant_sim` (the official numerics: act_quant'd FP8 GEMM inputs, KV fake-quant): the ModelConfig fields;
+    `scan_layers`: run repeated layer groups as scanned bodies (ModelConfig.scan_layers)."""
     from model import ModelConfig
 
     from .layer_scaling import scale_layers
@@ -248,6 +252,8 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
                                  ("expert_weights", expert_weights), ("dense_weights", dense_weights),
                                  ("head_dtype", head_dtype), ("index_key_format", index_key_format),
                                  ("dense_impl", dense_impl), ("quant_sim", quant_sim)) if v}
+    if scan_layers:
+        changes["scan_layers"] = True
     if engram_vocab:
         if not cfg.engram_layer_ids:
             raise ValueError(f"--engram-vocab: {cfg.name} has no Engram layers")
@@ -410,6 +416,8 @@ class Setup:
     assumed_accepted: float = DEEPINFER_ACCEPTED
     checkpoint: str | None = None
     progress: Progress = dataclasses.field(default_factory=Progress)
+    # compiled step programs by what makes them one program (`program_key`): points that share one compile once
+    programs: dict = dataclasses.field(default_factory=dict)
 
     def context(self):
         import contextlib
@@ -657,6 +665,40 @@ def compile_timed(fn, *args) -> tuple[Any, float]:
     return compiled, time.perf_counter() - t0
 
 
+def program_key(setup: Setup, p: Point, kind: str, args: tuple) -> tuple | None:
+    """What makes a step program of `setup`'s model one program: the step function (kind, replay, drafts), the
+    model's graph (config, runtime: mesh and routing) and the arguments' structure, shapes, dtypes and
+    layouts. None where the graph holds an unhashable static value (then nothing is shared)."""
+    from flax import nnx
+
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    avals = tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
+    key = (kind, p.replay, p.num_draft, nnx.graphdef(setup.model), treedef, avals)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def compile_step_program(setup: Setup, p: Point, kind: str, fn, *args) -> tuple[Any, float, str]:
+    """The compiled program of step function `fn` on `args`, compiled once per `program_key` in a setup ->
+    (compiled, compile seconds, how: "reused" (another point compiled it), or the persistent cache's "hit" /
+    "miss" / "off")."""
+    from .compile_cache import CacheEvents
+
+    key = program_key(setup, p, kind, args)
+    if key is not None and key in setup.programs:
+        return setup.programs[key], 0.0, "reused"
+    with CacheEvents() as events:
+        compiled, seconds = compile_timed(fn, *args)
+    if key is not None:
+        setup.programs[key] = compiled
+    return compiled, seconds, events.status
+
+
 def summary_ms(times_s: list[float]) -> dict:
     ms = sorted(t * 1e3 for t in times_s)
     q = lambda f: float(np.percentile(ms, f))  # noqa: E731
@@ -671,8 +713,8 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
     cfg = setup.cfg
     rec: dict[str, Any] = {
         "bench": "bench", "key": p.key(), "preset": setup.preset, "config": cfg.name, "generation": cfg.generation,
-        "layers": cfg.num_layers, "dtype": setup.dtype, "batch_invariant": cfg.batch_invariant,
-        "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
+        "layers": cfg.num_layers, "scan_layers": cfg.scan_layers, "dtype": setup.dtype,
+        "batch_invariant": cfg.batch_invariant, "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
         "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl, "quant_sim": cfg.quant_sim,
         "head_dtype": cfg.head_dtype, "index_key_format": cfg.index_key_format,
         "engram_vocab_size": cfg.engram_vocab_size or None,
@@ -779,9 +821,10 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
     times: list[float] = []
     if p.kind in ("prefill", "verify"):
         sets = [tokens((p.batch, p.rows)) for _ in range(2)]
-        fn, compile_s = compile_timed(fns[p.kind], state, cache, sets[0])
-        prog.log(f"{label}: compiled in {compile_s:.1f} s")
+        fn, compile_s, how = compile_step_program(setup, p, p.kind, fns[p.kind], state, cache, sets[0])
+        prog.log(f"{label}: compiled in {compile_s:.1f} s ({how})")
         out["compile_s"] = {p.kind: round(compile_s, 3)}
+        out["compile_cache"] = {p.kind: how}
         total = setup.warmup + repeats
         for i in range(total):
             t0 = time.perf_counter()
@@ -809,12 +852,15 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
         tail_tok = _to_device(setup, np.repeat(tail_tok, p.batch, 0) if forced else tail_tok)
         tail_len = _to_device(setup, np.full((p.batch,), tail, np.int32))
         key = jax.random.PRNGKey(setup.seed)
-        first, c_first = compile_timed(fns["first"], state, cache, dc, tail_tok, tail_len, key)
+        first, c_first, how_first = compile_step_program(setup, p, "first", fns["first"], state, cache, dc, tail_tok,
+                                                         tail_len, key)
         cache, dc, pending, proposal = first(state, cache, dc, tail_tok, tail_len, key)
-        spec, c_spec = compile_timed(fns["spec"], state, cache, dc, pending, proposal, key)
+        spec, c_spec, how_spec = compile_step_program(setup, p, "spec", fns["spec"], state, cache, dc, pending,
+                                                      proposal, key)
         prog.log(f"{label}: compiled in {c_first + c_spec:.1f} s (prompt tail + first proposal {c_first:.1f} s, "
-                 f"speculative step {c_spec:.1f} s)")
+                 f"{how_first}; speculative step {c_spec:.1f} s, {how_spec})")
         out["compile_s"] = {"prefill_and_propose": round(c_first, 3), "spec": round(c_spec, 3)}
+        out["compile_cache"] = {"prefill_and_propose": how_first, "spec": how_spec}
         total = setup.warmup + repeats
         accepted, verified = [], []
         for i in range(total):
@@ -920,7 +966,8 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
            f"`{env['command']}` — git {env['git_revision']}{' (dirty)' if env['git_dirty'] else ''}, "
            f"{env['device']} x{env['device_count']} ({env['backend']}), jax {env['jax']}, flax {env['flax']}.", "",
            "Step time: median of the timed steps (wall clock, `jax.block_until_ready` per step) after warm-up; "
-           "compile excluded. Roofline: experiments/roofline.py floor per device (H200 best measured ceilings: "
+           "compile excluded (compile s: (reused) = compiled for another point, (hit) = loaded from the "
+           "persistent compilation cache). Roofline: experiments/roofline.py floor per device (H200 best measured ceilings: "
            "HBM 4.4 TB/s, bf16 790, FP8 1525 TFLOP/s; the datasheet's in the records); "
            "% roofline = floor / median. deepinfer tokens/s = requests x 3.25 / step; realistic = requests x "
            "measured (1 + accepted) / step; prefill = new tokens / step.", "",
@@ -940,11 +987,13 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
             continue
         s = r["step_ms"]
         comp = sum(r.get("compile_s", {}).values())
+        cached = sorted(set(r.get("compile_cache", {}).values()) - {"miss", "off"})
         acc = r.get("acceptance", {}).get("mean_accepted_length")
         acc_s = f"{acc:.2f}" if acc is not None else (f"{r['accepted_per_step_assumed']:.2f} (assumed)"
                                                        if "accepted_per_step_assumed" in r else "")
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""
-        out.append(head + f" {s['median']:.3f} | {s['p10']:.3f}-{s['p90']:.3f} | {comp:.1f} | "
+        out.append(head + f" {s['median']:.3f} | {s['p10']:.3f}-{s['p90']:.3f} | {comp:.1f}"
+                   f"{' (' + '/'.join(cached) + ')' if cached else ''} | "
                    f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | {acc_s} | "
                    f"{r['roofline']['floor_ms']:.3f} | {100 * r['roofline_fraction']:.1f}% | {mfu} | "
                    f"{r['warmup']}/{r['repeats']} | ok |")
@@ -1121,6 +1170,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--real-prefill", action="store_true", help="prefill real random prompts instead of a "
                    "synthetic context (small contexts)")
     p.add_argument("--checkpoint", help="a save_orbax directory (e.g. a trained drafter) instead of random weights")
+    p.add_argument("--scan-layers", action="store_true", help="run repeated layer groups as one scanned body "
+                   "each (ModelConfig.scan_layers) instead of every layer traced on its own")
+    compile_cache.add_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: small shapes, 1 warm-up, 10 repeats")
     p.add_argument("--no-memory-check", action="store_true", help="run even where the memory estimate says no")
@@ -1157,13 +1209,15 @@ def main(argv=None) -> list[dict]:
         from .plots import plot_breakdown, read_records
     import jax
 
+    compile_cache.enable(args.compile_cache)
     backend = jax.default_backend()
     d = defaults(backend, args.quick)
     preset = args.preset or d["preset"]
     dtype = args.dtype or d["dtype"]
     cfg = resolve_config(preset, args.layers, args.moe_impl or d["impl"], args.attention_impl or d["impl"],
                          args.expert_weights, args.dense_weights, args.engram_vocab, args.head_dtype,
-                         args.index_keys, dense_impl=args.dense_impl, quant_sim=args.quant_sim)
+                         args.index_keys, dense_impl=args.dense_impl, quant_sim=args.quant_sim,
+                         scan_layers=args.scan_layers)
     phases = args.phase if isinstance(args.phase, list) else choice_list(PHASES)(args.phase)
     modes = args.mode if isinstance(args.mode, list) else choice_list(MODES)(args.mode)
     batches = args.batch or d["batch"]

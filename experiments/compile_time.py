@@ -14,7 +14,11 @@ bench.py times. Reported per step: trace + lowering seconds, XLA compile seconds
 program's temporary buffer bytes where the backend reports them. With `--mesh dp,ep,tp` the step is compiled
 partitioned (weights, caches and tokens laid out by the sharding tables, the model on the mesh's runtime) and
 `--collectives` lists what it communicates per device (kind, result shape and bytes, the jax op that made
-it): on a CPU this shows the XLA partitioning of everything but the GPU kernels' custom calls. Output: JSON + markdown under
+it): on a CPU this shows the XLA partitioning of everything but the GPU kernels' custom calls. `--scan-layers`
+compiles the model with its repeated layer groups scanned (ModelConfig.scan_layers: one traced body per group
+position, `traced_layers` in the record). The persistent compilation cache (experiments/compile_cache.py) is on
+as in every CLI: each record says whether its compile was a cache hit (warm) or a miss (cold: a fresh
+`--compile-cache DIR`, or `--compile-cache off`). Output: JSON + markdown under
 experiments/results/compile_time_<stamp>_<backend>.{json,md} (and $OUT when set).
 """
 
@@ -26,6 +30,7 @@ import re
 import sys
 import time
 
+from experiments import compile_cache
 from experiments import records as records_io
 from experiments.bench import parse_mesh
 
@@ -91,10 +96,12 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
     with setup.context():
         lowered = fns[kind].lower(state, cache, tokens)
         t2 = time.perf_counter()
-        compiled = lowered.compile()
+        with compile_cache.CacheEvents() as events:
+            compiled = lowered.compile()
     t3 = time.perf_counter()
     rec = {"step": kind, "batch": batch, "context": context, "rows": rows, "mesh": list(mesh_shape),
-           "abstract_model_s": round(t1 - t0, 3), "trace_lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3)}
+           "abstract_model_s": round(t1 - t0, 3), "trace_lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3),
+           "compile_cache": events.status}
     try:
         mem = compiled.memory_analysis()
         rec["temp_bytes"] = int(mem.temp_size_in_bytes)
@@ -124,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dp,ep,tp over the visible devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     p.add_argument("--collectives", action="store_true",
                    help="list the partitioned program's collectives (kind, shape, bytes per device, source op)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="scan repeated layer groups (ModelConfig.scan_layers) instead of tracing every layer")
+    compile_cache.add_argument(p)
     p.add_argument("--out", help="results directory (default experiments/results; $OUT also gets a copy)")
     return p.parse_args(argv)
 
@@ -134,12 +144,15 @@ def main(argv=None) -> dict:
 
     from experiments.layer_scaling import scale_layers
     from model import ModelConfig
+    from model.groups import layer_groups, traced_layers
+
+    cache_dir = compile_cache.enable(args.compile_cache)
 
     cfg = ModelConfig.preset(args.preset)
     if args.layers:
         cfg = scale_layers(cfg, args.layers)
     cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl, expert_weights=args.expert_weights,
-                      dense_weights=args.dense_weights)
+                      dense_weights=args.dense_weights, scan_layers=args.scan_layers)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if not steps or any(s not in ("prefill", "verify") for s in steps):
         raise SystemExit(f"--steps must list prefill and/or verify, got {args.steps!r}")
@@ -151,24 +164,28 @@ def main(argv=None) -> dict:
         rec = compile_step(cfg, args.dtype, kind, batch, args.context, rows, args.num_draft, args.mesh,
                            args.collectives)
         print(f"[compile_time] {cfg.name} {kind} B{batch} x {rows} rows at {args.context}: trace+lower "
-              f"{rec['trace_lower_s']:.1f} s, compile {rec['compile_s']:.1f} s", flush=True)
+              f"{rec['trace_lower_s']:.1f} s, compile {rec['compile_s']:.1f} s (cache {rec['compile_cache']})",
+              flush=True)
         for c in rec.get("collectives", [])[:12]:
             print(f"    {c['count']:3d} x {c['kind']:<14} {c['shape']:<40} {c['bytes'] / 2**20:9.2f} MiB  {c['op']}")
         records.append(rec)
     meta = {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "backend": backend,
             "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,
             "expert_weights": cfg.expert_weights, "dense_weights": cfg.dense_weights,
-            "attention_impl": cfg.attention_impl, "command": "python -m experiments.compile_time " + " ".join(
+            "attention_impl": cfg.attention_impl, "scan_layers": cfg.scan_layers,
+            "traced_layers": traced_layers(layer_groups(cfg)),
+            "compile_cache_dir": None if cache_dir is None else str(cache_dir), "command": "python -m experiments.compile_time " + " ".join(
                 sys.argv[1:] if argv is None else argv)}
     lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype} ({cfg.dense_weights} dense, {cfg.expert_weights} "
-             f"experts), "
+             f"experts), {'scanned' if cfg.scan_layers else 'unrolled'} layers ({meta['traced_layers']} traced), "
              f"{backend} ({meta['device']}), "
              f"jax {jax.__version__}", "", f"`{meta['command']}`", "",
-             "| step | batch x rows | context | trace + lower s | compile s | temp GiB |", "|---|---|---|---|---|---|"]
+             "| step | batch x rows | context | trace + lower s | compile s | cache | temp GiB |",
+             "|---|---|---|---|---|---|---|"]
     for r in records:
         temp = f"{r['temp_bytes'] / 2**30:.1f}" if "temp_bytes" in r else "-"
         lines.append(f"| {r['step']} | {r['batch']} x {r['rows']} | {r['context']} | {r['trace_lower_s']:.1f} "
-                     f"| {r['compile_s']:.1f} | {temp} |")
+                     f"| {r['compile_s']:.1f} | {r['compile_cache']} | {temp} |")
     out = {"meta": meta, "records": records}
     records_io.save(out, "\n".join(lines) + "\n", "compile_time", backend, args.out)
     return out

@@ -4,7 +4,9 @@
   python -m experiments.generate --checkpoint DIR --prompt "1 2 3 4" --dtype bfloat16
 
 Prints the continuations, next-token logit statistics, tokens/s for prefill and decode and the
-compile time of each phase (measured separately: the first call compiles, the second is timed).
+compile time of each phase (measured separately: the first call compiles, the second is timed). Compiled
+programs are kept in the persistent compilation cache (experiments/compile_cache.py; `--compile-cache off`
+disables it), so a second run loads them: the record says how many lookups hit.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 
 import jax
 import numpy as np
+
+from experiments import compile_cache
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--speculative", choices=["mtp", "dspark"], help="speculative decoding with the model's drafter")
     p.add_argument("--num-draft", type=int, help="drafts per speculative step (default 3)")
+    p.add_argument("--scan-layers", action="store_true", help="run repeated layer groups as one scanned body each "
+                   "(ModelConfig.scan_layers): a shorter compile")
+    compile_cache.add_argument(p)
     p.add_argument("--json", help="also write the stats record to this file")
     return p.parse_args(argv)
 
@@ -62,6 +69,19 @@ def make_prompts(args, cfg) -> list[list[int]]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    cache_dir = compile_cache.enable(args.compile_cache)
+    with compile_cache.CacheEvents() as events:
+        record = run(args)
+    print(f"compile cache: {events.status} ({events.hits} of {events.requests} programs loaded"
+          f"{'' if cache_dir is None else ' from ' + str(cache_dir)})")
+    record["compile_cache"] = {**events.record(), "dir": None if cache_dir is None else str(cache_dir)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    return record
+
+
+def run(args: argparse.Namespace) -> dict:
     from model import ModelConfig, init_random
     from model.cache import describe_memory
     from model.checkpoint import load_checkpoint
@@ -69,7 +89,9 @@ def main(argv=None) -> dict:
     from sampling.generate import DEFAULT_NUM_DRAFT, check_request, generate, request_length
 
     # every argument is checked against the config before the model is built (seconds, not a stall)
+    layout = {"scan_layers": True} if args.scan_layers else {}
     cfg = ModelConfig.from_hf(args.checkpoint) if args.checkpoint else ModelConfig.preset(args.preset)
+    cfg = cfg.replace(**layout)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_tokens=[cfg.eos_token_id], timing=True,
                    speculative=args.speculative, num_draft=args.num_draft)
@@ -82,7 +104,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     if args.checkpoint:
         progress(f"loading {args.checkpoint}")
-        model = load_checkpoint(args.checkpoint, dtype=args.dtype)
+        model = load_checkpoint(args.checkpoint, dtype=args.dtype, **layout)
     else:
         progress(f"building random {args.preset}")
         model = init_random(cfg, seed=args.seed, dtype=args.dtype)
@@ -111,12 +133,8 @@ def main(argv=None) -> dict:
               f"{s['mean_accepted_length']:.2f} tokens/step, per position "
               f"{np.round(s['acceptance_per_position'], 3).tolist()}; verify {s['verify_s'] * 1e3:.1f} ms, "
               f"draft {s['draft_s'] * 1e3:.1f} ms")
-    record = {"model": cfg.name, "dtype": args.dtype, "batch": len(prompts), "backend": jax.default_backend(),
-              "device": str(jax.devices()[0]), "jax": jax.__version__, **s}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-    return record
+    return {"model": cfg.name, "dtype": args.dtype, "batch": len(prompts), "backend": jax.default_backend(),
+            "device": str(jax.devices()[0]), "jax": jax.__version__, "scan_layers": cfg.scan_layers, **s}
 
 
 if __name__ == "__main__":

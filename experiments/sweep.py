@@ -11,7 +11,7 @@ line replaces the spec's. Spec keys (all optional):
 
     name: h200-decode                 # results: experiments/results/sweep_<name>.jsonl / .md / .png
     preset: v4-flash-4l               # plus layers, dtype, moe_impl, attention_impl, expert_weights,
-                                      # dense_weights, seed, checkpoint
+                                      # dense_weights, seed, checkpoint, scan_layers
     phase: [decode]                   # prefill | decode
     mode: [deepinfer, realistic]
     step: verify                      # decode step for deepinfer mode (realistic always times spec)
@@ -29,7 +29,12 @@ line replaces the spec's. Spec keys (all optional):
 
 Resumable: every finished point is appended to the results file (JSON lines) at once; a later run with
 the same file skips every point already there with status ok / refused / skipped (points that failed with
-an error run again). The model is built once per mesh, and only if that mesh has points left to run. At
+an error run again). The model is built once per mesh, and only if that mesh has points left to run.
+Programs are shared: points whose step is the same program (the same step function, routing, shapes and
+mesh: e.g. contexts whose caches round to the same length) compile it once, and the persistent compilation
+cache (experiments/compile_cache.py, on by default) loads what an earlier run compiled (a resumed or
+repeated sweep, another sweep with common points). Each point's record says how its programs came (`compile_cache`: reused / hit / miss / off) and
+the summary gives the compile seconds per point and in total. At
 the end the markdown table and the plot (<name>.png: tokens/s per GPU and % of the floor against the swept
 axis, one line per combination of the other swept values, one column per phase; experiments/plots.py) are
 rewritten from the whole file; plotting needs matplotlib and is skipped with a message where it is not
@@ -46,11 +51,11 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench
+from . import bench, compile_cache
 
 # what makes two records the same point (besides bench.Point.key()); warm-up / repeat counts do not
 KEY_FIELDS = ("preset", "config", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights",
-              "real_prefill", "checkpoint")
+              "real_prefill", "checkpoint", "scan_layers")
 
 
 # ----------------------------------------------------------------------------------------------- spec
@@ -77,7 +82,7 @@ def load_spec(path: str | None) -> dict:
 
 SPEC_KEYS = {"name", "preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights",
              "seed", "checkpoint", "phase", "mode", "step", "mesh", "batch", "prefill_batch", "context", "num_draft",
-             "new_tokens", "replay", "warmup", "repeats", "real_prefill", "quick", "results"}
+             "new_tokens", "replay", "warmup", "repeats", "real_prefill", "quick", "results", "scan_layers"}
 
 
 def as_list(v) -> list:
@@ -96,7 +101,7 @@ def as_bool(v) -> bool:
         return True
     if s in ("off", "false", "no", "0"):
         return False
-    raise SystemExit(f"replay values are on/off (true/false), got {v!r}")
+    raise SystemExit(f"on/off values (true/false) expected (replay, scan_layers), got {v!r}")
 
 
 def as_mesh(v) -> tuple[int, int, int]:
@@ -128,6 +133,7 @@ def grid(spec: dict, backend: str) -> tuple[dict, list[bench.Point]]:
         "attention_impl": spec.get("attention_impl") or d["impl"], "seed": int(spec.get("seed", 0)),
         "expert_weights": spec.get("expert_weights") or "dense", "dense_weights": spec.get("dense_weights") or "model",
         "checkpoint": spec.get("checkpoint"), "real_prefill": bool(spec.get("real_prefill", False)),
+        "scan_layers": as_bool(spec.get("scan_layers", False)),
         "warmup": int(spec["warmup"]) if spec.get("warmup") is not None else d["warmup"],
     }
     reps = spec.get("repeats")
@@ -173,7 +179,7 @@ def run_key(run: dict, cfg, p: bench.Point) -> str:
     fields = {"preset": run["preset"], "config": cfg.name, "layers": cfg.num_layers, "dtype": run["dtype"],
               "moe_impl": cfg.moe_impl, "attention_impl": cfg.attention_impl, "expert_weights": cfg.expert_weights,
               "dense_weights": cfg.dense_weights, "real_prefill": run["real_prefill"],
-              "checkpoint": run["checkpoint"]}
+              "checkpoint": run["checkpoint"], "scan_layers": cfg.scan_layers}
     return json.dumps({**fields, **p.key()}, sort_keys=True)
 
 
@@ -183,6 +189,7 @@ def record_key(rec: dict) -> str | None:
     fields = {k: rec.get(k) for k in KEY_FIELDS}
     fields["expert_weights"] = fields["expert_weights"] or "dense"  # records from before the fields
     fields["dense_weights"] = fields["dense_weights"] or "model"
+    fields["scan_layers"] = bool(fields["scan_layers"])  # records without the field ran every layer on its own
     return json.dumps({**fields, **rec["key"]}, sort_keys=True)
 
 
@@ -253,6 +260,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--checkpoint")
     p.add_argument("--quick", action="store_true", default=None)
+    p.add_argument("--scan-layers", action="store_true", default=None, help="run repeated layer groups as "
+                   "one scanned body each (ModelConfig.scan_layers)")
+    compile_cache.add_argument(p)
     p.add_argument("--no-memory-check", action="store_true")
     p.add_argument("--plot-only", action="store_true", help="only rewrite the table and plots from the results file")
     p.add_argument("--quiet", action="store_true")
@@ -268,6 +278,7 @@ def main(argv=None) -> dict:
             spec[key] = v
     import jax
 
+    compile_cache.enable(args.compile_cache)
     backend = jax.default_backend()
     name = str(spec.get("name") or "sweep")
     results = Path(spec.get("results") or bench.RESULTS_DIR / f"sweep_{name}.jsonl")
@@ -276,11 +287,12 @@ def main(argv=None) -> dict:
     progress = bench.Progress(quiet=args.quiet)
     run, points = grid(spec, backend)
     cfg = bench.resolve_config(run["preset"], run["layers"], run["moe_impl"], run["attention_impl"],
-                               run["expert_weights"], run["dense_weights"])
+                               run["expert_weights"], run["dense_weights"], scan_layers=run["scan_layers"])
     env = bench.environment(bench.command_line(argv, "experiments.sweep"))
     old = read_results(results)
     done = {record_key(r) for r in old if r.get("status") in DONE}
-    summary = {"results": str(results), "points": len(points), "skipped_done": 0, "ran": 0, "not_possible": 0}
+    summary = {"results": str(results), "points": len(points), "skipped_done": 0, "ran": 0, "not_possible": 0,
+               "compile_s": {}, "compile_s_total": 0.0}
     if not args.plot_only:
         ndev = jax.device_count()
         todo: dict[tuple, list[bench.Point]] = {}
@@ -310,9 +322,14 @@ def main(argv=None) -> dict:
                 with results.open("a") as f:
                     f.write(json.dumps(rec, default=bench._json_default) + "\n")
                 summary["ran"] += 1
+                compile_s = sum(rec.get("compile_s", {}).values())
+                summary["compile_s"][p.label()] = round(compile_s, 3)
+                summary["compile_s_total"] = round(summary["compile_s_total"] + compile_s, 3)
                 if rec["status"] == "ok":
+                    how = "/".join(sorted(set(rec.get("compile_cache", {}).values())))
                     progress.log(f"  {rec['step_ms']['median']:.3f} ms/step, {rec['tokens_per_s']:,.0f} tokens/s, "
-                                 f"{100 * rec['roofline_fraction']:.1f}% of the roofline")
+                                 f"{100 * rec['roofline_fraction']:.1f}% of the roofline; compile {compile_s:.1f} s "
+                                 f"({how})")
                 else:
                     progress.log(f"  {rec['status']}: {rec.get('reason')}")
             del setup
@@ -324,7 +341,8 @@ def main(argv=None) -> dict:
     bench.copy_to_out([results, md, *pngs])
     summary.update(markdown=str(md), plots=[str(p) for p in pngs], records=len(recs))
     progress.log(f"done: ran {summary['ran']}, skipped {summary['skipped_done']} finished; {len(recs)} records in "
-                 f"{results}; table {md.name}; plots {', '.join(p.name for p in pngs) or 'none'}")
+                 f"{results}; table {md.name}; plots {', '.join(p.name for p in pngs) or 'none'}; compile "
+                 f"{summary['compile_s_total']:.1f} s in total")
     print(json.dumps(summary))
     return summary
 

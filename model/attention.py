@@ -20,7 +20,7 @@ from flax import nnx, struct
 from pallas_kernels import invariant as inv
 from pallas_kernels import reference as ref
 
-from .cache import LayerCache, Step, ring_positions, ring_write
+from .cache import LayerCache, Step, read, ring_positions, ring_write
 from .compressor import Compressor, Indexer, store_entries, visible_entries
 from .config import LayerSpec, ModelConfig
 from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_kernel_linear, normal_init, rms_normalize,
@@ -137,7 +137,8 @@ class Attention(nnx.Module):
         """h [B, S, D] rows of `step` -> ([B, S, D], cache with this chunk written, shared state).
 
         Keys: the SWA ring (positions before the chunk), the chunk's own rows, and (compressed layers)
-        the global entry store after adding the blocks this chunk closes.
+        the global entry store after adding the blocks this chunk closes (inside a scanned group the cache's
+        arrays are views: `cache.read`).
         """
         pos = step.positions
         q, c_q = self.queries(h, pos)
@@ -146,7 +147,7 @@ class Attention(nnx.Module):
         ring_pos = ring_positions(step.start, cache.kv.shape[1])
         ring_pos = jnp.where(ring_pos >= floor, ring_pos, -1)  # -1: not attended (empty or below the floor)
         own_pos = jnp.where(step.valid & (pos >= floor), pos, -1)
-        keys = [cache.kv, kv]
+        keys = [read(cache.kv), kv]
         masks = [self._window(pos, ring_pos, ring_pos >= 0), self._window(pos, own_pos, own_pos >= 0)]
         cache = cache.replace(kv=ring_write(cache.kv, kv, step))
         if self.spec.compress_ratio > 0:
@@ -154,8 +155,8 @@ class Attention(nnx.Module):
                 if step.write_global:  # (replay over a cached prefix reads the stores, never rewrites them)
                     with jax.named_scope("compressor"):
                         cache = self.compress(h, step, cache)
-                shared = shared.replace(kv=cache.comp.entries,
-                                        keys=cache.index.entries if cache.index is not None else None)
+                shared = shared.replace(kv=read(cache.comp.entries),
+                                        keys=read(cache.index.entries) if cache.index is not None else None)
             entries = shared.kv
             visible = visible_entries(pos, entries.shape[1], self.spec.compress_ratio)
             if self.indexer is not None:

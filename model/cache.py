@@ -12,6 +12,13 @@ resume are length updates:
   they close, plus the store of finished entries [B, N, d], entry j at index j. A stale entry past
   the length is invisible (queries at p see j < (p+1)//r) and is rewritten when its block closes.
 * lengths [B]: tokens already in the cache per sequence.
+
+`Cache.layers` holds one entry per layer group (model/groups.py): a `LayerCache` for a layer of its own,
+a `StackCache` for a scanned group, whose arrays carry the group's repeats on a leading axis [G, B, ...].
+Inside the scan a layer sees its slice of the entry stores as `LayerSlice`s (reads take the slice, writes
+scatter into the stacked array in place: `write_rows`) and its rings as `PendingRing`s (reads see the ring
+before the step, the chunk's rows are written into the stacked rings after the scan), so a step copies no
+stack (model/stack.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,61 @@ from pallas_kernels.reference import mxfp4_row_bytes
 
 from .config import ModelConfig
 from .footprint import require
+from .groups import LayerGroup, layer_groups
+
+
+@struct.dataclass
+class LayerSlice:
+    """Layer `index` (a traced int32 scalar) of a stacked cache array `stack` [G, ...], as a scanned layer sees
+    it: `shape` / `dtype` are the layer's, `read` takes the slice, `write_rows` scatters into the stack."""
+
+    stack: jax.Array
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+
+@struct.dataclass
+class PendingRing:
+    """A ring of one layer inside a scanned group: reads see `values` [B, size, ...] (the ring before the step),
+    `ring_write` records the chunk's `rows` [B, S, ...], which the group writes into its stacked ring after
+    the scan (`write_ring_rows`). A step reads a ring only before writing it."""
+
+    values: jax.Array
+    rows: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+def read(a):
+    """A cache array's values: the array itself, a LayerSlice's layer of its stack, a PendingRing's values."""
+    if isinstance(a, LayerSlice):
+        return jax.lax.dynamic_index_in_dim(a.stack, a.index, 0, keepdims=False)
+    if isinstance(a, PendingRing):
+        return a.values
+    return a
+
+
+def write_rows(target, index: tuple, rows: jax.Array):
+    """target.at[index].set(rows, mode="drop") for an array, or into a LayerSlice's stack at its layer (in
+    place: a store is written before it is read, so nothing keeps its old contents alive)."""
+    rows = rows.astype(target.dtype)
+    if not isinstance(target, LayerSlice):
+        return target.at[index].set(rows, mode="drop")
+    return target.replace(stack=target.stack.at[(target.index, *index)].set(rows, mode="drop"))
+
 
 @struct.dataclass
 class CompressorCache:
@@ -44,9 +106,17 @@ class LayerCache:
 
 
 @struct.dataclass
+class StackCache:
+    """The caches of a scanned layer group: one LayerCache per position of its period, each array stacked over
+    the group's repeats [G, B, ...] (axis 0 in the order of `LayerGroup.layer_ids`)."""
+
+    period: tuple  # of LayerCache
+
+
+@struct.dataclass
 class Cache:
     lengths: jax.Array  # [B] int32
-    layers: tuple
+    layers: tuple  # one LayerCache, or StackCache for a scanned group, per entry of `groups`
     tokens: jax.Array | None = None  # [V4.1 Engram] ring of raw token ids [B, R_t] (n-gram history)
     # [B] int32: the shortest length a rollback may keep. The rings hold spec_room slots beyond what a step
     # reads, so rows written past the kept length clobber nothing only while the furthest row written is at
@@ -55,10 +125,21 @@ class Cache:
     rollback_floor: jax.Array | None = None
     max_len: int = struct.field(pytree_node=False, default=0)
     spec_room: int = struct.field(pytree_node=False, default=0)
+    groups: tuple = struct.field(pytree_node=False, default=())  # the LayerGroups of `layers` (model/groups.py)
 
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
+
+    def layer(self, index: int) -> LayerCache:
+        """Backbone layer `index`'s LayerCache (for a scanned group: its arrays sliced out of the stacks)."""
+        for group, entry in zip(self.groups, self.layers):
+            if group.start <= index < group.stop:
+                if not group.stacked:
+                    return entry
+                repeat, position = group.locate(index)
+                return jax.tree.map(lambda a: a[repeat], entry.period[position])
+        raise ValueError(f"the cache holds no layer {index} (it has {sum(g.period * g.repeats for g in self.groups)})")
 
     def advanced(self, end: jax.Array, layers: tuple) -> "Cache":
         """The cache after a step wrote every position below `end` [B]."""
@@ -125,19 +206,33 @@ def ring_positions(start: jax.Array, size: int) -> jax.Array:
     return jnp.where(pos >= 0, pos, -1)
 
 
-def ring_write(ring: jax.Array, rows: jax.Array, step: Step) -> jax.Array:
-    """Write the chunk's valid rows [B, S, ...] at slots position mod size (only the last `size` rows)."""
-    size = ring.shape[1]
-    i = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :]
+def _ring_slots(batch: int, size: int, width: int, step: Step) -> tuple[jax.Array, jax.Array]:
+    """(sequence [B, 1], slot [B, S]) indices of a chunk's rows in a ring of `size` slots: position mod size
+    for the valid rows among the last `size`, `size` (dropped) for the rest."""
+    i = jnp.arange(width, dtype=jnp.int32)[None, :]
     keep = step.valid & (i >= step.n_new[:, None] - size)
-    slot = jnp.where(keep, jnp.mod(step.positions, size), size)  # out of range -> dropped
-    b = jnp.arange(ring.shape[0])[:, None]
+    return jnp.arange(batch)[:, None], jnp.where(keep, jnp.mod(step.positions, size), size)
+
+
+def ring_write(ring, rows: jax.Array, step: Step):
+    """Write the chunk's valid rows [B, S, ...] at slots position mod size (only the last `size` rows) of a
+    ring [B, size, ...]; a PendingRing records them."""
+    if isinstance(ring, PendingRing):
+        return ring.replace(rows=rows.astype(ring.dtype))
+    b, slot = _ring_slots(ring.shape[0], ring.shape[1], rows.shape[1], step)
     return ring.at[b, slot].set(rows.astype(ring.dtype), mode="drop")
 
 
-def ring_gather(ring: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rows of `ring` [B, size, ...] for absolute positions [B, K] (caller masks invalid ones)."""
-    return jnp.take_along_axis(ring, jnp.mod(positions, ring.shape[1])[..., None], axis=1)
+def write_ring_rows(rings: jax.Array, rows: jax.Array, step: Step) -> jax.Array:
+    """A scanned group's recorded ring rows [G, B, S, ...] written into its stacked ring [G, B, size, ...]."""
+    b, slot = _ring_slots(rings.shape[1], rings.shape[2], rows.shape[2], step)
+    return rings.at[:, b, slot].set(rows.astype(rings.dtype), mode="drop")
+
+
+def ring_gather(ring, positions: jax.Array) -> jax.Array:
+    """Rows of `ring` [B, size, ...] (an array or a PendingRing) for absolute positions [B, K] (caller masks
+    invalid ones)."""
+    return jnp.take_along_axis(read(ring), jnp.mod(positions, ring.shape[1])[..., None], axis=1)
 
 
 # ----------------------------------------------------------------------------- allocation
@@ -199,10 +294,12 @@ def _kind_dtype(kind: str, act_dtype) -> np.dtype:
 
 
 def allocate_layer(cfg: ModelConfig, index: int, batch: int, max_len: int, dtype=jnp.bfloat16,
-                   spec_room: int = 8) -> LayerCache:
-    """An empty cache for block `index` (backbone layer or MTP slot)."""
+                   spec_room: int = 8, repeats: int | None = None) -> LayerCache:
+    """An empty cache for block `index` (backbone layer or MTP slot); with `repeats`, for a position of a scanned
+    group: every array with a leading [repeats] axis."""
     geo = geometry(cfg, max_len, spec_room)
-    arrays = {name: jnp.zeros(shape, _kind_dtype(kind, dtype))
+    lead = () if repeats is None else (repeats,)
+    arrays = {name: jnp.zeros(lead + shape, _kind_dtype(kind, dtype))
               for name, (shape, kind) in _layer_shapes(cfg, index, geo, batch).items()}
 
     def comp(part):
@@ -215,17 +312,26 @@ def allocate_layer(cfg: ModelConfig, index: int, batch: int, max_len: int, dtype
 
 
 def allocate(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, spec_room: int = 8) -> Cache:
-    """An empty cache for `batch` sequences of up to `max_len` positions (backbone layers). Called outside jit,
-    a cache that cannot fit the device raises MemoryError before anything is allocated."""
+    """An empty cache for `batch` sequences of up to `max_len` positions (backbone layers, grouped as the
+    model's: model/groups.py). Called outside jit, a cache that cannot fit the device raises MemoryError before
+    anything is allocated."""
     if not isinstance(jnp.zeros(()), jax.core.Tracer):  # traced (eval_shape, born-sharded jit): nothing is held
         need = batch * memory_estimate(cfg, max_len, dtype, spec_room)["bytes_per_sequence_at_max_len"]
         require(int(need), f"a {cfg.name} cache of {batch} x {max_len} positions ({np.dtype(dtype).name})")
-    layers = tuple(allocate_layer(cfg, i, batch, max_len, dtype, spec_room) for i in range(cfg.num_layers))
+    groups = layer_groups(cfg)
+    layers = tuple(StackCache(tuple(allocate_layer(cfg, g.start + p, batch, max_len, dtype, spec_room, g.repeats)
+                                    for p in range(g.period)))
+                   if g.stacked else allocate_layer(cfg, g.start, batch, max_len, dtype, spec_room) for g in groups)
     tokens = None
     if cfg.engram_layer_ids:
         tokens = jnp.zeros((batch, cfg.engram_max_ngram_size - 1 + spec_room), jnp.int32)
     return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers, tokens=tokens,
-                 rollback_floor=jnp.zeros((batch,), jnp.int32), max_len=max_len, spec_room=spec_room)
+                 rollback_floor=jnp.zeros((batch,), jnp.int32), max_len=max_len, spec_room=spec_room, groups=groups)
+
+
+def batch_axis(path: str) -> int:
+    """The batch axis of the cache array at dotted pytree path `path`: 1 in a scanned group's stacks, else 0."""
+    return 1 if ".period." in f".{path}." else 0
 
 
 def packed_entry_bytes(cfg: ModelConfig, part: str) -> float:
@@ -326,28 +432,39 @@ class PrefixState:
         return sum(l.nbytes for l in self.layers) + (0 if self.tokens is None else self.tokens.nbytes)
 
 
-def _ring_rows(ring: jax.Array, row: int, first: int, length: int, cur: int, what: str) -> np.ndarray:
+def _layer_entries(cache: Cache):
+    """(layer index, LayerCache, lead) for every backbone layer in order: `lead` indexes the layer's arrays in
+    the LayerCache (() for a layer of its own, (repeat,) into a scanned group's stacked arrays)."""
+    out = []
+    for group, entry in zip(cache.groups, cache.layers):
+        for p in range(group.period):
+            for r, i in enumerate(group.layer_ids(p)):
+                out.append((i, entry.period[p], (r,)) if group.stacked else (i, entry, ()))
+    return sorted(out, key=lambda e: e[0])
+
+
+def _ring_rows(ring: jax.Array, lead: tuple, row: int, first: int, length: int, cur: int, what: str) -> np.ndarray:
     """Host copy of ring rows of positions [first, length) of sequence `row` (cache length `cur`)."""
-    size = ring.shape[1]
+    size = ring.shape[len(lead) + 1]
     if first < cur - size:
         raise ValueError(f"{what}: positions [{first}, {length}) are no longer in its ring of {size} slots "
                          f"(sequence {row} is at length {cur}); export at most {size - (length - first)} "
                          f"positions behind the current length")
     slots = np.arange(first, length) % size
-    return np.asarray(ring[row, slots])
+    return np.asarray(ring[(*lead, row, slots)])
 
 
-def _export_compressor(comp: CompressorCache, ratio: int, overlap: bool, row: int, length: int, cur: int,
-                       what: str) -> CompressorPrefix:
-    entries = np.asarray(comp.entries[row, : length // ratio])
+def _export_compressor(comp: CompressorCache, lead: tuple, ratio: int, overlap: bool, row: int, length: int,
+                       cur: int, what: str) -> CompressorPrefix:
+    entries = np.asarray(comp.entries[(*lead, row, slice(0, length // ratio))])
     if comp.proj_a is None:
         return CompressorPrefix(entries=entries)
     # the next chunk pools from the first open block, or (overlap) the block before it: see
     # Compressor.latents, which reads ring rows [base, start) with base = (start // r) * r - r*overlap
     first = max(0, (length // ratio) * ratio - (ratio if overlap else 0))
     return CompressorPrefix(entries=entries,
-                            proj_a=_ring_rows(comp.proj_a, row, first, length, cur, f"{what}.proj_a"),
-                            proj_g=_ring_rows(comp.proj_g, row, first, length, cur, f"{what}.proj_g"))
+                            proj_a=_ring_rows(comp.proj_a, lead, row, first, length, cur, f"{what}.proj_a"),
+                            proj_g=_ring_rows(comp.proj_g, lead, row, first, length, cur, f"{what}.proj_g"))
 
 
 def export_prefix(cache: Cache, cfg: ModelConfig, row: int, length: int, include_window: bool) -> PrefixState:
@@ -368,66 +485,94 @@ def export_prefix(cache: Cache, cfg: ModelConfig, row: int, length: int, include
     cur = int(np.asarray(cache.lengths)[row])
     if not 0 < length <= cur:
         raise ValueError(f"cannot export sequence {row} at length {length}: it holds {cur} positions")
-    if len(cache.layers) != cfg.num_layers:
-        raise ValueError(f"cache has {len(cache.layers)} layers, config {cfg.name} has {cfg.num_layers}")
+    entries = _layer_entries(cache)
+    if len(entries) != cfg.num_layers:
+        raise ValueError(f"cache has {len(entries)} layers, config {cfg.name} has {cfg.num_layers}")
     layers = []
-    for i, lc in enumerate(cache.layers):
+    for i, lc, lead in entries:
         spec = cfg.layer_spec(i)
         kv = None
         if include_window:
-            kv = _ring_rows(lc.kv, row, max(0, length - cfg.sliding_window), length, cur, f"layer {i} kv")
+            kv = _ring_rows(lc.kv, lead, row, max(0, length - cfg.sliding_window), length, cur, f"layer {i} kv")
         comp = index = None
         if spec.owns_kv:
             r = spec.compress_ratio
             if cfg.generation == "v41" and length % r:
                 raise ValueError(f"{cfg.name}: a V4.1 prefix must end on a block of every KV source; length "
                                  f"{length} is not a multiple of layer {i}'s ratio {r}")
-            comp = _export_compressor(lc.comp, r, spec.overlap, row, length, cur, f"layer {i} comp")
+            comp = _export_compressor(lc.comp, lead, r, spec.overlap, row, length, cur, f"layer {i} comp")
             if lc.index is not None:
-                index = _export_compressor(lc.index, r, spec.overlap, row, length, cur, f"layer {i} index")
+                index = _export_compressor(lc.index, lead, r, spec.overlap, row, length, cur, f"layer {i} index")
         layers.append(LayerPrefix(kv=kv, comp=comp, index=index))
     tokens = None
     if cfg.engram_layer_ids and cache.tokens is not None:
         first = max(0, length - (cfg.engram_max_ngram_size - 1))
-        tokens = _ring_rows(cache.tokens, row, first, length, cur, "Engram token history")
+        tokens = _ring_rows(cache.tokens, (), row, first, length, cur, "Engram token history")
     return PrefixState(length=length, layers=tuple(layers), tokens=tokens, window=include_window)
 
 
-def _put_ring(ring: jax.Array, row: int, rows: np.ndarray, length: int, what: str) -> jax.Array:
+# Imports write each array once per layer group: the rows of a scanned group's layers go in stacked [G, n, ...]
+# (`lead` = (slice(None),)) with one scatter per stacked array.
+
+def _put_ring(ring: jax.Array, lead: tuple, row: int, rows: np.ndarray, length: int, what: str) -> jax.Array:
     """Write rows of positions [length - n, length) into ring slots position mod size of sequence `row`."""
-    n, size = rows.shape[0], ring.shape[1]
+    n, size = rows.shape[len(lead)], ring.shape[len(lead) + 1]
     if n > size:
         raise ValueError(f"{what}: {n} rows do not fit its ring of {size} slots")
-    _check_rows(ring, rows, what)
+    _check_rows(ring, lead, rows, what)
     if n == 0:
         return ring
     slots = np.arange(length - n, length) % size
-    return ring.at[row, slots].set(jnp.asarray(rows))
+    return ring.at[(*lead, row, slots)].set(jnp.asarray(rows))
 
 
-def _check_rows(target: jax.Array, rows: np.ndarray, what: str) -> None:
-    if rows.shape[1:] != target.shape[2:]:
-        raise ValueError(f"{what}: rows of shape {rows.shape[1:]} do not match the cache's {target.shape[2:]}")
+def _check_rows(target: jax.Array, lead: tuple, rows: np.ndarray, what: str) -> None:
+    k = len(lead)
+    if rows.shape[k + 1:] != target.shape[k + 2:]:
+        raise ValueError(f"{what}: rows of shape {rows.shape[k + 1:]} do not match the cache's {target.shape[k + 2:]}")
     if np.dtype(rows.dtype) != np.dtype(target.dtype):
         raise ValueError(f"{what}: exported as {rows.dtype}, the cache holds {target.dtype}")
 
 
-def _import_compressor(comp: CompressorCache | None, state: CompressorPrefix, row: int, length: int,
+def _stacked(parts: list, lead: tuple):
+    """The layers' host arrays of one group position: the one array, or stacked [G, ...] for a scanned group."""
+    return np.stack(parts) if lead else parts[0]
+
+
+def _import_compressor(comp: CompressorCache | None, lead: tuple, states: list, row: int, length: int,
                        what: str) -> CompressorCache:
     if comp is None:
         raise ValueError(f"{what}: the prefix has a compressor store the cache lacks")
-    n = state.entries.shape[0]
-    if n > comp.entries.shape[1]:
-        raise ValueError(f"{what}: {n} entries do not fit the cache's store of {comp.entries.shape[1]}")
-    _check_rows(comp.entries, state.entries, f"{what}.entries")
-    entries = comp.entries.at[row, :n].set(jnp.asarray(state.entries)) if n else comp.entries
+    n = states[0].entries.shape[0]
+    if n > comp.entries.shape[len(lead) + 1]:
+        raise ValueError(f"{what}: {n} entries do not fit the cache's store of {comp.entries.shape[len(lead) + 1]}")
+    rows = _stacked([st.entries for st in states], lead)
+    _check_rows(comp.entries, lead, rows, f"{what}.entries")
+    entries = comp.entries.at[(*lead, row, slice(0, n))].set(jnp.asarray(rows)) if n else comp.entries
     proj_a, proj_g = comp.proj_a, comp.proj_g
-    if state.proj_a is not None:
+    if states[0].proj_a is not None:
         if proj_a is None:
             raise ValueError(f"{what}: the prefix has projection rows but the cache keeps no projection ring")
-        proj_a = _put_ring(proj_a, row, state.proj_a, length, f"{what}.proj_a")
-        proj_g = _put_ring(proj_g, row, state.proj_g, length, f"{what}.proj_g")
+        proj_a = _put_ring(proj_a, lead, row, _stacked([st.proj_a for st in states], lead), length, f"{what}.proj_a")
+        proj_g = _put_ring(proj_g, lead, row, _stacked([st.proj_g for st in states], lead), length, f"{what}.proj_g")
     return comp.replace(proj_a=proj_a, proj_g=proj_g, entries=entries)
+
+
+def _import_layers(lc: LayerCache, lead: tuple, layer_ids: tuple, prefixes: list, cfg: ModelConfig, row: int,
+                   length: int) -> LayerCache:
+    """Write the LayerPrefixes of `layer_ids` (one layer, or a scanned group position's) into `lc`."""
+    what = f"layer {layer_ids[0]}"
+    first = prefixes[0]
+    kv = lc.kv if first.kv is None else _put_ring(lc.kv, lead, row, _stacked([lp.kv for lp in prefixes], lead),
+                                                  length, f"{what} kv")
+    comp = lc.comp if first.comp is None else _import_compressor(lc.comp, lead, [lp.comp for lp in prefixes], row,
+                                                                 length, f"{what} comp")
+    index = lc.index if first.index is None else _import_compressor(lc.index, lead, [lp.index for lp in prefixes],
+                                                                    row, length, f"{what} index")
+    for i, lp in zip(layer_ids, prefixes):
+        if cfg.layer_spec(i).owns_kv and lp.comp is None:
+            raise ValueError(f"layer {i} owns global KV but the prefix carries none for it")
+    return lc.replace(kv=kv, comp=comp, index=index)
 
 
 def import_prefix(cache: Cache, cfg: ModelConfig, row: int, state: PrefixState) -> Cache:
@@ -441,23 +586,24 @@ def import_prefix(cache: Cache, cfg: ModelConfig, row: int, state: PrefixState) 
     length = state.length
     if length > cache.max_len:
         raise ValueError(f"a prefix of {length} positions does not fit a cache of max_len {cache.max_len}")
-    if len(state.layers) != len(cache.layers) or len(cache.layers) != cfg.num_layers:
-        raise ValueError(f"prefix has {len(state.layers)} layers, cache {len(cache.layers)}, "
-                         f"config {cfg.name} {cfg.num_layers}")
+    n_cache = sum(g.period * g.repeats for g in cache.groups)
+    if len(state.layers) != n_cache or n_cache != cfg.num_layers:
+        raise ValueError(f"prefix has {len(state.layers)} layers, cache {n_cache}, config {cfg.name} {cfg.num_layers}")
     layers = []
-    for i, (lc, lp) in enumerate(zip(cache.layers, state.layers)):
-        kv = lc.kv if lp.kv is None else _put_ring(lc.kv, row, lp.kv, length, f"layer {i} kv")
-        comp = lc.comp if lp.comp is None else _import_compressor(lc.comp, lp.comp, row, length, f"layer {i} comp")
-        index = (lc.index if lp.index is None
-                 else _import_compressor(lc.index, lp.index, row, length, f"layer {i} index"))
-        if cfg.layer_spec(i).owns_kv and lp.comp is None:
-            raise ValueError(f"layer {i} owns global KV but the prefix carries none for it")
-        layers.append(lc.replace(kv=kv, comp=comp, index=index))
+    for group, entry in zip(cache.groups, cache.layers):
+        if not group.stacked:
+            layers.append(_import_layers(entry, (), (group.start,), [state.layers[group.start]], cfg, row, length))
+            continue
+        period = []
+        for p, lc in enumerate(entry.period):
+            ids = group.layer_ids(p)
+            period.append(_import_layers(lc, (slice(None),), ids, [state.layers[i] for i in ids], cfg, row, length))
+        layers.append(StackCache(tuple(period)))
     tokens = cache.tokens
     if state.tokens is not None:
         if tokens is None:
             raise ValueError("the prefix carries an Engram token history but the cache has no token ring")
-        tokens = _put_ring(tokens[..., None], row, state.tokens[:, None], length, "Engram token history")[..., 0]
+        tokens = _put_ring(tokens[..., None], (), row, state.tokens[:, None], length, "Engram token history")[..., 0]
     floor = None if cache.rollback_floor is None else cache.rollback_floor.at[row].set(length)
     return cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens,
                          rollback_floor=floor)

@@ -39,7 +39,8 @@ from . import quant_io
 from .config import ModelConfig
 from .footprint import check_fits
 from .runtime import make_runtime
-from .sharded import host_resident, local_expert_tensors, path_to_official, place_loaded, skipped_expert_names
+from .sharded import (host_resident, local_expert_tensors, official_entries, path_to_official, place_loaded,
+                      skipped_expert_names)
 from .transformer import Transformer, abstract_model
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
@@ -164,10 +165,12 @@ def _dequantised(items: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> I
 
 
 # routed experts' FP4 leaves held in the swap kernels' layout: (held dtype, to it, back to the checkpoint's
-# bytes, the checkpoint's [E, ...] shape and dtype from the held shape)
+# bytes, the checkpoint's [..., E, ...] shape and dtype from the held shape; a scanned group's leading axis kept)
 _KERNEL_LAYOUTS = {
-    "s": (jnp.bfloat16, fp4_kernel_scales, fp4_scale_bytes, lambda e, n, k: ((e, k, n), np.uint8)),  # [E, in/32, out]
-    "w": (jnp.uint16, fp4_kernel_weights, fp4_weight_bytes, lambda e, n, k: ((e, n, 2 * k), np.int8)),  # [E, out, in/4]
+    "s": (jnp.bfloat16, fp4_kernel_scales, fp4_scale_bytes,
+          lambda *lead, n, k: ((*lead, k, n), np.uint8)),      # held [..., E, in/32, out]
+    "w": (jnp.uint16, fp4_kernel_weights, fp4_weight_bytes,
+          lambda *lead, n, k: ((*lead, n, 2 * k), np.int8)),   # held [..., E, out, in/4]
 }
 
 
@@ -175,7 +178,13 @@ def _kernel_layout(path: tuple, var) -> tuple | None:
     """_KERNEL_LAYOUTS' entry of a routed-expert FP4 leaf held in the kernels' layout, else None."""
     m = re.search(r"\.experts\.([sw])[123]$", ".".join(map(str, path)))
     layout = _KERNEL_LAYOUTS[m.group(1)] if m else None
-    return layout[1:] if layout and var.dtype == layout[0] and var.ndim == 3 else None
+    return layout[1:] if layout and var.dtype == layout[0] and var.ndim >= 3 else None
+
+
+def _stored_shape(layout: tuple, shape: tuple) -> tuple:
+    """(the checkpoint's shape, dtype) of a leaf held in a kernel layout of shape `shape`."""
+    *lead, n, k = shape
+    return layout[2](*lead, n=n, k=k)
 
 
 def _held_format(cfg: ModelConfig, name: str) -> str | None:
@@ -301,19 +310,13 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
     flat = list(nnx.to_flat_state(state))
     expected: dict[str, tuple[int, int | None]] = {}  # name -> (leaf index, expert index)
     buffers: list[np.ndarray | None] = [None] * len(flat)
-    filled: list[np.ndarray | None] = [None] * len(flat)
     # leaves held otherwise than stored: routed experts' FP4 weights and scales (_KERNEL_LAYOUTS) are read as the
     # checkpoint's bytes and converted once all experts are in
     held = {i: layout for i, (path, var) in enumerate(flat) if (layout := _kernel_layout(path, var))}
-    stored = {i: layout[2](*flat[i][1].shape) for i, layout in held.items()}
+    stored = {i: _stored_shape(layout, tuple(flat[i][1].shape)) for i, layout in held.items()}
     for i, (path, var) in enumerate(flat):
-        name = path_to_official(path)
-        if "{e}" in name:
-            for e in range(var.shape[0]):
-                expected[name.format(e=e)] = (i, e)
-            filled[i] = np.zeros(var.shape[0], bool)
-        else:
-            expected[name] = (i, None)
+        for name, index in official_entries(path, tuple(var.shape), cfg):
+            expected[name] = (i, index)
     seen: set[str] = set()
     unexpected: list[str] = []
     items = tensors.items() if isinstance(tensors, dict) else tensors
@@ -324,24 +327,23 @@ def build_from_tensors(cfg: ModelConfig, tensors, dtype="bfloat16", source: str 
         if name in seen:
             raise ValueError(f"{source}: tensor {name!r} appears twice")
         seen.add(name)
-        i, e = expected[name]
+        i, index = expected[name]
         var = flat[i][1]
         shape, np_dtype = stored.get(i, (tuple(var.shape), np.dtype(var.dtype)))
-        want = tuple(shape[1:]) if e is not None else tuple(shape)
+        want = tuple(shape[len(index):])
         if tuple(arr.shape) != want:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
         _check_tensor(source, name, arr, np_dtype, check_finite)
-        if e is None:
+        if not index:
             buffers[i] = np.asarray(arr).astype(np_dtype)
         else:
             if buffers[i] is None:
                 buffers[i] = np.empty(shape, np_dtype)
-            buffers[i][e] = np.asarray(arr).astype(np_dtype)
-            filled[i][e] = True
+            buffers[i][index] = np.asarray(arr).astype(np_dtype)
     if unexpected:
         raise ValueError(f"{source}: unexpected tensors (not in a {cfg.name} model): "
                          f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}")
-    elsewhere = set() if mesh is None else skipped_expert_names(expected, mesh)
+    elsewhere = set() if mesh is None else skipped_expert_names(expected, cfg, mesh)
     missing = sorted(set(expected) - seen - elsewhere)
     if missing:
         raise ValueError(f"{source}: missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
@@ -363,20 +365,16 @@ def official_tensors(model: Transformer) -> dict[str, np.ndarray]:
     FP8 / FP4 weights with their scales as float8_e8m0fnu, the official scale dtype)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        name = path_to_official(path)
         arr = var[...]
         if layout := _kernel_layout(path, var):
             arr = layout[1](arr)
         arr = np.asarray(jax.device_get(arr))
-        if m := _ENGRAM_TABLE.match(name):
+        if m := _ENGRAM_TABLE.match(path_to_official(path)):
             arr = arr[:model.layers[int(m.group(1))].engram.embed.rows]   # a split table's padding rows dropped
         if arr.dtype == np.uint8:  # UE8M0 exponent bytes in memory
             arr = arr.view(quant_io.F8_E8M0)
-        if "{e}" in name:
-            for e in range(arr.shape[0]):
-                out[name.format(e=e)] = arr[e]
-        else:
-            out[name] = arr
+        for name, index in official_entries(path, arr.shape, model.config):
+            out[name] = arr[index] if index else arr
     return out
 
 
@@ -392,8 +390,11 @@ def save_safetensors(model: Transformer, directory, config: dict | None = None) 
 
 # ----------------------------------------------------------------------------- orbax
 
+LAYOUT_FILE = "layout.json"  # {"scan_layers": bool}; a state without one holds every layer on its own
+
 def save_orbax(model: Transformer, path) -> Path:
-    """Save the model's nnx state with orbax (`path/state`) plus its config (`path/config.json`).
+    """Save the model's nnx state with orbax (`path/state`) plus its config (`path/config.json`) and the state's
+    layer layout (`path/layout.json`: ModelConfig.scan_layers, which shapes the state tree).
 
     The state is written as it is (parameter dtypes kept); `path` must not exist yet or be empty.
     """
@@ -404,6 +405,7 @@ def save_orbax(model: Transformer, path) -> Path:
         raise ValueError(f"orbax checkpoint directory {path} exists and is not empty")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.config.to_official_dict(), indent=1))
+    (path / LAYOUT_FILE).write_text(json.dumps({"scan_layers": model.config.scan_layers}))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path / "state", nnx.state(model))
     checkpointer.wait_until_finished()
@@ -413,8 +415,9 @@ def save_orbax(model: Transformer, path) -> Path:
 def restore_orbax(path, cfg: ModelConfig | None = None, dtype="bfloat16") -> Transformer:
     """Restore a `save_orbax` checkpoint into `abstract_model(cfg, dtype)`.
 
-    `cfg` defaults to the saved `path/config.json`. Parameters are cast to the abstract model's
-    dtypes (so a float32 checkpoint restores into bfloat16 and back).
+    `cfg` defaults to the saved `path/config.json` with the saved layer layout; a `cfg` of the other layout
+    (scan_layers) raises ValueError. Parameters are cast to the abstract model's dtypes (so a float32
+    checkpoint restores into bfloat16 and back).
     """
     import orbax.checkpoint as ocp
 
@@ -422,8 +425,14 @@ def restore_orbax(path, cfg: ModelConfig | None = None, dtype="bfloat16") -> Tra
     state_dir = path / "state"
     if not state_dir.is_dir():
         raise FileNotFoundError(f"no orbax state at {state_dir} (written by save_orbax)")
+    layout = path / LAYOUT_FILE
+    scanned = json.loads(layout.read_text())["scan_layers"] if layout.exists() else False
     if cfg is None:
-        cfg = ModelConfig.from_hf(path / "config.json")
+        cfg = ModelConfig.from_hf(path / "config.json").replace(scan_layers=scanned)
+    elif cfg.scan_layers != scanned:
+        raise ValueError(f"{path}: the state was saved with scan_layers={scanned}, the config asks for "
+                         f"scan_layers={cfg.scan_layers}; restore with cfg.replace(scan_layers={scanned}) (or load "
+                         "a safetensors checkpoint, which fills either layout)")
     graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
     checkpointer = ocp.StandardCheckpointer()
     # Compare shapes first: a failed orbax restore leaves reads in flight and only says "error".

@@ -25,7 +25,7 @@ from flax import nnx
 from pallas_kernels import invariant as inv
 from pallas_kernels import reference as ref
 
-from .cache import Step, ring_gather, ring_write
+from .cache import Step, ring_gather, ring_write, write_rows
 from .config import LayerSpec, ModelConfig
 from .layers import Linear, RMSNorm, apply_rope, fp4_fake_quant, hadamard, normal_init, rope_frequencies
 
@@ -103,10 +103,11 @@ class Compressor(nnx.Module):
         return lat[:, first:], j, ring_write(proj_a, a, step), ring_write(proj_g, g, step)
 
 
-def store_entries(store: jax.Array, values: jax.Array, j: jax.Array) -> jax.Array:
-    """Write entries values [B, n, d] at indices j [B, n] of store [B, N, d]; out-of-range j are dropped."""
+def store_entries(store, values: jax.Array, j: jax.Array):
+    """Write entries values [B, n, d] at indices j [B, n] of store [B, N, d] (an array or a LayerSlice);
+    out-of-range j are dropped."""
     bidx = jnp.arange(store.shape[0])[:, None]
-    return store.at[bidx, jnp.minimum(j, store.shape[1])].set(values.astype(store.dtype), mode="drop")
+    return write_rows(store, (bidx, jnp.minimum(j, store.shape[1])), values)
 
 
 def visible_entries(positions: jax.Array, num_entries: int, ratio: int) -> jax.Array:

@@ -192,6 +192,12 @@ class ModelConfig:
     # them: DI/2 packed E2M1 bytes + one UE8M0 byte per 32, 68 B at DI = 128; quantised on write, read by the
     # fused indexer kernel as stored). With quant_sim the keys are FP4 values already: the same numbers.
     index_key_format: str = "model"
+    # How the backbone layers are held and run: True stacks consecutive layers of the same structure and runs each
+    # such group as one scanned body (model/groups.py; the compiled step holds one body per distinct group,
+    # whatever the depth); False (the default) holds and runs every layer on its own (the unrolled definition).
+    # The same numbers either way (up to float rounding of the fused scan body); safetensors checkpoints load
+    # into and save from both; combinations the stacked layout does not support raise.
+    scan_layers: bool = False
     # Batch-invariant numerics (docs/batch_invariance.md): every reduction in an order fixed by the weight shapes
     # and the sequence's own rows, never by the batch's size or composition, so a sequence's logits are bitwise
     # the same alone, at any row of any batch, under any chunking of its prefill and on any (dp, ep) mesh (the
@@ -268,6 +274,7 @@ class ModelConfig:
                                               f"{self.fp8_block}")
         need(self.dense_weights in DENSE_WEIGHTS,
              f"dense_weights must be one of {DENSE_WEIGHTS}, got {self.dense_weights!r}")
+        need(isinstance(self.scan_layers, bool), f"scan_layers must be True or False, got {self.scan_layers!r}")
         need(self.head_dtype in HEAD_DTYPES, f"head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
         need(self.index_key_format in INDEX_KEY_FORMATS,
              f"index_key_format must be one of {INDEX_KEY_FORMATS}, got {self.index_key_format!r}")
@@ -282,6 +289,12 @@ class ModelConfig:
                        if getattr(self, f) != "reference"}
             need(not kernels, f"batch_invariant=True runs the reference paths, whose reductions it fixes; the Pallas "
                               f"kernels have no invariant tilings yet: got {kernels} (use 'reference')")
+        if self.scan_layers:   # combinations the stacked layout has not been checked against: raise, never guess
+            need(not self.batch_invariant, "scan_layers=True with batch_invariant=True is not supported (the "
+                                           "invariance checks cover the unrolled layers): set one of them False")
+            need(not (self.engram_layer_ids and self.engram_placement != "device"),
+                 f"scan_layers=True with engram_placement={self.engram_placement!r} is not supported (split Engram "
+                 "tables are checked on the unrolled layers): use engram_placement='device' or scan_layers=False")
         if self.yarn is not None:
             need(self.yarn.factor >= 1.0, f"yarn factor {self.yarn.factor} must be >= 1")
 

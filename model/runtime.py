@@ -79,6 +79,16 @@ class Runtime:
         fn = self.experts[block] if self.experts else LocalExperts(impl, per_slot)
         return ForcedBalance(fn) if self.forced_balance else fn
 
+    def experts_for_group(self, blocks: tuple[int, ...], impl: str, per_slot: bool = False) -> ExpertFn:
+        """The one expert function the layers of a scanned group run (one traced body serves them all). Raises
+        ValueError when this runtime gives them different ones (per-layer placements, load recording)."""
+        fns = {self.experts_for(b, impl, per_slot) for b in blocks}
+        if len(fns) > 1:
+            raise ValueError(f"layers {list(blocks)} run as one scanned group (ModelConfig.scan_layers), but this "
+                             "runtime gives them different expert functions (per-layer placements or load "
+                             "recording); build the model with scan_layers=False to run them")
+        return fns.pop()
+
     @property
     def expert_parallel(self) -> ExpertParallel | None:
         """The first block's ExpertParallel (strategy and placement records), None on the local path."""
@@ -122,8 +132,10 @@ def make_runtime(cfg: ModelConfig, mesh: Mesh | None = None, config: EPConfig | 
                 raise ValueError(f"placement for layer {block} has {placement.num_experts} experts, the layer has {n}")
         elif n % ep:
             raise ValueError(f"layer {block}: {n} routed experts are not divisible by ep={ep}")
+        # the block index matters only to a load recorder: without one, layers of equal placement run one
+        # expert function (a scanned group's layers share it)
         experts.append(ExpertParallel(mesh, LocalExperts(cfg.moe_impl, cfg.batch_invariant), config or EPConfig(),
-                                      placement, block, record))
+                                      placement, block if record is not None else -1, record))
     engram = None
     if mesh is not None and cfg.engram_layer_ids and cfg.engram_placement != "device":
         engram = RowLookup(mesh, cfg.engram_exchange)

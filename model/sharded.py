@@ -4,7 +4,10 @@ The model names the logical axes of its arrays here, by regex on their names: PA
 official-style parameter name (`path_to_official`: `layers.3.attn.wq_b.weight`,
 `layers.3.ffn.experts.{e}.w1.weight`, ...), CACHE_RULES on the cache array's path (`lengths`,
 `layers.3.kv`, `layers.3.comp.proj_a`, ...); `sharding.rules.LOGICAL_AXIS_RULES` maps logical axes to
-mesh axes. On top of those tables and sharding's generic tools:
+mesh axes. A scanned layer group's arrays (model/stack.py) carry the group's repeats on a leading axis,
+logical axis "layers", which is never sharded: their parameter names read `layers.{l}.…` and their cache
+paths `layers.{g}.period.{p}.…`, and the per-layer rule applies to the axes after it. On top of those tables
+and sharding's generic tools:
 
     init_random(cfg, seed, dtype, mesh)      random weights; on a mesh born sharded, piece by piece
     shard_model(model, mesh, config, placements)   an existing model laid out on a mesh
@@ -34,9 +37,10 @@ from sharding.row_lookup import HOST_MEMORY, in_host_memory
 from sharding.mesh import check_batch
 from sharding.rules import axes_by_name, key_name, logical_to_spec, path_name, tree_shardings
 
-from .cache import allocate, memory_estimate
+from .cache import allocate, batch_axis, memory_estimate
 from .config import ModelConfig
 from .footprint import check_fits
+from .groups import layer_groups
 from .runtime import make_runtime
 from .transformer import Transformer, _fast_tracing, abstract_model, construction_plan, engram_hasher
 
@@ -115,15 +119,35 @@ def host_resident(cfg: ModelConfig | None, name: str) -> bool:
 
 # ----------------------------------------------------------------------------- names
 
+_STACKED = re.compile(r"^layers\.(\d+)\.period\.(\d+)\.")
+
+
 def path_to_official(path: tuple) -> str:
-    """nnx state path -> official name (stacked experts give the pattern with '{e}')."""
+    """nnx state path -> official name (stacked experts give the pattern with '{e}', a scanned group's arrays
+    the pattern `layers.{l}.…`)."""
     name = ".".join(str(p) for p in path)
+    name = _STACKED.sub("layers.{l}.", name)
     name = re.sub(r"(^|\.)engram\.embed\.host\.", r"\1engram.embed.", name)  # a host-resident table (HostTable)
     name = re.sub(r"(^|\.)(hc_(?:attn|ffn|head))\.(fn|base|scale)$", r"\1\2_\3", name)
     m = re.match(r"^(.*\.experts)\.([ws])([123])$", name)
     if m:  # stacked experts; FP4 scales s1..s3 are the official `w1.scale` ...
         return f"{m.group(1)}.{{e}}.w{m.group(3)}.{'weight' if m.group(2) == 'w' else 'scale'}"
     return name
+
+
+def official_entries(path: tuple, shape: tuple, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """The official tensors one state array holds: (name, index into its leading axes): a scanned group's layers
+    on axis 0 (`LayerGroup.layer_ids`), then the routed experts."""
+    name = path_to_official(path)
+    layers = [((), {})]
+    m = _STACKED.match(".".join(str(p) for p in path))
+    if m:
+        group = next(g for g in layer_groups(cfg) if g.start == int(m.group(1)))
+        layers = [((r,), {"l": layer}) for r, layer in enumerate(group.layer_ids(int(m.group(2))))]
+    experts = [((), {})]
+    if "{e}" in name:
+        experts = [((e,), {"e": e}) for e in range(shape[len(layers[0][0])])]
+    return [(name.format(**lf, **ef), li + ei) for li, lf in layers for ei, ef in experts]
 
 
 def _state_name(path) -> str:
@@ -144,11 +168,17 @@ def _config_of(model_or_state, cfg: ModelConfig | None) -> ModelConfig | None:
     return cfg if cfg is not None or isinstance(model_or_state, nnx.State) else model_or_state.config
 
 
+def param_axes(name: str, strict: bool = False, cfg: ModelConfig | None = None) -> tuple:
+    """The logical axes of a parameter by its official-style name (`cfg`: param_rules' choices for its model; a
+    scanned group's: "layers" first)."""
+    logical = axes_by_name(param_rules(cfg), name, None if strict else DEFAULT_PARAM_AXES, "parameter", _WHERE)
+    return (("layers",) if name.startswith("layers.{l}.") else ()) + tuple(logical)
+
+
 def param_spec(name: str, shape: tuple, mesh: Mesh | None = None, strict: bool = False, rules=None,
                cfg: ModelConfig | None = None) -> P:
     """PartitionSpec of one parameter, by its official-style name (`cfg`: param_rules' choices for its model)."""
-    logical = axes_by_name(param_rules(cfg), name, None if strict else DEFAULT_PARAM_AXES, "parameter", _WHERE)
-    return logical_to_spec(logical, mesh, shape=tuple(shape), name=name, rules=rules)
+    return logical_to_spec(param_axes(name, strict, cfg), mesh, shape=tuple(shape), name=name, rules=rules)
 
 
 def param_sharding(name: str, shape: tuple, mesh: Mesh, cfg: ModelConfig | None = None, rules=None) -> NamedSharding:
@@ -159,11 +189,11 @@ def param_sharding(name: str, shape: tuple, mesh: Mesh, cfg: ModelConfig | None 
 
 def param_logical_axes(model_or_state, strict: bool = False, cfg: ModelConfig | None = None) -> dict[str, tuple]:
     """Official-style name -> logical axes (padded to the rank) of every array in the model's state."""
-    table = param_rules(_config_of(model_or_state, cfg))
+    cfg = _config_of(model_or_state, cfg)
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(_state_of(model_or_state))[0]:
         name = _state_name(path)
-        logical = axes_by_name(table, name, None if strict else DEFAULT_PARAM_AXES, "parameter", _WHERE)
+        logical = param_axes(name, strict, cfg)
         out[name] = logical + (None,) * (len(leaf.shape) - len(logical))
     return out
 
@@ -220,9 +250,9 @@ def cache_specs(cache, mesh: Mesh | None = None, rules=None):
 
     def spec(path, leaf):
         name = path_name(path)
-        return logical_to_spec(axes_by_name(CACHE_RULES, name, what="cache array", where="model/sharded.py "
-                                            "CACHE_RULES"), mesh, shape=tuple(leaf.shape), name=f"cache {name}",
-                               rules=rules)
+        logical = axes_by_name(CACHE_RULES, name, what="cache array", where="model/sharded.py CACHE_RULES")
+        logical = ("layers",) * batch_axis(name) + logical
+        return logical_to_spec(logical, mesh, shape=tuple(leaf.shape), name=f"cache {name}", rules=rules)
 
     return jax.tree_util.tree_map_with_path(spec, cache)
 
@@ -254,8 +284,9 @@ def init_sharded(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype="float32",
     each layer, draft stages, head) with one compiled program per distinct piece, whose out_shardings are
     the table's. No full copy on any device (in a multi-process job each process materialises only its own
     shards), and compile time does not grow with depth: one program for all 43 V4-Flash layers took XLA
-    >430 s on the H200 host (its slow-compile alarm; CPU: 4.6 s per layer). The RNG state is threaded from
-    piece to piece, so the values equal `init_random(cfg, seed, dtype)` on one device."""
+    >430 s on the H200 host (its slow-compile alarm; CPU: 4.6 s per layer). A layer of a scanned group is built
+    alone and written into its place in the group's stacks (born sharded, updated in place). The RNG state is
+    threaded from piece to piece, so the values equal `init_random(cfg, seed, dtype)` on one device."""
     runtime = make_runtime(cfg, mesh)
     devices = int(mesh.devices.size)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, token_map=token_map, runtime=runtime))
@@ -264,24 +295,59 @@ def init_sharded(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype="float32",
     hasher = engram_hasher(cfg, token_map, placeholder_map=True)
     rng_state = nnx.state(nnx.Rngs(params=seed))
     replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), rng_state)
+    stacked = {i: (g, *g.locate(i)) for g in layer_groups(cfg) if g.stacked for i in range(g.start, g.stop)}
     programs: dict = {}
+    stacks: dict = {}  # (group start, position) -> its stacked state, filled layer by layer
     with _fast_tracing():
         for piece in construction_plan(cfg, dtype, hasher):
+            if piece.name == "layers" and piece.index in stacked:
+                group, repeat, position = stacked[piece.index]
+                where = (str(group.start), "period", position)
+                parent, layout = state["layers"], shardings["layers"]
+                for k in where:
+                    parent, layout = parent[k], layout[k]
+                one = jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), layout)   # axis 0: never split
+                value, rng_state = _piece_program(programs, piece, one, replicated, seed, cfg, devices)(rng_state)
+                if where not in stacks:
+                    stacks[where] = jax.jit(lambda a=parent: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), a),
+                                            out_shardings=layout)()
+                stacks[where] = _insert_program(programs, where, layout)(stacks[where], value, repeat)
+                continue
             # where the piece's state goes (and its layout): the top level, or one entry of a layer list
             parent, layout = (state, shardings) if piece.index is None else (state[piece.name], shardings[piece.name])
-            key = piece.name if piece.index is None else piece.index
-            if piece.key not in programs:  # pieces with equal keys share a program (same shapes and layout)
-                def build(rng_state, piece=piece):
-                    rngs = nnx.Rngs(params=seed)
-                    nnx.update(rngs, rng_state)
-                    module = piece.build(rngs)
-                    out = None if module is None else pad_engram_tables(nnx.state(module), cfg, devices)
-                    return out, nnx.state(rngs)
-                programs[piece.key] = jax.jit(build, out_shardings=(layout.get(key), replicated))
-            value, rng_state = programs[piece.key](rng_state)
+            key = piece.name if piece.index is None else (str(piece.index) if piece.name == "layers" else piece.index)
+            build = _piece_program(programs, piece, layout.get(key), replicated, seed, cfg, devices)
+            value, rng_state = build(rng_state)
             if value is not None:
                 parent[key] = value
+    for (start, _, position), value in stacks.items():
+        state["layers"][start]["period"][position] = value
     return nnx.merge(graphdef, state)
+
+
+def _piece_program(programs: dict, piece, layout, replicated, seed: int, cfg: ModelConfig, devices: int):
+    """The compiled build of a piece (shared by pieces of equal keys: same shapes and layout): rng state ->
+    (the piece's state laid out by `layout`, split Engram tables padded to a multiple of `devices`, the advanced
+    rng state)."""
+    if piece.key not in programs:
+        def build(rng_state, piece=piece):
+            rngs = nnx.Rngs(params=seed)
+            nnx.update(rngs, rng_state)
+            module = piece.build(rngs)
+            out = None if module is None else pad_engram_tables(nnx.state(module), cfg, devices)
+            return out, nnx.state(rngs)
+        programs[piece.key] = jax.jit(build, out_shardings=(layout, replicated))
+    return programs[piece.key]
+
+
+def _insert_program(programs: dict, where: tuple, layout):
+    """(stacked state, one layer's state, repeat) -> the stacks with that layer written at `repeat`, in place."""
+    key = ("insert", where)
+    if key not in programs:
+        def insert(stack, value, repeat):
+            return jax.tree.map(lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, repeat, 0), stack, value)
+        programs[key] = jax.jit(insert, donate_argnums=0, out_shardings=layout)
+    return programs[key]
 
 
 def shard_model(model: Transformer, mesh: Mesh, config=None, placements=None) -> Transformer:
@@ -328,14 +394,19 @@ def local_expert_tensors(items, cfg: ModelConfig, mesh: Mesh):
         yield name, arr
 
 
-def skipped_expert_names(expected: dict, mesh: Mesh) -> set[str]:
-    """Of build_from_tensors' {name: (leaf, expert index)}, the expert tensors other processes load."""
-    sizes: dict[int, int] = {}
-    for name, (leaf, e) in expected.items():
-        if e is not None:
-            sizes[leaf] = max(sizes.get(leaf, 0), e + 1)
-    held = {leaf: local_experts(n, mesh) for leaf, n in sizes.items()}
-    return {name for name, (leaf, e) in expected.items() if e is not None and e not in held[leaf]}
+def skipped_expert_names(names, cfg: ModelConfig, mesh: Mesh) -> set[str]:
+    """Of the official tensor names `names`, the routed-expert tensors other processes' devices hold."""
+    held: dict[int, frozenset[int]] = {}
+    skipped = set()
+    for name in names:
+        m = _EXPERT_TENSOR.match(name)
+        if m:
+            layer = int(m.group(2)) + (cfg.num_layers if m.group(1) == "mtp" else 0)
+            if layer not in held:
+                held[layer] = local_experts(cfg.layer_spec(layer).n_experts, mesh)
+            if int(m.group(3)) not in held[layer]:
+                skipped.add(name)
+    return skipped
 
 
 def place_loaded(graphdef, flat, buffers, mesh: Mesh, cfg: ModelConfig) -> Transformer:

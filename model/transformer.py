@@ -26,10 +26,12 @@ from .attention import Attention, Shared
 from .cache import Cache, LayerCache, Step, allocate, allocate_layer, ring_gather, ring_write
 from .config import LayerSpec, ModelConfig
 from .engram import Engram, EngramHasher, engram_rows
+from .groups import layer_groups, replay_cut, shared_roles, weights_key
 from .layers import Embedding, Linear, RMSNorm
 from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
 from .moe import MoE
 from .runtime import Runtime
+from .stack import Layers, LayerStack, stream_mean
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -206,14 +208,6 @@ class Piece:
         return module
 
 
-def _weights_key(spec: LayerSpec) -> LayerSpec:
-    """What a block's weights depend on: the spec without its position (kept for Engram layers, whose table
-    is the layer's own), the KV / top-k sources only as "own" or "another layer's"."""
-    rel = lambda src: None if src is None else ("own" if src == spec.index else "other")  # noqa: E731
-    return dataclasses.replace(spec, index=spec.index if spec.engram else -1, kv_source=rel(spec.kv_source),
-                               topk_source=rel(spec.topk_source))
-
-
 def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> list[Piece]:
     """The Transformer's top-level modules in construction order: each draws its random weights from the one
     `nnx.Rngs` in turn, so building the pieces one by one in this order (model.sharded.init_sharded: one
@@ -224,20 +218,33 @@ def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> l
                               batch_invariant=cfg.batch_invariant)
     d, spec = cfg.hidden_size, cfg.layer_spec
     plan = [piece("embed", None, ("embed",), lambda r: Embedding(cfg.vocab_size, d, rngs=r, dtype=dtype))]
-    plan += [piece("layers", i, ("layers", _weights_key(spec(i))),
+    plan += [piece("layers", i, ("layers", weights_key(spec(i))),
                    lambda r, s=spec(i): Block(cfg, s, rngs=r, dtype=dtype, hasher=hasher))
              for i in range(cfg.num_layers)]
     for j in range(cfg.num_mtp_layers):
         s = spec(cfg.num_layers + j)
         make = ((lambda r, s=s: MTPBlock(cfg, s, rngs=r, dtype=dtype)) if cfg.generation == "v4" else
                 (lambda r, s=s, j=j: DSparkBlock(cfg, s, j, rngs=r, dtype=dtype)))
-        plan.append(piece("mtp", j, ("mtp", j, _weights_key(s)), make))
+        plan.append(piece("mtp", j, ("mtp", j, weights_key(s)), make))
     plan.append(piece("hc_head", None, ("hc_head",), (lambda r: HyperHead(cfg.hc_mult, d, rngs=r))
                       if cfg.generation == "v4" else (lambda r: None)))
     plan.append(piece("norm", None, ("norm",), lambda r: RMSNorm(d, cfg.rms_norm_eps, rngs=r)))
     plan.append(piece("head", None, ("head",), lambda r: Linear(d, cfg.vocab_size, rngs=r, dtype=dtype, fp32=True,
                                                                 input_dtype=cfg.head_dtype)))
     return plan
+
+
+def group_layers(cfg: ModelConfig, blocks: list) -> Layers:
+    """The backbone's blocks (in layer order) held as cfg's layer groups (model/groups.py): a group of one
+    layer as its Block, a repeated group as a LayerStack of its blocks' arrays stacked."""
+    members = []
+    for g in layer_groups(cfg):
+        if not g.stacked:
+            members.append(blocks[g.start])
+            continue
+        taps = tuple(g.start + p in cfg.dspark_target_layer_ids for p in range(g.period))
+        members.append(LayerStack(g, blocks[g.start:g.stop], shared_roles(cfg, g), taps))
+    return Layers(cfg, layer_groups(cfg), members)
 
 
 def engram_hasher(cfg: ModelConfig, token_map: np.ndarray | None = None,
@@ -279,7 +286,7 @@ class Transformer(nnx.Module):
         for piece in construction_plan(cfg, dtype, self.hasher):
             parts.setdefault(piece.name, []).append(piece.build(rngs))
         self.embed, = parts["embed"]
-        self.layers = nnx.List(parts.get("layers", []))
+        self.layers = group_layers(cfg, parts.get("layers", []))
         self.mtp = nnx.List(parts.get("mtp", []))
         self.hc_head, = parts["hc_head"]
         self.norm, = parts["norm"]
@@ -289,11 +296,19 @@ class Transformer(nnx.Module):
     # ---------------------------------------------------------------- runtime
     def _bind(self, runtime: Runtime) -> None:
         """Hand the runtime's parts to this model's own layers (at construction, or on a fresh copy)."""
-        self.runtime = runtime.check(self.config)
-        for block in (*self.layers, *self.mtp):
+        cfg = self.config
+        self.runtime = runtime.check(cfg)
+        impl, per_slot = cfg.moe_impl, cfg.batch_invariant
+        bound = [(block, runtime.experts_for(block.spec.index, impl, per_slot)) for block in self.mtp]
+        for group, member in self.layers.members():
+            if not group.stacked:
+                bound.append((member, runtime.experts_for(group.start, impl, per_slot)))
+                continue
+            for p, block in enumerate(member.period):
+                bound.append((block, runtime.experts_for_group(group.layer_ids(p), impl, per_slot)))
+        for block, experts in bound:
             block.attn.per_shard = runtime.per_shard
-            block.ffn.expert_fn = runtime.experts_for(block.spec.index, self.config.moe_impl,
-                                                      self.config.batch_invariant)
+            block.ffn.expert_fn = experts
 
     def with_runtime(self, runtime: Runtime) -> "Transformer":
         """A copy of this model (the same arrays, new modules) that runs with `runtime`; this one is unchanged."""
@@ -363,30 +378,41 @@ class Transformer(nnx.Module):
             x = self.embed_streams(tokens)
         pre = jnp.zeros(x.shape[:-1], jnp.float32).at[..., 0].set(1.0)  # one-hot: streams start equal
         shared = Shared()
-        layers, main_hidden, topk = [], [], {}
-        cut = max(cfg.kv_source_layer_ids) + 1 if replay_tail is not None and cfg.kv_source_layer_ids else None
+        layers, taps, topk = [], {}, {}
+        cut = replay_cut(cfg) if replay_tail is not None else None
         if replay_tail is not None and cut is None:
             raise ValueError("decoder-side bounded replay needs a V4.1 config (KV-source layers)")
-        for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-            if i == cut:
-                step, (x, pre, tokens), shared, main_hidden = self._narrow(step, replay_tail, (x, pre, tokens),
-                                                                           shared, main_hidden)
-            if block.engram is not None:
-                with jax.named_scope("engram"):
-                    j = self.hasher.layer_index(i)
-                    x = block.engram(x, ids[:, :, j], rows=rows[j])
-            if i in cfg.dspark_target_layer_ids:
-                main_hidden.append(jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype))
-            x, layer_cache, shared, pre = block(x, step, tokens, layer_cache, shared, pre)
+        if cache.groups != self.layers.groups:
+            raise ValueError(f"the cache's layer groups {cache.groups} are not the model's {self.layers.groups}: "
+                             "allocate it with the model's config (scan_layers)")
+        for (group, member), layer_cache in zip(self.layers.members(), cache.layers):
+            if group.start == cut:  # (groups never span the cut: model/groups.py)
+                step, (x, pre, tokens), shared, taps = self._narrow(step, replay_tail, (x, pre, tokens), shared,
+                                                                    taps)
+            if group.stacked:
+                x, pre, layer_cache, shared, group_topk, group_taps = member(x, pre, step, tokens, layer_cache,
+                                                                             shared)
+                topk.update(group_topk)
+                taps.update(group_taps)
+            else:
+                i, block = group.start, member
+                if block.engram is not None:
+                    with jax.named_scope("engram"):
+                        j = self.hasher.layer_index(i)
+                        x = block.engram(x, ids[:, :, j], rows=rows[j])
+                if i in cfg.dspark_target_layer_ids:
+                    taps[i] = stream_mean(x)
+                x, layer_cache, shared, pre = block(x, step, tokens, layer_cache, shared, pre)
+                if block.spec.indexer:
+                    topk[i] = shared.topk
             layers.append(layer_cache)
-            if block.spec.indexer:
-                topk[i] = shared.topk
         cache = cache.advanced(step.end, tuple(layers))
-        extras = {"residual": x, "pre": pre, "topk": topk, "row_start": step.start, "rows": step.n_new}
+        extras = {"residual": x, "pre": pre, "topk": dict(sorted(topk.items())), "row_start": step.start,
+                  "rows": step.n_new}
         if shared.candidates is not None:
             extras["candidates"] = shared.candidates
-        if main_hidden:
-            extras["main_hidden"] = jnp.concatenate(main_hidden, axis=-1)
+        if taps:
+            extras["main_hidden"] = jnp.concatenate([taps[i] for i in sorted(taps)], axis=-1)
         rows, rows_pre = x, pre
         if last_only:
             last = jnp.maximum(step.n_new - 1, 0)[:, None]
@@ -396,7 +422,7 @@ class Transformer(nnx.Module):
             return self.logits(self.final_hidden(rows, rows_pre)), cache, extras
 
     @staticmethod
-    def _narrow(step: Step, tail: int, rows: tuple, shared: Shared, taps: list):
+    def _narrow(step: Step, tail: int, rows: tuple, shared: Shared, taps: dict):
         """Keep each sequence's last min(tail, n_new) rows (decoder-side bounded replay)."""
         width = min(tail, step.positions.shape[1])
         keep = jnp.minimum(step.n_new, tail)
@@ -409,7 +435,7 @@ class Transformer(nnx.Module):
         floor = jnp.where(first > 0, step.start + first, step.floor)
         narrowed = Step.make(step.start + first, keep, width, jnp.maximum(floor, step.floor), step.write_global)
         shared = shared.replace(topk=take(shared.topk), candidates=take(shared.candidates))
-        return narrowed, tuple(take(a) for a in rows), shared, [take(t) for t in taps]
+        return narrowed, tuple(take(a) for a in rows), shared, {i: take(t) for i, t in taps.items()}
 
     def mtp_logits(self, residual: jax.Array, next_tokens: jax.Array, stage: int = 0) -> jax.Array:
         """[V4] MTP-1 over a full sequence from position 0: row t of `residual` with token x_{t+1}

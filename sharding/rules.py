@@ -43,6 +43,7 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "entries": None,
     "engram_rows": None,       # [V4.1] an Engram table kept whole on every device (placement "device")
     "engram_split": ("dp", "ep", "tp"),   # an Engram table's rows split over every device ("sharded", "host")
+    "layers": None,            # a scanned layer group's repeats (stacked arrays' leading axis): never sharded
 }
 
 # ----------------------------------------------------------------------------- logical -> mesh

@@ -10,6 +10,10 @@ from pathlib import Path
 if shutil.which("nvidia-smi") is None and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# Tests that run a CLI in-process leave the persistent compilation cache off (experiments/compile_cache.py):
+# the user's cache directory stays untouched and later tests' compiles are not written to disk.
+os.environ.setdefault("JAXINFER_COMPILE_CACHE", "off")
+
 import pytest  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"

@@ -37,6 +37,9 @@
 #   multi-gpu             all four (four device commands)
 # Compile time and kernels:
 #   compile-time          the 43-layer V4-Flash's prefill and verify steps compiled, FP4 experts and release format
+#   compile-time-scan     the same with scanned layer groups (--scan-layers), release format: 4 layers cold, 43
+#                         layers cold, then 43 layers warm (a second process on the same compilation cache)
+#   compile-time-scan-x2  compile-time-scan on two GPUs (ep=2)
 #   kernels-attention     experiments.bench_kernels: sparse attention and the indexer at V4-Flash shapes
 #   kernels-moe           experiments.bench_moe, forced balance: every expert format and implementation, decode
 #                         64 / 256 tokens and prefill 8K, the whole MoE layer, FP8 x FP8 (act_quant 128)
@@ -170,8 +173,16 @@ for suite in "${suites[@]}"; do
             --strategy all_to_all --tokens 64,256,2048 --repeats 10 2>&1 | grep -E "^\| |rror" ;;
     compile-time)
         for fmt in "--expert-weights fp4" "$RELEASE"; do
-            limit 280 python -m experiments.compile_time $V4_43 --moe-impl pallas --attention-impl pallas $fmt \
+            limit 280 python -m experiments.compile_time $V4_43 --compile-cache off --moe-impl pallas \
+                --attention-impl pallas $fmt \
                 2>&1 | grep -E "^\| |rror"
+        done ;;
+    compile-time-scan|compile-time-scan-x2)
+        mesh=""; [ "$suite" = compile-time-scan-x2 ] && mesh="--mesh 1,2,1"
+        cache=$(mktemp -d)
+        for preset in "--preset v4-flash-4l" "$V4_43" "$V4_43"; do  # cold, cold, warm
+            limit 190 python -m experiments.compile_time $preset --scan-layers --compile-cache "$cache" $mesh \
+                --moe-impl pallas --attention-impl pallas $RELEASE 2>&1 | grep -E "^\| |rror"
         done ;;
     kernels-attention)
         limit 300 python -m experiments.bench_kernels --only attention_decode,attention_prefill --out "$OUTDIR" \

@@ -59,16 +59,9 @@ whose expert functions replace the router's ids and then run the configured expe
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
-import json
-import math
-import os
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -77,67 +70,15 @@ from typing import Any
 import numpy as np
 
 from . import compile_cache
+from .bench_caches import filled_cache, real_prefill, synthetic, to_device
+from .bench_memory import device_capacity, estimate_memory, memory_message
+from .bench_cli import MODES, PHASES, STEPS, choice_list, defaults, parse_args
+from .bench_report import command_line, copy_to_out, environment, markdown, write_results
+from .progress import Progress
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-MODES = ("deepinfer", "realistic")
-PHASES = ("prefill", "decode")
-STEPS = ("verify", "spec")
-INVARIANCE = ("off", "on", "both")
 DEEPINFER_ACCEPTED = 3.25
-HOST_FILL_BYTES = 64 << 20  # synthetic caches up to this size are filled by numpy (no compilation)
-MEMORY_HEADROOM = 0.92  # refuse above this fraction of the device memory (XLA workspace, fragmentation)
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
-
-# ----------------------------------------------------------------------------------------------- progress
-
-class Progress:
-    """One status line on stderr: rewritten in place on a terminal, a line every few seconds otherwise."""
-
-    def __init__(self, stream=None, every_s: float = 5.0, quiet: bool = False):
-        self.stream = stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.every_s, self.quiet = every_s, quiet
-        self._last = 0.0
-        self._open = False
-        self.t0 = time.perf_counter()
-
-    def elapsed(self) -> str:
-        return f"{time.perf_counter() - self.t0:7.1f}s"
-
-    def log(self, msg: str) -> None:
-        if self.quiet:
-            return
-        self._end_line()
-        print(f"[bench {self.elapsed()}] {msg}", file=self.stream, flush=True)
-
-    def update(self, label: str, i: int, n: int, times_ms: list[float]) -> None:
-        if self.quiet:
-            return
-        now = time.perf_counter()
-        done = i >= n
-        if not self.tty and not done and now - self._last < self.every_s:
-            return
-        self._last = now
-        med = f"median {statistics.median(times_ms):.3f} ms" if times_ms else ""
-        eta = ""
-        if times_ms and not done:
-            eta = f", ~{statistics.median(times_ms) * (n - i) / 1e3:.1f}s left"
-        bar = "#" * int(20 * i / max(n, 1))
-        line = f"[bench {self.elapsed()}] {label} [{bar:<20}] {i}/{n} {med}{eta}"
-        if self.tty:
-            print("\r" + line + " " * 4, end="", file=self.stream, flush=True)
-            self._open = not done
-            if done:
-                print(file=self.stream, flush=True)
-        else:
-            print(line, file=self.stream, flush=True)
-
-    def _end_line(self):
-        if self._open:
-            print(file=self.stream, flush=True)
-            self._open = False
 
 
 # ----------------------------------------------------------------------------------------------- the points
@@ -195,37 +136,6 @@ class Point:
         else:
             d["new_tokens"] = 1 + self.num_draft
         return d
-
-
-# ----------------------------------------------------------------------------------------------- environment
-
-def git(*args) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def environment(command: str) -> dict:
-    import flax
-    import jax
-
-    dev = jax.devices()[0]
-    # a copy of the tree without .git (e.g. on the GPU machine): JAXINFER_GIT_REVISION names the revision
-    rev = git("rev-parse", "HEAD") or os.environ.get("JAXINFER_GIT_REVISION")
-    dirty = bool(git("status", "--porcelain")) if git("rev-parse", "HEAD") else None
-    return {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": command,
-            "git_revision": rev, "git_dirty": dirty,
-            "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
-            "device_count": jax.device_count(), "jax": jax.__version__, "flax": flax.__version__,
-            "python": sys.version.split()[0], "compile_cache_dir": jax.config.jax_compilation_cache_dir
-            if jax.config.jax_enable_compilation_cache else None}
-
-
-def command_line(argv, module: str = "experiments.bench") -> str:
-    args = sys.argv[1:] if argv is None else list(argv)
-    return " ".join(["python", "-m", module, *args])
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -289,94 +199,6 @@ def cache_len(cfg, p: Point, warmup: int, repeats: int, tail: int) -> tuple[int,
     else:
         need = p.context + (warmup + repeats + 1) * p.rows
     return int(min(-(-need // 64) * 64, cfg.max_position_embeddings)), need
-
-
-# ----------------------------------------------------------------------------------------------- memory
-
-def device_capacity() -> tuple[float, str]:
-    """Bytes one device can hold (jax's allocator limit; host RAM on CPU)."""
-    import jax
-
-    dev = jax.devices()[0]
-    try:
-        stats = dev.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - not every backend has memory stats
-        stats = {}
-    if stats.get("bytes_limit"):
-        return float(stats["bytes_limit"]), f"{getattr(dev, 'device_kind', dev.platform)} allocator limit"
-    try:
-        import psutil
-
-        return float(psutil.virtual_memory().total), "host RAM"
-    except ImportError:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "host RAM"
-
-
-_WEIGHT_BYTES: dict = {}
-
-
-def weight_bytes_per_device(cfg, dtype: str, mesh: tuple) -> float:
-    """Resident parameter bytes per device under the sharding table (drafter included: the model holds it)."""
-    key = (cfg, dtype, tuple(mesh))
-    if key not in _WEIGHT_BYTES:
-        from model.sharded import memory_per_device
-
-        dp, ep, tp = mesh
-        _WEIGHT_BYTES[key] = float(memory_per_device(cfg, dp, ep, tp, 1, 64, dtype)["params"])
-    return _WEIGHT_BYTES[key]
-
-
-def estimate_memory(cfg, dtype: str, p: Point, max_len: int, capacity: float | None = None) -> dict:
-    """Per-device bytes: weights + cache (+ drafter's rings) + a rough activation peak of one step.
-
-    Activations (one layer at a time, XLA frees between layers): residual streams, queries, the MoE's
-    routed rows, logits; with `attention_impl="reference"` also the dense [B, H, T, keys] score matrix and
-    the indexer's [B, T, HI, N] scores, which is what makes the reference path unusable at long contexts.
-    """
-    import jax.numpy as jnp
-
-    from model.cache import memory_estimate
-
-    dp, ep, tp = p.mesh
-    item = jnp.dtype(dtype).itemsize
-    seqs = math.ceil(p.batch / (dp * ep))
-    weights = weight_bytes_per_device(cfg, dtype, p.mesh)
-    per_seq = memory_estimate(cfg, max_len, jnp.dtype(dtype), spec_room=max(8, p.num_draft + 2))
-    cache = per_seq["bytes_per_sequence_at_max_len"] * seqs
-    draft = 0.0
-    if p.kind == "spec":
-        draft = cfg.num_mtp_layers * seqs * (cfg.sliding_window + max(8, p.num_draft + 2)) * cfg.head_dim * item
-    t = p.rows
-    rows = seqs * t
-    d, h, dh = cfg.hidden_size, cfg.num_heads // tp, cfg.head_dim
-    act = rows * (4 * cfg.hc_mult * d * 4            # streams (fp32 coefficients, a few copies)
-                  + 3 * h * dh * item               # q, attention output, rotated
-                  + cfg.n_experts_per_tok * (d * item + 3 * cfg.moe_intermediate_size * 4))  # routed rows
-    logit_rows = seqs if p.phase == "prefill" else rows
-    act += logit_rows * cfg.vocab_size * 4 * 2
-    n_max = max([max_len // r for r in cfg.compress_ratios[:cfg.num_layers] if r] or [0])
-    if cfg.attention_impl == "reference":
-        keys = cfg.sliding_window + 8 + t + n_max
-        act += 2 * seqs * h * t * keys * 4            # scores and probabilities, float32
-        act += 2 * rows * cfg.index_n_heads * n_max * 4
-    else:
-        act += 2 * rows * n_max * 4                   # fused indexer: one score row per query
-    total = weights + cache + draft + act
-    out = {"weights_bytes": weights, "cache_bytes": cache, "draft_cache_bytes": draft,
-           "activation_bytes_estimate": act, "total_bytes": total, "seqs_per_device": seqs, "max_len": max_len}
-    if capacity is not None:
-        out["capacity_bytes"] = capacity
-        out["fits"] = bool(total <= MEMORY_HEADROOM * capacity)
-    return out
-
-
-def memory_message(mem: dict, where: str) -> str:
-    gb = 1e9
-    return (f"needs ~{mem['total_bytes'] / gb:.1f} GB per device (weights {mem['weights_bytes'] / gb:.1f} + cache "
-            f"{mem['cache_bytes'] / gb:.1f} + drafter rings {mem['draft_cache_bytes'] / gb:.2f} + activations "
-            f"~{mem['activation_bytes_estimate'] / gb:.1f}) but {where} holds {mem['capacity_bytes'] / gb:.1f} GB "
-            f"(limit {MEMORY_HEADROOM:.0%}); use a smaller batch or context, more devices, or "
-            f"--attention-impl pallas")
 
 
 # ----------------------------------------------------------------------------------------------- routing
@@ -474,133 +296,6 @@ def _state(model):
     from flax import nnx
 
     return nnx.state(model)
-
-
-# ----------------------------------------------------------------------------------------------- caches
-
-def _random_like(key, sds, forked: bool, vocab: int, lengths: int):
-    """Random array for one cache leaf (forked: one sequence's values repeated over the batch)."""
-    import jax
-    import jax.numpy as jnp
-
-    shape = sds.shape
-    one = (1,) + tuple(shape[1:]) if forked else tuple(shape)
-    if jnp.issubdtype(sds.dtype, jnp.integer):
-        x = jax.random.randint(key, one, 0, vocab, sds.dtype)
-    else:
-        x = jax.random.normal(key, one, sds.dtype)
-    return jnp.broadcast_to(x, shape) if forked else x
-
-
-def synthetic(tree_fn, shardings, seed: int, forked: bool, vocab: int, length: int):
-    """Fill every array of the pytree `tree_fn()` makes (a Cache or DraftCache) with random values and
-    set its `lengths` to `length` ("synthetic context"). One jit; born with `shardings` on a mesh."""
-    import jax
-    import jax.numpy as jnp
-
-    abstract = jax.eval_shape(tree_fn)
-    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    if shardings is None and total <= HOST_FILL_BYTES:  # small: numpy on the host, no compilation
-        rng = np.random.default_rng(seed)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-        out = []
-        for path, sds in leaves:
-            one = (1,) + tuple(sds.shape[1:]) if forked else tuple(sds.shape)
-            if jax.tree_util.keystr(path).endswith("lengths"):
-                x = np.full(sds.shape, length)
-            elif jnp.issubdtype(sds.dtype, jnp.integer):
-                x = np.broadcast_to(rng.integers(0, vocab, one), sds.shape)
-            else:
-                x = np.broadcast_to(rng.standard_normal(one, np.float32), sds.shape)
-            out.append(jnp.asarray(x, sds.dtype))
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    def make(key):
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-        out = []
-        for i, (path, sds) in enumerate(leaves):
-            name = jax.tree_util.keystr(path)
-            if name.endswith("lengths"):
-                out.append(jnp.full(sds.shape, length, sds.dtype))
-            else:
-                out.append(_random_like(jax.random.fold_in(key, i), sds, forked, vocab, length))
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    fn = jax.jit(make) if shardings is None else jax.jit(make, out_shardings=shardings)
-    return fn(jax.random.PRNGKey(seed))
-
-
-def new_cache(setup: Setup, batch: int, max_len: int, spec_room: int):
-    import jax
-
-    from model.cache import allocate
-
-    cfg, dtype = setup.cfg, setup.model.dtype
-    fn = lambda: allocate(cfg, batch, max_len, dtype, spec_room)  # noqa: E731
-    if setup.mesh is None:
-        return jax.jit(fn)(), None
-    from model.sharded import cache_shardings
-
-    shardings = cache_shardings(jax.eval_shape(fn), setup.mesh)
-    return jax.jit(fn, out_shardings=shardings)(), shardings
-
-
-def filled_cache(setup: Setup, p: Point, max_len: int, spec_room: int, length: int, forked: bool, rng):
-    """A cache of `p.batch` sequences holding `length` positions: synthetic, or a real prefill of random
-    prompts (deepinfer: one prompt prefilled once, its cache forked over the batch)."""
-    import jax
-
-    from model.cache import allocate
-
-    cfg, dtype = setup.cfg, setup.model.dtype
-    fn = lambda: allocate(cfg, p.batch, max_len, dtype, spec_room)  # noqa: E731
-    shardings = None
-    if setup.mesh is not None:
-        from model.sharded import cache_shardings
-
-        shardings = cache_shardings(jax.eval_shape(fn), setup.mesh)
-    if length == 0:
-        return new_cache(setup, p.batch, max_len, spec_room)[0]
-    if not setup.real_prefill:
-        return synthetic(fn, shardings, int(rng.integers(1 << 30)), forked, cfg.vocab_size, length)
-    return real_prefill(setup, p, max_len, spec_room, length, forked, rng, shardings)
-
-
-def real_prefill(setup: Setup, p: Point, max_len: int, spec_room: int, length: int, forked: bool, rng, shardings):
-    import jax
-    import jax.numpy as jnp
-
-    from model.transformer import prefill
-
-    n0 = p.batch
-    if forked:  # one prompt (dp*ep identical rows on a mesh, which cannot hold fewer), then forked
-        n0 = 1 if setup.mesh is None else int(np.prod(setup.mesh_shape[:2]))
-    prompt = rng.integers(0, setup.cfg.vocab_size, (1 if forked else n0, length)).astype(np.int32)
-    prompt = np.repeat(prompt, n0, axis=0) if forked else prompt
-    cache, _ = new_cache(setup, n0, max_len, spec_room)
-    chunk = 2048
-    with setup.context():
-        for s in range(0, length, chunk):
-            tok = prompt[:, s:s + chunk]
-            lens = np.full((n0,), tok.shape[1], np.int32)
-            tok, lens = _to_device(setup, tok), _to_device(setup, lens)
-            _, cache = prefill(setup.model, cache, tok, lens)
-    if n0 == p.batch:
-        return cache
-    reps = p.batch // n0
-    tile = jax.jit(lambda c: jax.tree.map(lambda x: jnp.tile(x, (reps,) + (1,) * (x.ndim - 1)), c),
-                   out_shardings=shardings)
-    return tile(cache)
-
-
-def _to_device(setup: Setup, x):
-    import jax.numpy as jnp
-
-    if setup.mesh is None:
-        return jnp.asarray(x)
-    from sharding import shard_batch
-
-    return shard_batch(np.asarray(x), setup.mesh)
 
 
 # ----------------------------------------------------------------------------------------------- step functions
@@ -816,7 +511,7 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
     out["fill_s"] = round(time.perf_counter() - t0, 3)
 
     def tokens(shape):
-        return _to_device(setup, rng.integers(0, cfg.vocab_size, shape).astype(np.int32))
+        return to_device(setup, rng.integers(0, cfg.vocab_size, shape).astype(np.int32))
 
     times: list[float] = []
     if p.kind in ("prefill", "verify"):
@@ -849,8 +544,8 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
             dc_shardings = cache_shardings(jax.eval_shape(lambda: dc), setup.mesh)
         dc = synthetic(lambda: dc, dc_shardings, int(rng.integers(1 << 30)), forced, cfg.vocab_size, 0)
         tail_tok = rng.integers(0, cfg.vocab_size, (1 if forced else p.batch, tail)).astype(np.int32)
-        tail_tok = _to_device(setup, np.repeat(tail_tok, p.batch, 0) if forced else tail_tok)
-        tail_len = _to_device(setup, np.full((p.batch,), tail, np.int32))
+        tail_tok = to_device(setup, np.repeat(tail_tok, p.batch, 0) if forced else tail_tok)
+        tail_len = to_device(setup, np.full((p.batch,), tail, np.int32))
         key = jax.random.PRNGKey(setup.seed)
         first, c_first, how_first = compile_step_program(setup, p, "first", fns["first"], state, cache, dc, tail_tok,
                                                          tail_len, key)
@@ -959,232 +654,7 @@ def roofline_of(cfg, dtype: str, p: Point, rec: dict) -> tuple[dict, float, dict
     return line, frac, extra
 
 
-# ----------------------------------------------------------------------------------------------- report
-
-def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
-    out = [f"# {title} {env['date_utc']}", "",
-           f"`{env['command']}` — git {env['git_revision']}{' (dirty)' if env['git_dirty'] else ''}, "
-           f"{env['device']} x{env['device_count']} ({env['backend']}), jax {env['jax']}, flax {env['flax']}.", "",
-           "Step time: median of the timed steps (wall clock, `jax.block_until_ready` per step) after warm-up; "
-           "compile excluded (compile s: (reused) = compiled for another point, (hit) = loaded from the "
-           "persistent compilation cache). Roofline: experiments/roofline.py floor per device (H200 best measured ceilings: "
-           "HBM 4.4 TB/s, bf16 790, FP8 1525 TFLOP/s; the datasheet's in the records); "
-           "% roofline = floor / median. deepinfer tokens/s = requests x 3.25 / step; realistic = requests x "
-           "measured (1 + accepted) / step; prefill = new tokens / step.", "",
-           "| phase | mode | step | model | dtype | impl (attn/moe) | mesh | batch | context | rows/seq | median ms "
-           "| p10-p90 ms | compile s | tokens/s | tok/s/dev | accept len | floor ms | % roofline | MFU | "
-           "warm-up/repeats | status |",
-           "|" + "---|" * 21]
-    for r in recs:
-        mesh = "x".join(str(r["mesh"][a]) for a in ("dp", "ep", "tp"))
-        dtype = weight_label(r)
-        invariant = " batch-invariant" if r.get("batch_invariant") else ""
-        head = (f"| {r['phase']} | {r['mode']} | {r['step']} | {r['config']} | {dtype} | "
-                f"{r['attention_impl']}/{r['moe_impl']}{invariant} | {mesh} | {r['batch']} | {r['context']} | "
-                f"{r['new_tokens']} |")
-        if r["status"] != "ok":
-            out.append(head + f" — | | | | | | | | | | {r['status']}: {r.get('reason', '')[:160]} |")
-            continue
-        s = r["step_ms"]
-        comp = sum(r.get("compile_s", {}).values())
-        cached = sorted(set(r.get("compile_cache", {}).values()) - {"miss", "off"})
-        acc = r.get("acceptance", {}).get("mean_accepted_length")
-        acc_s = f"{acc:.2f}" if acc is not None else (f"{r['accepted_per_step_assumed']:.2f} (assumed)"
-                                                       if "accepted_per_step_assumed" in r else "")
-        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""
-        out.append(head + f" {s['median']:.3f} | {s['p10']:.3f}-{s['p90']:.3f} | {comp:.1f}"
-                   f"{' (' + '/'.join(cached) + ')' if cached else ''} | "
-                   f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | {acc_s} | "
-                   f"{r['roofline']['floor_ms']:.3f} | {100 * r['roofline_fraction']:.1f}% | {mfu} | "
-                   f"{r['warmup']}/{r['repeats']} | ok |")
-    for r in recs:
-        if r.get("status") == "ok" and "components" in r.get("profile", {}):
-            out += [""] + breakdown_table(r)
-    notes = sorted({n for r in recs for n in r.get("notes", [])})
-    if notes:
-        out += [""] + [f"Note: {n}." for n in notes]
-    return "\n".join(out) + "\n"
-
-
-GLUE_KINDS = ("transpose", "concatenate", "convert", "sort", "copy", "cache write", "scatter / gather", "reduce",
-              "elementwise / other")
-
-
-def breakdown_table(r: dict) -> list[str]:
-    """A profiled record (`--kernel-times`) as markdown: each component's kernel time against its floor at both
-    ceilings, its glue (XLA's own non-GEMM kernels), the host / launch gap, and the largest glue kernels."""
-    prof, roof = r["profile"], r["roofline"]
-    wall = r["step_ms"]["median"]
-    floors, sheet = roof.get("by_component_ms", {}), roof.get("datasheet", {}).get("by_component_ms", {})
-    out = [f"Where the time goes: {r['phase']} B{r['batch']} x {r['new_tokens']} at {r['context']} "
-           f"({r['config']}, {weight_label(r)}), CUPTI over {prof['steps']} steps; floors per component at the "
-           "best measured / datasheet ceilings:", "",
-           "| component | ms | % of step | floor ms | x floor | datasheet floor ms | glue ms |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, c in prof["components"].items():
-        fl, ds = floors.get(name), sheet.get(name)
-        glue = sum(v for k, v in c["by_kind"].items() if k in GLUE_KINDS)
-        ratio = f"{c['ms'] / fl:.2f}" if fl else ""
-        out.append(f"| {name} | {c['ms']:.3f} | {100 * c['ms'] / wall:.1f}% | {fl if fl is not None else ''} | "
-                   f"{ratio} | {ds if ds is not None else ''} | {glue:.3f} |")
-    out.append(f"| host / launch gap | {prof['gap_ms']:.3f} | {100 * prof['gap_ms'] / wall:.1f}% | 0 | | 0 | |")
-    out.append(f"| **step** | **{wall:.3f}** | 100% | **{roof['floor_ms']:.3f}** | **{wall / roof['floor_ms']:.2f}** | "
-               f"{roof.get('datasheet', {}).get('floor_ms', 0):.3f} | |")
-    glue = [t for t in prof["top"] if t[2] in GLUE_KINDS][:8]
-    if glue:
-        out += ["", "Largest glue kernels (ms per step, % of step): " + "; ".join(
-            f"{k} [{comp}, {kind}] {ms:.3f} ({100 * ms / wall:.1f}%)" for k, comp, kind, ms, *_ in glue)]
-    return out
-
-
-def weight_label(r: dict) -> str:
-    return r["dtype"] + (" + fp8 dense" if r.get("dense_weights") == "fp8" else "") + (
-        " (kernels)" if r.get("dense_impl") == "pallas" else "") + (" + quant_sim" if r.get("quant_sim") else "") + (
-        " + fp4 experts" if r.get("expert_weights") == "fp4" else "") + (
-        " + bf16 head" if r.get("head_dtype") == "bfloat16" else "") + (
-        " + fp4 index keys" if r.get("index_key_format") == "fp4" else "")
-
-
-def write_results(env: dict, recs: list[dict], stem: str, out_dir: Path | None = None, title: str = "bench"
-                  ) -> list[Path]:
-    """experiments/results/<stem>.json (a list of self-contained records) and .md; copies to $OUT."""
-    out_dir = Path(out_dir or RESULTS_DIR)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    full = [{**r, "env": env} for r in recs]
-    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
-    tmp = paths[0].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(full, indent=1, default=_json_default))
-    tmp.replace(paths[0])
-    paths[1].write_text(markdown(env, recs, title))
-    copy_to_out(paths)
-    return paths
-
-
-def copy_to_out(paths) -> None:
-    dest = os.environ.get("OUT")
-    if not dest:
-        return
-    d = Path(dest)
-    d.mkdir(parents=True, exist_ok=True)
-    for p in paths:
-        p = Path(p)
-        if p.exists() and p.resolve().parent != d.resolve():
-            shutil.copy2(p, d / p.name)
-
-
-def _json_default(x):
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return str(x)
-
-
 # ----------------------------------------------------------------------------------------------- CLI
-
-def int_list(s: str) -> list[int]:
-    try:
-        return [int(x) for x in str(s).replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {s!r}")
-
-
-def choice_list(choices: tuple):
-    def parse(s: str) -> list[str]:
-        if s == "both":
-            return list(choices) if choices != PHASES else ["decode", "prefill"]
-        items = [x for x in s.split(",") if x]
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"expected 'both' or a comma list of {', '.join(choices)}; got {s!r}")
-        return items
-    return parse
-
-
-def parse_mesh(s: str) -> tuple[int, int, int]:
-    try:
-        t = tuple(int(x) for x in str(s).split(","))
-        assert len(t) == 3 and min(t) >= 1
-        return t
-    except (ValueError, AssertionError):
-        raise argparse.ArgumentTypeError(f"mesh must be dp,ep,tp (positive), got {s!r}")
-
-
-def defaults(backend: str, quick: bool) -> dict:
-    gpu = backend == "gpu"
-    d = {"preset": "v4-flash-4l" if gpu else "tiny-v4", "dtype": "bfloat16" if gpu else "float32",
-         "impl": "pallas" if gpu else "reference"}
-    if quick:
-        d.update(batch=[2], context=64 if not gpu else 4096, new_tokens=16 if not gpu else 512, warmup=1,
-                 repeats_prefill=10, repeats_decode=10)
-    else:
-        d.update(batch=[8, 64] if gpu else [2, 4], context=32768 if gpu else 128, new_tokens=4096 if gpu else 32,
-                 warmup=3, repeats_prefill=10, repeats_decode=60)
-    return d
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    from model.config import ATTENTION_IMPLS
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", help="ModelConfig preset (default v4-flash-4l on GPU, tiny-v4 on CPU)")
-    p.add_argument("--layers", type=int, help="scale to N backbone layers keeping the layer pattern")
-    p.add_argument("--phase", type=choice_list(PHASES), default="both",
-                   help="prefill, decode, both (= decode,prefill) or a comma list, run in that order")
-    p.add_argument("--mode", type=choice_list(MODES), default="deepinfer",
-                   help="deepinfer, realistic, both (= deepinfer,realistic) or a comma list")
-    p.add_argument("--batch", type=int_list, help="sequences per step, global (comma list)")
-    p.add_argument("--prefill-batch", type=int_list, help="prefill batch list (default: --batch)")
-    p.add_argument("--context", type=int_list, help="cached positions before the step (comma list)")
-    p.add_argument("--new-tokens", type=int, help="prefill rows per sequence per step (default 4096 on GPU)")
-    p.add_argument("--num-draft", type=int, default=3, help="decode: drafts verified per step (default 3)")
-    p.add_argument("--step", choices=STEPS, help="decode: time the target's verify step or the whole "
-                   "speculative iteration (default: verify in deepinfer mode, spec in realistic mode)")
-    p.add_argument("--replay", action="store_true", help="[V4.1] decoder-side bounded replay in prefill")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"))
-    p.add_argument("--moe-impl", choices=("reference", "pallas"))
-    p.add_argument("--attention-impl", choices=ATTENTION_IMPLS,
-                   help="pallas: the faster of triton and mgpu per call; mgpu: the Mosaic GPU window-attention "
-                        "kernel (V4 widths, bf16, Hopper)")
-    p.add_argument("--expert-weights", choices=("dense", "fp4"), help="routed experts held dense or FP4-packed")
-    p.add_argument("--dense-weights", choices=("model", "fp8"),
-                   help="the release's FP8 tensors held in the model dtype or FP8 + block scales")
-    p.add_argument("--dense-impl", choices=("reference", "pallas"),
-                   help="FP8 projections: dequantised in-graph (reference) or multiplied from their bytes (pallas)")
-    p.add_argument("--quant-sim", action="store_true", help="the official numerics: act_quant'd FP8 / FP4 GEMM "
-                   "inputs (FP8 x FP8 kernels) and the KV fake-quant steps")
-    p.add_argument("--head-dtype", choices=("float32", "bfloat16"),
-                   help="LM head GEMM inputs: float32 (the official model, default) or bfloat16 (f32 accumulation)")
-    p.add_argument("--batch-invariant", choices=INVARIANCE, default="off",
-                   help="the fast mode (off), the batch-invariant mode (on: ModelConfig.batch_invariant on the "
-                        "reference paths) or both in one call, each configuration fast mode first")
-    p.add_argument("--index-keys", choices=("model", "fp4"),
-                   help="indexer key cache: model dtype (default) or MXFP4 rows as the release stores them")
-    p.add_argument("--kernel-times", type=int, default=0, metavar="STEPS",
-                   help="prefill / verify: STEPS more steps under CUPTI; record per-kernel times (GPU only)")
-    p.add_argument("--engram-vocab", type=int, help="[V4.1] Engram hash vocabulary (smaller tables, same rows "
-                   "read per token), e.g. 160000 for V4.1 widths on one GPU")
-    p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1), help="dp,ep,tp (default 1,1,1: one device)")
-    p.add_argument("--repeats", type=int, help="timed steps (default: prefill 10, decode 60)")
-    p.add_argument("--warmup", type=int, help="untimed steps after compilation (default 3)")
-    p.add_argument("--real-prefill", action="store_true", help="prefill real random prompts instead of a "
-                   "synthetic context (small contexts)")
-    p.add_argument("--checkpoint", help="a save_orbax directory (e.g. a trained drafter) instead of random weights")
-    p.add_argument("--scan-layers", action="store_true", help="run repeated layer groups as one scanned body "
-                   "each (ModelConfig.scan_layers) instead of every layer traced on its own")
-    compile_cache.add_argument(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke run: small shapes, 1 warm-up, 10 repeats")
-    p.add_argument("--no-memory-check", action="store_true", help="run even where the memory estimate says no")
-    p.add_argument("--out", help="results directory (default experiments/results; $OUT also gets a copy)")
-    p.add_argument("--tag", default="", help="added to the results file name")
-    p.add_argument("--quiet", action="store_true", help="no progress display")
-    p.add_argument("--plot", action="store_true", help="also draw the records (experiments/plots.py: the step by "
-                   "component beside its floors) as a PNG beside the JSON (needs matplotlib)")
-    p.add_argument("--time-budget", type=float, help="seconds: start no new configuration after this (the ones "
-                   "left are recorded as skipped), so a run under a hard limit ends with its table written")
-    return p.parse_args(argv)
-
 
 def kernel_times_note(backend: str, steps: int) -> str | None:
     """What --kernel-times will not do on this backend (said before the run; each record keeps the reason)."""
@@ -1204,7 +674,7 @@ def stub_record(preset: str, cfg, dtype: str, pt: Point, status: str, reason: st
 
 
 def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     if args.plot:  # before the run: fails at once where matplotlib is missing
         from .plots import plot_breakdown, read_records
     import jax

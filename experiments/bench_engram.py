@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench import command_line, environment
+from experiments.bench_report import command_line, environment
 from experiments.records import save
 
 COLUMNS, LAYERS, HEAD_DIM = 24, 2, 256   # V4.1-Flash: 3 n-gram orders x 8 heads, layers 1 and 14, 256-wide rows

@@ -26,7 +26,8 @@ import time
 import numpy as np
 
 from experiments import records as records_io
-from experiments.bench import compile_timed, int_list, parse_mesh, summary_ms
+from experiments.bench import compile_timed, summary_ms
+from experiments.bench_cli import int_list, parse_mesh
 
 
 def parse_args(argv=None) -> argparse.Namespace:

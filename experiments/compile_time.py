@@ -32,7 +32,7 @@ import time
 
 from experiments import compile_cache
 from experiments import records as records_io
-from experiments.bench import parse_mesh
+from experiments.bench_cli import parse_mesh
 
 
 COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|ragged-all-to-all|reduce-scatter|"

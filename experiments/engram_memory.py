@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from experiments.bench import command_line, environment
+from experiments.bench_report import command_line, environment
 from experiments.hardware import H200_MEASURED
 from experiments.records import save
 

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 from experiments import records as records_io
-from experiments.bench import int_list, summary_ms
+from experiments.bench import summary_ms
+from experiments.bench_cli import int_list
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -146,7 +146,7 @@ def ceilings_text(c: dict) -> str:
 
 def weights_text(rec: dict) -> str:
     """Short weight format: "bf16", "bf16 + fp4 experts", ..."""
-    from experiments.bench import weight_label
+    from experiments.bench_report import weight_label
 
     return weight_label(rec).replace("bfloat16", "bf16").replace("float32", "f32")
 

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.bench import RESULTS_DIR, copy_to_out
+from experiments.bench_report import RESULTS_DIR, copy_to_out
 
 
 def save(record: dict, table: str, prefix: str, tag: str, out_dir: str | Path | None = None) -> list[Path]:

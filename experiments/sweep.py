@@ -51,7 +51,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, compile_cache
+from . import bench, bench_cli, bench_report, compile_cache
+from .progress import Progress
 
 # what makes two records the same point (besides bench.Point.key()); warm-up / repeat counts do not
 KEY_FIELDS = ("preset", "config", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights",
@@ -108,7 +109,7 @@ def as_mesh(v) -> tuple[int, int, int]:
     if isinstance(v, (list, tuple)):
         v = ",".join(str(x) for x in v)
     try:
-        return bench.parse_mesh(str(v))
+        return bench_cli.parse_mesh(str(v))
     except argparse.ArgumentTypeError as e:
         raise SystemExit(str(e))
 
@@ -126,7 +127,7 @@ def mesh_list(s: str) -> list[str]:
 
 def grid(spec: dict, backend: str) -> tuple[dict, list[bench.Point]]:
     quick = bool(spec.get("quick", False))
-    d = bench.defaults(backend, quick)
+    d = bench_cli.defaults(backend, quick)
     run = {
         "preset": spec.get("preset") or d["preset"], "layers": spec.get("layers"),
         "dtype": spec.get("dtype") or d["dtype"], "moe_impl": spec.get("moe_impl") or d["impl"],
@@ -138,9 +139,9 @@ def grid(spec: dict, backend: str) -> tuple[dict, list[bench.Point]]:
     }
     reps = spec.get("repeats")
     if isinstance(reps, dict):
-        run["repeats"] = {ph: int(reps.get(ph, d[f"repeats_{ph}"])) for ph in bench.PHASES}
+        run["repeats"] = {ph: int(reps.get(ph, d[f"repeats_{ph}"])) for ph in bench_cli.PHASES}
     else:
-        run["repeats"] = {ph: int(reps) if reps else d[f"repeats_{ph}"] for ph in bench.PHASES}
+        run["repeats"] = {ph: int(reps) if reps else d[f"repeats_{ph}"] for ph in bench_cli.PHASES}
     phases = [str(x) for x in as_list(spec.get("phase")) or ["decode"]]
     modes = [str(x) for x in as_list(spec.get("mode")) or ["deepinfer"]]
     meshes = [as_mesh(m) for m in as_list(spec.get("mesh")) or ["1,1,1"]]
@@ -152,11 +153,11 @@ def grid(spec: dict, backend: str) -> tuple[dict, list[bench.Point]]:
     replays = [as_bool(x) for x in as_list(spec.get("replay")) or [False]]
     step = str(spec.get("step") or "")
     for ph in phases:
-        if ph not in bench.PHASES:
-            raise SystemExit(f"phase must be one of {bench.PHASES}, got {ph!r}")
+        if ph not in bench_cli.PHASES:
+            raise SystemExit(f"phase must be one of {bench_cli.PHASES}, got {ph!r}")
     for m in modes:
-        if m not in bench.MODES:
-            raise SystemExit(f"mode must be one of {bench.MODES}, got {m!r}")
+        if m not in bench_cli.MODES:
+            raise SystemExit(f"mode must be one of {bench_cli.MODES}, got {m!r}")
     points = []
     for mesh, phase, mode, ctx, rep in itertools.product(meshes, phases, modes, contexts, replays):
         if phase == "prefill":
@@ -246,13 +247,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dense-weights", choices=("model", "fp8"))
     p.add_argument("--phase", type=str_list, help="comma list of prefill,decode")
     p.add_argument("--mode", type=str_list, help="comma list of deepinfer,realistic")
-    p.add_argument("--step", choices=bench.STEPS, help="deepinfer decode step (default verify)")
+    p.add_argument("--step", choices=bench_cli.STEPS, help="deepinfer decode step (default verify)")
     p.add_argument("--mesh", type=mesh_list, help="meshes 'dp,ep,tp' separated by ';' or spaces")
-    p.add_argument("--batch", type=bench.int_list)
-    p.add_argument("--prefill-batch", type=bench.int_list)
-    p.add_argument("--context", type=bench.int_list)
-    p.add_argument("--num-draft", type=bench.int_list)
-    p.add_argument("--new-tokens", type=bench.int_list)
+    p.add_argument("--batch", type=bench_cli.int_list)
+    p.add_argument("--prefill-batch", type=bench_cli.int_list)
+    p.add_argument("--context", type=bench_cli.int_list)
+    p.add_argument("--num-draft", type=bench_cli.int_list)
+    p.add_argument("--new-tokens", type=bench_cli.int_list)
     p.add_argument("--replay", type=str_list, help="comma list of off,on")
     p.add_argument("--warmup", type=int)
     p.add_argument("--repeats", type=int)
@@ -281,14 +282,14 @@ def main(argv=None) -> dict:
     compile_cache.enable(args.compile_cache)
     backend = jax.default_backend()
     name = str(spec.get("name") or "sweep")
-    results = Path(spec.get("results") or bench.RESULTS_DIR / f"sweep_{name}.jsonl")
+    results = Path(spec.get("results") or bench_report.RESULTS_DIR / f"sweep_{name}.jsonl")
     results.parent.mkdir(parents=True, exist_ok=True)
     stem = results.with_suffix("")
-    progress = bench.Progress(quiet=args.quiet)
+    progress = Progress(quiet=args.quiet)
     run, points = grid(spec, backend)
     cfg = bench.resolve_config(run["preset"], run["layers"], run["moe_impl"], run["attention_impl"],
                                run["expert_weights"], run["dense_weights"], scan_layers=run["scan_layers"])
-    env = bench.environment(bench.command_line(argv, "experiments.sweep"))
+    env = bench_report.environment(bench_report.command_line(argv, "experiments.sweep"))
     old = read_results(results)
     done = {record_key(r) for r in old if r.get("status") in DONE}
     summary = {"results": str(results), "points": len(points), "skipped_done": 0, "ran": 0, "not_possible": 0,
@@ -320,7 +321,7 @@ def main(argv=None) -> dict:
                 rec.update(real_prefill=run["real_prefill"], checkpoint=run["checkpoint"], sweep=name,
                            point_wall_s=round(time.perf_counter() - t0, 2), env=env)
                 with results.open("a") as f:
-                    f.write(json.dumps(rec, default=bench._json_default) + "\n")
+                    f.write(json.dumps(rec, default=bench_report.json_default) + "\n")
                 summary["ran"] += 1
                 compile_s = sum(rec.get("compile_s", {}).values())
                 summary["compile_s"][p.label()] = round(compile_s, 3)
@@ -336,9 +337,9 @@ def main(argv=None) -> dict:
             gc.collect()
     recs = read_results(results)
     md = stem.with_suffix(".md")
-    md.write_text(bench.markdown(recs[-1]["env"] if recs and "env" in recs[-1] else env, recs, f"sweep {name}"))
+    md.write_text(bench_report.markdown(recs[-1]["env"] if recs and "env" in recs[-1] else env, recs, f"sweep {name}"))
     pngs = plot(recs, stem)
-    bench.copy_to_out([results, md, *pngs])
+    bench_report.copy_to_out([results, md, *pngs])
     summary.update(markdown=str(md), plots=[str(p) for p in pngs], records=len(recs))
     progress.log(f"done: ran {summary['ran']}, skipped {summary['skipped_done']} finished; {len(recs)} records in "
                  f"{results}; table {md.name}; plots {', '.join(p.name for p in pngs) or 'none'}; compile "

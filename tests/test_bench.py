@@ -92,7 +92,7 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
 
 def test_markdown_kernel_breakdown():
     """What --kernel-times adds to the table on a GPU: each component against its floor, the gap, the glue."""
-    from experiments.bench import markdown
+    from experiments.bench_report import markdown
 
     env = {"date_utc": "now", "command": "c", "git_revision": "r", "git_dirty": False, "device": "H200",
            "device_count": 1, "backend": "gpu", "jax": "j", "flax": "f"}
@@ -155,7 +155,8 @@ def test_points_and_keys():
 
 
 def test_memory_estimate_refuses_what_cannot_fit():
-    from experiments.bench import Point, estimate_memory, memory_message, resolve_config
+    from experiments.bench import Point, resolve_config
+    from experiments.bench_memory import estimate_memory, memory_message
 
     cfg = resolve_config("v4-flash-4l", moe_impl="pallas", attention_impl="pallas")
     h200 = 139 * 2 ** 30
@@ -172,7 +173,8 @@ def test_v41_widths_fit_one_gpu_with_fp4_experts_and_a_small_engram_vocabulary()
     fit an H200; FP4 experts and --engram-vocab do, with the rows read per token unchanged."""
     import pytest
 
-    from experiments.bench import Point, estimate_memory, resolve_config
+    from experiments.bench import Point, resolve_config
+    from experiments.bench_memory import estimate_memory
 
     h200 = 139 * 2 ** 30
     point = Point("decode", "deepinfer", 64, 32768)

@@ -70,13 +70,13 @@ from typing import Any
 import numpy as np
 
 from . import compile_cache
+from .bench_floor import DEEPINFER_ACCEPTED, roofline_of
 from .bench_caches import filled_cache, real_prefill, synthetic, to_device
 from .bench_memory import device_capacity, estimate_memory, memory_message
 from .bench_cli import MODES, PHASES, STEPS, choice_list, defaults, parse_args
 from .bench_report import command_line, copy_to_out, environment, markdown, write_results
 from .progress import Progress
 
-DEEPINFER_ACCEPTED = 3.25
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
@@ -177,13 +177,6 @@ def invariance_variants(cfg, which: str) -> list:
     invariant = cfg.replace(batch_invariant=True, attention_impl="reference", moe_impl="reference",
                             dense_impl="reference")
     return {"off": [cfg], "on": [invariant], "both": [cfg, invariant]}[which]
-
-
-def weight_format(cfg) -> str:
-    """The roofline's weight format of a model (float32 models are costed as bf16, noted): the bytes it holds,
-    and bf16 MMA (the engine dequantises FP8 / FP4 weights to bf16 before multiplying)."""
-    return {("model", "dense"): "bf16", ("model", "fp4"): "bf16-fp4-experts", ("fp8", "dense"): "fp8-dense",
-            ("fp8", "fp4"): "fp8-fp4-experts"}[cfg.dense_weights, cfg.expert_weights]
 
 
 def spec_kind(cfg) -> str:
@@ -602,56 +595,6 @@ def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float, dev
 
     prof = profile_step(fn.as_text(), run_once, steps, wall_ms, devices)
     return prof, box["cache"]
-
-
-# ----------------------------------------------------------------------------------------------- roofline
-
-def roofline_of(cfg, dtype: str, p: Point, rec: dict) -> tuple[dict, float, dict]:
-    """Roofline of the step (per device), achieved fraction = floor / median, and throughput figures."""
-    from .hardware import H200_DATASHEET
-    from .roofline import roofline
-    from .roofline_formats import uniform_mma
-
-    def floors(ceilings=None):
-        return roofline(cfg, p.phase, p.batch, p.context, p.rows, weight_format(cfg), "bf16", p.mesh,
-                        forced_balance=p.mode == "deepinfer", drafter=p.kind == "spec", ceilings=ceilings)
-
-    res, sheet = floors(), floors(H200_DATASHEET)
-    t = res["totals"]
-    med_s = rec["step_ms"]["median"] / 1e3
-    ndev = int(np.prod(p.mesh))
-    line = {"floor_ms": t["floor_s"] * 1e3, "memory_ms": t["memory_s"] * 1e3, "compute_ms": t["compute_s"] * 1e3,
-            "bound": t["bound"], "bytes_per_device": t["bytes"], "flops_per_device": t["flops"],
-            "weight_bytes": t["weight_bytes"], "kv_read_bytes": t["kv_read_bytes"],
-            "weight_format": res["weight_dtype"], "kv_format": res["kv_dtype"],
-            "forced_balance": res["forced_balance"], "drafter": res["drafter"],
-            "ceilings": {k: v for k, v in res["ceilings"].items()},
-            "by_component_ms": {k: round(c["floor_s"] * 1e3, 4) for k, c in res["components"].items()},
-            "datasheet": {"floor_ms": sheet["totals"]["floor_s"] * 1e3,
-                          "fraction": sheet["totals"]["floor_s"] / med_s,
-                          "ceilings": dict(sheet["ceilings"]),
-                          "by_component_ms": {k: round(c["floor_s"] * 1e3, 4)
-                                              for k, c in sheet["components"].items()}}}
-    frac = t["floor_s"] / med_s
-    extra: dict[str, Any] = {"achieved_TBps": t["bytes"] / med_s / 1e12,
-                             "achieved_TFLOPps": t["flops"] / med_s / 1e12}
-    peak = res["ceilings"][uniform_mma(res["weight_dtype"]) + "_flops"]
-    if p.phase == "prefill":
-        tok = p.batch * p.new_tokens
-        extra.update(tokens_per_step=tok, tokens_per_s=tok / med_s, tokens_per_s_per_device=tok / med_s / ndev,
-                     mfu=t["flops"] / med_s / peak)
-    elif p.mode == "deepinfer":
-        tok = p.batch * DEEPINFER_ACCEPTED if p.num_draft == 3 else p.batch * (1 + 0.75 * p.num_draft)
-        extra.update(accepted_per_step_assumed=tok / p.batch, tokens_per_step=tok, tokens_per_s=tok / med_s,
-                     tokens_per_s_per_device=tok / med_s / ndev)
-    else:
-        acc = rec.get("acceptance", {}).get("mean_accepted_length")
-        if acc is None:  # realistic verify-only step: count only the target's own token
-            acc = 1.0
-        tok = p.batch * acc
-        extra.update(accepted_per_step_measured=acc, tokens_per_step=tok, tokens_per_s=tok / med_s,
-                     tokens_per_s_per_device=tok / med_s / ndev)
-    return line, frac, extra
 
 
 # ----------------------------------------------------------------------------------------------- CLI

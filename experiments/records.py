@@ -5,9 +5,9 @@
 
 `refloor` recomputes the floor of a recorded model step with experiments/roofline.py as it is now, at the best
 measured and at the datasheet ceilings (experiments/hardware.py), so that a record made under older ceilings or
-an older cost model reads against today's. A record's point maps to the roofline call as bench.py's
-`roofline_of` does (the same config, phase, batch, context, rows, weight format and mesh; forced balance in
-benchmark mode; the drafter for a whole speculative step). It reads bench.py records (a JSON list), sweep
+an older cost model reads against today's. A record's point maps to the roofline call as
+`experiments.bench_floor.roofline_of` does (the same config, phase, batch, context, rows, weight format and mesh;
+forced balance in benchmark mode; the drafter for a whole speculative step). It reads bench.py records (a JSON list), sweep
 results (JSON lines) and peer_hf.py records (`{"meta", "records"}`: bf16 weights, uniform routing, one device):
 
     python -m experiments.records --refloor experiments/results/bench_<stamp>_gpu_<tag>.json [FILE ...] [--json]
@@ -85,7 +85,7 @@ def refloor(rec: dict) -> dict:
 
     if "peer_meta" in rec:
         return _refloor_peer(rec)
-    from experiments.bench import roofline_of
+    from experiments.bench_floor import roofline_of
     from experiments.roofline_formats import uniform_mma
 
     cfg, p = _bench_point(rec)

@@ -76,7 +76,8 @@ def expert_format(rec: dict) -> str:
 def record_roofline(rec: dict, ceilings: dict | None = None) -> dict:
     """The floor of a bench record's step (the configuration bench.py ran, its routed rows moved the way this
     engine moved them) on `ceilings` (default the H200 as measured)."""
-    from experiments.bench import resolve_config, weight_format
+    from experiments.bench import resolve_config
+    from experiments.bench_floor import weight_format
     from experiments.roofline import roofline
 
     cfg = resolve_config(rec["preset"], rec.get("layers"), expert_weights=rec.get("expert_weights"),

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 PHASES = ("prefill", "decode")
 # Weight formats: name -> (the release's FP8 "dense" tensors held as, routed experts held as). The first three
-# are the release's names, the others this engine's (bench.weight_format: cfg.dense_weights / cfg.expert_weights).
+# are the release's names, the others this engine's (bench_floor.weight_format: cfg.dense_weights /
+# cfg.expert_weights).
 # A floor charges each GEMM at the peak of the MMA its weights' format allows (gemm_peak): FP8 / FP4 weights
 # with FP8 activations run FP8 MMA (Hopper has no FP4 MMA), BF16 weights the BF16 MMA.
 WEIGHT_FORMATS = {

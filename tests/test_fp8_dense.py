@@ -159,7 +159,7 @@ def test_memory_and_roofline_formats():
     """The full V4-Flash with FP8 dense + FP4 experts is the release's 159.6 GB, held in 168.5 GB (its FP4 scales
     as bf16 in the kernels' layout, fp4_kernel_scales); the roofline format bench uses for it has the release's
     bytes, and its floors charge the FP8 / FP4-held GEMMs at the FP8 peak (the fastest MMA the format allows)."""
-    from experiments.bench import weight_format
+    from experiments.bench_floor import weight_format
     from experiments.hardware import H200_MEASURED
     from experiments.roofline_formats import bytes_per_param, gemm_peak
     from model.sharded import memory_per_device

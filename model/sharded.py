@@ -382,31 +382,32 @@ def local_expert_tensors(items, cfg: ModelConfig, mesh: Mesh):
     """Filter (official name, array) pairs down to the routed-expert tensors this process's devices
     hold (weights and scales alike); everything else passes. Placed before dequantisation, so the
     memory-mapped tensors of other processes' experts are never read."""
-    held: dict[int, frozenset[int]] = {}
+    elsewhere = _held_elsewhere(cfg, mesh)
     for name, arr in items:
-        m = _EXPERT_TENSOR.match(name)
-        if m:
-            layer = int(m.group(2)) + (cfg.num_layers if m.group(1) == "mtp" else 0)
-            if layer not in held:
-                held[layer] = local_experts(cfg.layer_spec(layer).n_experts, mesh)
-            if int(m.group(3)) not in held[layer]:
-                continue
-        yield name, arr
+        if not elsewhere(name):
+            yield name, arr
 
 
 def skipped_expert_names(names, cfg: ModelConfig, mesh: Mesh) -> set[str]:
     """Of the official tensor names `names`, the routed-expert tensors other processes' devices hold."""
+    elsewhere = _held_elsewhere(cfg, mesh)
+    return {name for name in names if elsewhere(name)}
+
+
+def _held_elsewhere(cfg: ModelConfig, mesh: Mesh):
+    """name -> whether it is a routed-expert tensor that only other processes' devices hold (the experts this
+    process's devices hold computed once per layer)."""
     held: dict[int, frozenset[int]] = {}
-    skipped = set()
-    for name in names:
+
+    def elsewhere(name: str) -> bool:
         m = _EXPERT_TENSOR.match(name)
-        if m:
-            layer = int(m.group(2)) + (cfg.num_layers if m.group(1) == "mtp" else 0)
-            if layer not in held:
-                held[layer] = local_experts(cfg.layer_spec(layer).n_experts, mesh)
-            if int(m.group(3)) not in held[layer]:
-                skipped.add(name)
-    return skipped
+        if not m:
+            return False
+        layer = int(m.group(2)) + (cfg.num_layers if m.group(1) == "mtp" else 0)
+        if layer not in held:
+            held[layer] = local_experts(cfg.layer_spec(layer).n_experts, mesh)
+        return int(m.group(3)) not in held[layer]
+    return elsewhere
 
 
 def place_loaded(graphdef, flat, buffers, mesh: Mesh, cfg: ModelConfig) -> Transformer:

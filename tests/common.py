@@ -149,3 +149,13 @@ def tie_free_tokens(model, seed: int, shape: tuple[int, int], low: int = 2, high
         if not margins or min(margins) > bound:
             return tokens
     raise AssertionError(f"{draws} token draws (seed {seed}) all have a top-k cut within {bound} of a tie")
+
+
+def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
+    """A one-file safetensors checkpoint: `tensors` under their stored names, and `config` as config.json."""
+    from model import quant_io
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    quant_io.write_safetensors(directory / "model.safetensors", tensors)
+    return directory

@@ -29,6 +29,8 @@ from model.checkpoint import (  # noqa: E402
     save_safetensors,
 )
 
+import common  # noqa: E402
+
 TINY = ModelConfig.preset("tiny-v4")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -52,10 +54,7 @@ def assert_same_state(a, b):
 
 
 def write_checkpoint(directory: Path, tensors: dict, config: dict | None = None) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config or TINY.to_official_dict()))
-    quant_io.write_safetensors(directory / "model.safetensors", tensors)
-    return directory
+    return common.write_checkpoint(directory, tensors, config or TINY.to_official_dict())
 
 
 def write_sharded(directory: Path, tensors: dict, n_shards: int, config: dict) -> dict[str, str]:

@@ -4,8 +4,6 @@ does not belong, a NaN / inf value or a misplaced scale raises an error naming t
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -13,7 +11,7 @@ from model import ModelConfig, init_random
 from model import quant_io
 from model.checkpoint import load_checkpoint, official_name, official_tensors
 
-from common import rel_err, small_config
+from common import rel_err, small_config, write_checkpoint
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -83,10 +81,7 @@ CFG = small_config("tiny-v4")
 
 
 def _write(directory, tensors, cfg=CFG):
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg.to_official_dict()))
-    quant_io.write_safetensors(directory / "model.safetensors", tensors)
-    return directory
+    return write_checkpoint(directory, tensors, cfg.to_official_dict())
 
 
 @pytest.fixture(scope="module")

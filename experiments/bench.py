@@ -144,12 +144,13 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
                    attention_impl: str | None = None, expert_weights: str | None = None,
                    dense_weights: str | None = None, engram_vocab: int | None = None,
                    head_dtype: str | None = None, index_key_format: str | None = None, *,
-                   dense_impl: str | None = None, quant_sim: bool = False, scan_layers: bool = False):
+                   dense_impl: str | None = None, mhc_impl: str | None = None, quant_sim: bool = False,
+                   scan_layers: bool = False):
     """A preset, scaled to `layers`, with the kernels and weight formats asked for. [V4.1] `engram_vocab`
     replaces the Engram hash vocabulary (the tables' rows follow from it: v41-flash's 16M gives 2 x 197 GB
     of bf16 tables); a token reads the same number of rows whatever the vocabulary, so a small one keeps the
     step's bytes and lets V4.1 widths run on one GPU. `head_dtype` / `index_key_format` / `dense_impl` /
-    `quant_sim` (the official numerics: act_quant'd FP8 GEMM inputs, KV fake-quant): the ModelConfig fields;
+    `mhc_impl` / `quant_sim` (the official numerics: act_quant'd FP8 GEMM inputs, KV fake-quant): the ModelConfig fields;
     `scan_layers`: run repeated layer groups as scanned bodies (ModelConfig.scan_layers)."""
     from model import ModelConfig
 
@@ -161,7 +162,7 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
     changes = {k: v for k, v in (("moe_impl", moe_impl), ("attention_impl", attention_impl),
                                  ("expert_weights", expert_weights), ("dense_weights", dense_weights),
                                  ("head_dtype", head_dtype), ("index_key_format", index_key_format),
-                                 ("dense_impl", dense_impl), ("quant_sim", quant_sim)) if v}
+                                 ("dense_impl", dense_impl), ("mhc_impl", mhc_impl), ("quant_sim", quant_sim)) if v}
     if scan_layers:
         changes["scan_layers"] = True
     if engram_vocab:
@@ -175,7 +176,7 @@ def invariance_variants(cfg, which: str) -> list:
     """The configurations `--batch-invariant` asks for: "off" cfg as given, "on" its batch-invariant mode (which
     runs the reference implementations: ModelConfig.batch_invariant), "both" the two, fast mode first."""
     invariant = cfg.replace(batch_invariant=True, attention_impl="reference", moe_impl="reference",
-                            dense_impl="reference")
+                            dense_impl="reference", mhc_impl="reference")
     return {"off": [cfg], "on": [invariant], "both": [cfg, invariant]}[which]
 
 
@@ -403,7 +404,8 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
         "bench": "bench", "key": p.key(), "preset": setup.preset, "config": cfg.name, "generation": cfg.generation,
         "layers": cfg.num_layers, "scan_layers": cfg.scan_layers, "dtype": setup.dtype,
         "batch_invariant": cfg.batch_invariant, "moe_impl": cfg.moe_impl, "expert_weights": cfg.expert_weights,
-        "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl, "quant_sim": cfg.quant_sim,
+        "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl, "mhc_impl": cfg.mhc_impl,
+        "quant_sim": cfg.quant_sim,
         "head_dtype": cfg.head_dtype, "index_key_format": cfg.index_key_format,
         "engram_vocab_size": cfg.engram_vocab_size or None,
         "attention_impl": cfg.attention_impl, "mode": p.mode, "phase": p.phase, "step": p.kind,
@@ -629,7 +631,8 @@ def main(argv=None) -> list[dict]:
     dtype = args.dtype or d["dtype"]
     cfg = resolve_config(preset, args.layers, args.moe_impl or d["impl"], args.attention_impl or d["impl"],
                          args.expert_weights, args.dense_weights, args.engram_vocab, args.head_dtype,
-                         args.index_keys, dense_impl=args.dense_impl, quant_sim=args.quant_sim,
+                         args.index_keys, dense_impl=args.dense_impl, mhc_impl=args.mhc_impl or d["impl"],
+                         quant_sim=args.quant_sim,
                          scan_layers=args.scan_layers)
     phases = args.phase if isinstance(args.phase, list) else choice_list(PHASES)(args.phase)
     modes = args.mode if isinstance(args.mode, list) else choice_list(MODES)(args.mode)
@@ -640,7 +643,7 @@ def main(argv=None) -> list[dict]:
     progress = Progress(quiet=args.quiet)
     env = environment(command_line(argv))
     progress.log(f"{env['device']} x{env['device_count']} ({backend}), jax {env['jax']}; {cfg.name}, {dtype}, "
-                 f"attention {cfg.attention_impl}, moe {cfg.moe_impl}")
+                 f"attention {cfg.attention_impl}, moe {cfg.moe_impl}, mhc {cfg.mhc_impl}")
     if note := kernel_times_note(backend, args.kernel_times):
         progress.log(note)
     # mode-major order (deepinfer decode, deepinfer prefill, realistic ...): with --time-budget the most

@@ -82,6 +82,8 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="the release's FP8 tensors held in the model dtype or FP8 + block scales")
     p.add_argument("--dense-impl", choices=("reference", "pallas"),
                    help="FP8 projections: dequantised in-graph (reference) or multiplied from their bytes (pallas)")
+    p.add_argument("--mhc-impl", choices=("reference", "pallas"),
+                   help="hyper-connections: XLA ops (reference) or two fused kernels per sublayer (pallas; default on GPU)")
     p.add_argument("--quant-sim", action="store_true", help="the official numerics: act_quant'd FP8 / FP4 GEMM "
                    "inputs (FP8 x FP8 kernels) and the KV fake-quant steps")
     p.add_argument("--head-dtype", choices=("float32", "bfloat16"),

@@ -125,7 +125,8 @@ def weight_label(r: dict) -> str:
         " (kernels)" if r.get("dense_impl") == "pallas" else "") + (" + quant_sim" if r.get("quant_sim") else "") + (
         " + fp4 experts" if r.get("expert_weights") == "fp4" else "") + (
         " + bf16 head" if r.get("head_dtype") == "bfloat16" else "") + (
-        " + fp4 index keys" if r.get("index_key_format") == "fp4" else "")
+        " + fp4 index keys" if r.get("index_key_format") == "fp4" else "") + (
+        " + mhc kernels" if r.get("mhc_impl") == "pallas" else "")
 
 
 def write_results(env: dict, recs: list[dict], stem: str, out_dir: Path | None = None, title: str = "bench"

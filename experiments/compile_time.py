@@ -125,6 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-draft", type=int, default=3)
     p.add_argument("--moe-impl", choices=("reference", "pallas"), default="reference")
     p.add_argument("--attention-impl", choices=("reference", "pallas"), default="reference")
+    p.add_argument("--mhc-impl", choices=("reference", "pallas"), default="reference")
     p.add_argument("--expert-weights", choices=("dense", "fp4"), default="dense")
     p.add_argument("--dense-weights", choices=("model", "fp8"), default="model")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1),
@@ -151,7 +152,8 @@ def main(argv=None) -> dict:
     cfg = ModelConfig.preset(args.preset)
     if args.layers:
         cfg = scale_layers(cfg, args.layers)
-    cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl, expert_weights=args.expert_weights,
+    cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl, mhc_impl=args.mhc_impl,
+                      expert_weights=args.expert_weights,
                       dense_weights=args.dense_weights, scan_layers=args.scan_layers)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if not steps or any(s not in ("prefill", "verify") for s in steps):
@@ -172,7 +174,7 @@ def main(argv=None) -> dict:
     meta = {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "backend": backend,
             "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,
             "expert_weights": cfg.expert_weights, "dense_weights": cfg.dense_weights,
-            "attention_impl": cfg.attention_impl, "scan_layers": cfg.scan_layers,
+            "attention_impl": cfg.attention_impl, "mhc_impl": cfg.mhc_impl, "scan_layers": cfg.scan_layers,
             "traced_layers": traced_layers(layer_groups(cfg)),
             "compile_cache_dir": None if cache_dir is None else str(cache_dir), "command": "python -m experiments.compile_time " + " ".join(
                 sys.argv[1:] if argv is None else argv)}

@@ -11,7 +11,9 @@ instruction (`loop_convert_fusion.3` -> `loop_convert_fusion_3`), so a kernel's 
 instruction of its name.
 
 Our Pallas kernels and library GEMMs are the program's custom calls, matched to the kernels XLA does not name
-in execution order (checked by count; by the kernel's own name otherwise).
+in execution order: all of them when the counts agree, else the library GEMMs (cuBLAS calls against nvjet / xmma
+kernels) and our kernels each on their own where their counts agree (a Mosaic GPU call may launch several
+kernels), the rest by the kernel's own name.
 
 A component's time is the sum of its kernels; the step's wall-clock time minus the sum of all kernels is the host /
 launch gap (one stream: kernels do not overlap).
@@ -164,6 +166,13 @@ def attribute(kernels: list[tuple[str, float]], info: dict, custom_calls: list[s
     placed = {}
     if len(foreign) == len(custom_calls):
         placed = {i: info.get(name) for i, name in zip(foreign, custom_calls)}
+    else:   # the library GEMMs and our kernels matched each on their own
+        library = lambda name: "cublas" in info.get(name, {}).get("target", "").lower()  # noqa: E731
+        for is_gemm in (True, False):
+            ks = [i for i in foreign if bool(_LIBRARY_GEMM.match(kernels[i][0])) == is_gemm]
+            cs = [name for name in custom_calls if library(name) == is_gemm]
+            if len(ks) == len(cs):
+                placed.update({i: info.get(name) for i, name in zip(ks, cs)})
     out, last = [], None
     for i, (k, ms) in enumerate(kernels):
         ins = own[i] or placed.get(i)

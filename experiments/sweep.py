@@ -10,7 +10,7 @@ The grid is the product of: mesh x phase x mode x context x batch x num_draft (d
 line replaces the spec's. Spec keys (all optional):
 
     name: h200-decode                 # results: experiments/results/sweep_<name>.jsonl / .md / .png
-    preset: v4-flash-4l               # plus layers, dtype, moe_impl, attention_impl, expert_weights,
+    preset: v4-flash-4l               # plus layers, dtype, moe_impl, attention_impl, mhc_impl, expert_weights,
                                       # dense_weights, seed, checkpoint, scan_layers
     phase: [decode]                   # prefill | decode
     mode: [deepinfer, realistic]
@@ -55,8 +55,8 @@ from . import bench, bench_cli, bench_report, compile_cache
 from .progress import Progress
 
 # what makes two records the same point (besides bench.Point.key()); warm-up / repeat counts do not
-KEY_FIELDS = ("preset", "config", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights",
-              "real_prefill", "checkpoint", "scan_layers")
+KEY_FIELDS = ("preset", "config", "layers", "dtype", "moe_impl", "attention_impl", "mhc_impl", "expert_weights",
+              "dense_weights", "real_prefill", "checkpoint", "scan_layers")
 
 
 # ----------------------------------------------------------------------------------------------- spec
@@ -81,7 +81,8 @@ def load_spec(path: str | None) -> dict:
     return spec
 
 
-SPEC_KEYS = {"name", "preset", "layers", "dtype", "moe_impl", "attention_impl", "expert_weights", "dense_weights",
+SPEC_KEYS = {"name", "preset", "layers", "dtype", "moe_impl", "attention_impl", "mhc_impl", "expert_weights",
+             "dense_weights",
              "seed", "checkpoint", "phase", "mode", "step", "mesh", "batch", "prefill_batch", "context", "num_draft",
              "new_tokens", "replay", "warmup", "repeats", "real_prefill", "quick", "results", "scan_layers"}
 
@@ -131,7 +132,8 @@ def grid(spec: dict, backend: str) -> tuple[dict, list[bench.Point]]:
     run = {
         "preset": spec.get("preset") or d["preset"], "layers": spec.get("layers"),
         "dtype": spec.get("dtype") or d["dtype"], "moe_impl": spec.get("moe_impl") or d["impl"],
-        "attention_impl": spec.get("attention_impl") or d["impl"], "seed": int(spec.get("seed", 0)),
+        "attention_impl": spec.get("attention_impl") or d["impl"], "mhc_impl": spec.get("mhc_impl") or d["impl"],
+        "seed": int(spec.get("seed", 0)),
         "expert_weights": spec.get("expert_weights") or "dense", "dense_weights": spec.get("dense_weights") or "model",
         "checkpoint": spec.get("checkpoint"), "real_prefill": bool(spec.get("real_prefill", False)),
         "scan_layers": as_bool(spec.get("scan_layers", False)),
@@ -178,7 +180,8 @@ def grid(spec: dict, backend: str) -> tuple[dict, list[bench.Point]]:
 
 def run_key(run: dict, cfg, p: bench.Point) -> str:
     fields = {"preset": run["preset"], "config": cfg.name, "layers": cfg.num_layers, "dtype": run["dtype"],
-              "moe_impl": cfg.moe_impl, "attention_impl": cfg.attention_impl, "expert_weights": cfg.expert_weights,
+              "moe_impl": cfg.moe_impl, "attention_impl": cfg.attention_impl, "mhc_impl": cfg.mhc_impl,
+              "expert_weights": cfg.expert_weights,
               "dense_weights": cfg.dense_weights, "real_prefill": run["real_prefill"],
               "checkpoint": run["checkpoint"], "scan_layers": cfg.scan_layers}
     return json.dumps({**fields, **p.key()}, sort_keys=True)
@@ -191,6 +194,7 @@ def record_key(rec: dict) -> str | None:
     fields["expert_weights"] = fields["expert_weights"] or "dense"  # records from before the fields
     fields["dense_weights"] = fields["dense_weights"] or "model"
     fields["scan_layers"] = bool(fields["scan_layers"])  # records without the field ran every layer on its own
+    fields["mhc_impl"] = fields["mhc_impl"] or "reference"
     return json.dumps({**fields, **rec["key"]}, sort_keys=True)
 
 
@@ -288,7 +292,8 @@ def main(argv=None) -> dict:
     progress = Progress(quiet=args.quiet)
     run, points = grid(spec, backend)
     cfg = bench.resolve_config(run["preset"], run["layers"], run["moe_impl"], run["attention_impl"],
-                               run["expert_weights"], run["dense_weights"], scan_layers=run["scan_layers"])
+                               run["expert_weights"], run["dense_weights"], mhc_impl=run["mhc_impl"],
+                               scan_layers=run["scan_layers"])
     env = bench_report.environment(bench_report.command_line(argv, "experiments.sweep"))
     old = read_results(results)
     done = {record_key(r) for r in old if r.get("status") in DONE}

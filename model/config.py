@@ -174,6 +174,10 @@ class ModelConfig:
     # registers, or FP8 x FP8 with act_quant'd inputs under quant_sim); shapes that are not whole scale blocks keep
     # the reference path.
     dense_impl: str = "reference"
+    # The hyper-connections (docs/model.md §2): "reference" (jnp: coefficients, Sinkhorn rounds, collapse and expand
+    # as XLA ops) or "pallas" (pallas_kernels.mhc: two fused kernels per sublayer; hc_mult a power of two and
+    # hidden_size a multiple of 16).
+    mhc_impl: str = "reference"
     # How the routed experts' weights are held in memory: "dense" (the model dtype) or "fp4" (packed E2M1 +
     # UE8M0 per 32 values, as the official checkpoints ship them; dequantised inside the Pallas kernel, or
     # in-graph by the reference path).
@@ -250,8 +254,14 @@ class ModelConfig:
             self._validate_v41(need)
         need(self.engram_placement in ENGRAM_PLACEMENTS,
              f"engram_placement must be one of {ENGRAM_PLACEMENTS}, got {self.engram_placement!r}")
-        for f, allowed in (("attention_impl", ATTENTION_IMPLS), ("moe_impl", IMPLS), ("dense_impl", IMPLS)):
+        for f, allowed in (("attention_impl", ATTENTION_IMPLS), ("moe_impl", IMPLS), ("dense_impl", IMPLS),
+                           ("mhc_impl", IMPLS)):
             need(getattr(self, f) in allowed, f"{f} must be one of {allowed}, got {getattr(self, f)!r}")
+        if self.mhc_impl == "pallas":
+            n = self.hc_mult
+            need(n & (n - 1) == 0 and self.hidden_size % 16 == 0,
+                 f"mhc_impl='pallas' needs hc_mult a power of two and hidden_size a multiple of 16 (got {n}, "
+                 f"{self.hidden_size}): use 'reference'")
         need(self.dense_impl == "reference" or self.dense_weights == "fp8",
              "dense_impl='pallas' multiplies FP8-held projections: it needs dense_weights='fp8' (bf16 projections run "
              "on XLA's GEMMs)")
@@ -285,7 +295,7 @@ class ModelConfig:
         need(isinstance(self.batch_invariant, bool),
              f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.batch_invariant:
-            kernels = {f: getattr(self, f) for f in ("attention_impl", "moe_impl", "dense_impl")
+            kernels = {f: getattr(self, f) for f in ("attention_impl", "moe_impl", "dense_impl", "mhc_impl")
                        if getattr(self, f) != "reference"}
             need(not kernels, f"batch_invariant=True runs the reference paths, whose reductions it fixes; the Pallas "
                               f"kernels have no invariant tilings yet: got {kernels} (use 'reference')")

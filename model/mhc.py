@@ -6,6 +6,11 @@ pre = sigmoid(m_pre * s0 + b_pre) + hc_eps, post = 2 sigmoid(m_post * s1 + b_pos
 comb = Sinkhorn(softmax_rows(M * s2 + B) + hc_eps) ending on a column normalisation.
 collapse: y = sum_i pre_i X_i; expand: X'_j = post_j F + sum_i comb_ij X_i.
 batch_invariant=True (cfg.batch_invariant) runs each function on fixed blocks of tokens (`invariant.row_blocks`).
+
+A sublayer uses them through `mix_in` (coefficients + collapse) and `mix_out` (expand), which run either these
+jnp functions (cfg.mhc_impl "reference") or the two fused kernels of pallas_kernels/mhc.py ("pallas"). Between the
+two calls the coefficients travel as (pre, post, comb) on the reference path and as packed float32 rows [..., P]
+on the kernel path; `pre_vector` reads the pre vector out of either.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import mhc as pk_mhc
 from pallas_kernels.invariant import row_blocks
 
 from .layers import normal_init, rms_normalize
@@ -69,6 +75,53 @@ def expand(x: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array, batch
     dt = x.dtype
     mixed = jnp.einsum("...ij,...id->...jd", comb.astype(dt), x)
     return post.astype(dt)[..., None] * out.astype(dt)[..., None, :] + mixed
+
+
+Coefficients = tuple[jax.Array, jax.Array, jax.Array] | jax.Array   # (pre, post, comb) | packed rows [..., P]
+
+
+def mix_in(hc: HyperConnection, x: jax.Array, carried: jax.Array | None, *, impl: str, norm_eps: float,
+           hc_eps: float, sinkhorn_iters: int, batch_invariant: bool = False, per_shard=None
+           ) -> tuple[jax.Array, Coefficients]:
+    """A sublayer's mHC before it: x [B, S, n, D] -> (its input y [B, S, D], its coefficients). y collapses with
+    this sublayer's pre vector, or with `carried` [B, S, n] (V4.1 single-pass). per_shard: the runtime's runner
+    of kernels on a mesh (sharding.BatchParallel; None: the whole batch)."""
+    if impl == "reference":
+        pre, post, comb = hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, norm_eps=norm_eps,
+                                          hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
+                                          batch_invariant=batch_invariant)
+        return collapse(x, pre if carried is None else carried, batch_invariant), (pre, post, comb)
+
+    def kernel(x, carried, fn, base, scale):
+        lead, (n, d) = x.shape[:-2], x.shape[-2:]
+        y, coef = pk_mhc.mix_in(x.reshape(-1, n, d), fn, base, scale,
+                                None if carried is None else carried.reshape(-1, carried.shape[-1]),
+                                norm_eps=norm_eps, hc_eps=hc_eps, iters=sinkhorn_iters)
+        return y.reshape(*lead, d), coef.reshape(*lead, coef.shape[-1])
+    return _on_shards(per_shard, kernel, (x, carried), (hc.fn[...], hc.base[...], hc.scale[...]))
+
+
+def mix_out(x: jax.Array, out: jax.Array, coef: Coefficients, *, batch_invariant: bool = False, per_shard=None
+            ) -> jax.Array:
+    """A sublayer's mHC after it: X'_j = post_j F + sum_i comb_ij X_i with F = out [B, S, D] (coef from mix_in)."""
+    if isinstance(coef, tuple):
+        _, post, comb = coef
+        return expand(x, out, post, comb, batch_invariant)
+
+    def kernel(x, out, coef):
+        lead, (n, d) = x.shape[:-2], x.shape[-2:]
+        return pk_mhc.mix_out(x.reshape(-1, n, d), out.reshape(-1, d), coef.reshape(-1, coef.shape[-1])
+                              ).reshape(x.shape)
+    return _on_shards(per_shard, kernel, (x, out, coef))
+
+
+def pre_vector(coef: Coefficients, n: int) -> jax.Array:
+    """The pre vector [..., n] of either form of the coefficients."""
+    return coef[0] if isinstance(coef, tuple) else coef[..., :n]
+
+
+def _on_shards(per_shard, fn, batched: tuple, replicated: tuple = ()):
+    return fn(*batched, *replicated) if per_shard is None else per_shard(fn, batched, replicated)
 
 
 class HyperHead(nnx.Module):

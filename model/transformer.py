@@ -28,7 +28,7 @@ from .config import LayerSpec, ModelConfig
 from .engram import Engram, EngramHasher, engram_rows
 from .groups import layer_groups, replay_cut, shared_roles, weights_key
 from .layers import Embedding, Linear, RMSNorm
-from .mhc import HyperConnection, HyperHead, collapse, expand, hc_coefficients, hc_head_collapse
+from .mhc import HyperConnection, HyperHead, collapse, hc_head_collapse, mix_in, mix_out, pre_vector
 from .moe import MoE
 from .runtime import Runtime
 from .stack import Layers, LayerStack, stream_mean
@@ -70,11 +70,17 @@ class Block(nnx.Module):
         self.single_pass = cfg.generation == "v41"
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
         self.batch_invariant = cfg.batch_invariant
+        self.mhc_impl = cfg.mhc_impl
+        # the runner of the mHC kernels on a mesh (the runtime's, bound by Transformer._bind; None: the whole batch)
+        self.per_shard = None
 
-    def _coefficients(self, hc: HyperConnection, x: jax.Array):
-        return hc_coefficients(hc.fn[...], hc.base[...], hc.scale[...], x, norm_eps=self.norm_eps,
-                               hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
-                               batch_invariant=self.batch_invariant)
+    def _mix_in(self, hc: HyperConnection, x: jax.Array, carried: jax.Array | None):
+        return mix_in(hc, x, carried, impl=self.mhc_impl, norm_eps=self.norm_eps, hc_eps=self.hc_eps,
+                      sinkhorn_iters=self.sinkhorn_iters, batch_invariant=self.batch_invariant,
+                      per_shard=self.per_shard)
+
+    def _mix_out(self, x: jax.Array, out: jax.Array, coef) -> jax.Array:
+        return mix_out(x, out, coef, batch_invariant=self.batch_invariant, per_shard=self.per_shard)
 
     def sublayers(self, x: jax.Array, pre_prev: jax.Array | None, attend, tokens: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
@@ -82,21 +88,18 @@ class Block(nnx.Module):
 
         x [B, S, n, D]; `pre_prev` [B, S, n] is the previous sublayer's pre vector (V4.1 single-pass
         mHC collapses with it). -> (x, this block's FFN pre vector)."""
-        bi = self.batch_invariant
+        n = x.shape[-2]
         with jax.named_scope("mhc"):
-            pre, post, comb = self._coefficients(self.hc_attn, x)
-            h = collapse(x, pre_prev if self.single_pass else pre, bi)
+            h, coef = self._mix_in(self.hc_attn, x, pre_prev if self.single_pass else None)
         with jax.named_scope("attention"):
             a = attend(self.attn_norm(h))
         with jax.named_scope("mhc"):
-            x = expand(x, a, post, comb, bi)
-            pre_attn = pre
-            pre, post, comb = self._coefficients(self.hc_ffn, x)
-            h = collapse(x, pre_attn if self.single_pass else pre, bi)
+            x = self._mix_out(x, a, coef)
+            h, coef_ffn = self._mix_in(self.hc_ffn, x, pre_vector(coef, n) if self.single_pass else None)
         with jax.named_scope("moe"):
             f = self.ffn(self.ffn_norm(h), tokens)
         with jax.named_scope("mhc"):
-            return expand(x, f, post, comb, bi), pre
+            return self._mix_out(x, f, coef_ffn), pre_vector(coef_ffn, n)
 
     def __call__(self, x: jax.Array, step: Step, tokens: jax.Array, cache: LayerCache, shared: Shared,
                  pre_prev: jax.Array | None) -> tuple[jax.Array, LayerCache, Shared, jax.Array]:
@@ -307,7 +310,7 @@ class Transformer(nnx.Module):
             for p, block in enumerate(member.period):
                 bound.append((block, runtime.experts_for_group(group.layer_ids(p), impl, per_slot)))
         for block, experts in bound:
-            block.attn.per_shard = runtime.per_shard
+            block.attn.per_shard = block.per_shard = runtime.per_shard
             block.ffn.expert_fn = experts
 
     def with_runtime(self, runtime: Runtime) -> "Transformer":

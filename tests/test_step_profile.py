@@ -47,6 +47,16 @@ def test_synthetic_program_attribution():
     assert res["kinds"]["transpose"] == pytest.approx(0.5)
 
 
+def test_library_gemms_match_their_calls_when_our_kernels_launch_more():
+    """A Mosaic GPU call that launches two kernels: the cuBLAS calls still meet their nvjet / xmma kernels."""
+    info, order = sp.parse_hlo(SYNTHETIC_HLO)
+    kernels = [("nvjet_sm90_tst_128x128", 1.0), ("body_mosaic_gpu_kernel", 3.0), ("body_mosaic_gpu_kernel", 3.0),
+               ("sm90_xmma_gemm_bf16", 2.0)]
+    rows = sp.attribute(kernels, info, order)
+    assert [(r["component"], r["kind"]) for r in rows] == [("attn_proj", "gemm"), ("moe_experts", "pallas"),
+                                                           ("moe_experts", "pallas"), ("head", "gemm")]
+
+
 def test_counts_that_disagree_fall_back_to_kernel_names():
     info, order = sp.parse_hlo(SYNTHETIC_HLO)
     rows = sp.attribute([("sparse_mqa_sink", 1.0), ("indexer_scores", 1.0)], info, order)

@@ -1,0 +1,105 @@
+"""The fused mHC kernels (pallas_kernels/mhc.py) against the jnp reference (model/mhc.py) on fresh seeded inputs:
+coefficients, collapse (own pre and a carried vector) and expand, float32 and bf16, interpreted on the CPU and
+compiled on a GPU; their CUDA lowering at V4-Flash widths; and whole tiny models with mhc_impl="pallas" against
+"reference"."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common import rel_err, seed_of_test, small_config
+from model import ModelConfig, init_random
+from model.mhc import collapse, expand, hc_coefficients
+from pallas_kernels import mhc as K
+
+GPU = jax.default_backend() == "gpu"
+EPS = dict(norm_eps=1e-6, hc_eps=1e-6)
+
+
+def _inputs(r, n, d, dtype, seed):
+    rng = np.random.default_rng(seed)
+    m = (2 + n) * n
+    x = jnp.asarray(rng.normal(size=(r, n, d)), dtype)
+    fn = jnp.asarray(rng.normal(size=(m, n * d)) * 0.05, jnp.float32)
+    base = jnp.asarray(rng.normal(size=(m,)) * 0.2, jnp.float32)
+    scale = jnp.asarray(rng.normal(size=(3,)) * 0.2 + 0.5, jnp.float32)
+    carried = jnp.asarray(rng.uniform(0.1, 1.0, size=(r, n)), jnp.float32)
+    f = jnp.asarray(rng.normal(size=(r, d)), dtype)
+    return x, fn, base, scale, carried, f
+
+
+def _check_against_reference(r, n, d, dtype, iters, seed, carry, interpret=None):
+    x, fn, base, scale, carried, f = _inputs(r, n, d, dtype, seed)
+    pre, post, comb = hc_coefficients(fn, base, scale, x, sinkhorn_iters=iters, **EPS)
+    y_ref = collapse(x, carried if carry else pre)
+    y, coef = K.mix_in(x, fn, base, scale, carried if carry else None, iters=iters, interpret=interpret, **EPS)
+    assert coef.shape == (r, K.packed_width(n)) and y.shape == (r, d) and y.dtype == x.dtype
+    # the coefficients are float32 either way: the kernel's skinny GEMM is the float32 one (bf16 x split fn)
+    np.testing.assert_allclose(coef[:, :n], pre, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(coef[:, n:2 * n], post, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(coef[:, 2 * n:2 * n + n * n], comb.reshape(r, n * n), rtol=5e-5, atol=5e-6)
+    tol = 1e-6 if dtype == jnp.float32 else 8e-3      # bf16: one rounding of the output apart
+    assert rel_err(y, y_ref) < tol
+    out = K.mix_out(x, f, coef, interpret=interpret)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, expand(x, f, post, comb)) < (1e-6 if dtype == jnp.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("r,n,d,dtype,carry", [
+    (40, 4, 64, jnp.float32, False),      # rows not a multiple of the row block: padded
+    (32, 4, 128, jnp.bfloat16, True),     # bf16 streams, V4.1's carried collapse vector
+    (16, 2, 48, jnp.float32, True),       # D not a power of two: 16-column chunks
+    (24, 1, 32, jnp.bfloat16, False),     # one stream
+])
+def test_kernels_match_reference(r, n, d, dtype, carry):
+    _check_against_reference(r, n, d, dtype, iters=20, seed=seed_of_test(), carry=carry)
+
+
+def test_sinkhorn_rounds_follow_the_config():
+    _check_against_reference(16, 4, 64, jnp.float32, iters=3, seed=seed_of_test(), carry=False)
+
+
+def test_bad_shapes_raise():
+    x, fn, base, scale, _, _ = _inputs(16, 4, 64, jnp.float32, 0)
+    with pytest.raises(ValueError, match="n a power of two"):
+        K.mix_in(x[:, :3], fn[:15, :192], base[:15], scale, iters=2, **EPS)
+    with pytest.raises(ValueError, match="fn"):
+        K.mix_in(x, fn[:, :128], base, scale, iters=2, **EPS)
+    with pytest.raises(ValueError, match="mhc_impl='pallas' needs hc_mult a power of two"):
+        ModelConfig.preset("tiny-v4").replace(hc_mult=3, mhc_impl="pallas")
+
+
+@pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
+@pytest.mark.parametrize("rows", [256, 8192])
+def test_lower_for_cuda_at_v4_flash_widths(rows):
+    """Both kernels lower for CUDA (Triton) at V4-Flash widths (n = 4, D = 4096) without a GPU."""
+    n, d = 4, 4096
+    sds = jax.ShapeDtypeStruct
+    args = (sds((rows, n, d), jnp.bfloat16), sds((24, n * d), jnp.float32), sds((24,), jnp.float32),
+            sds((3,), jnp.float32))
+
+    def f(x, fn, base, scale, fout):
+        y, coef = K.mix_in(x, fn, base, scale, iters=20, interpret=False, **EPS)
+        return K.mix_out(x, fout, coef, interpret=False), y
+    text = jax.jit(f).trace(*args, sds((rows, d), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= 2
+
+
+@pytest.mark.parametrize("preset", ["tiny-v4", pytest.param("tiny-v41", marks=pytest.mark.slow)])
+def test_model_logits_match_reference(preset):
+    """A whole small model (float32) with the kernels gives the reference logits (V4 two-pass, V4.1 single-pass;
+    ~3-4 min each on 2 CPU cores, where every interpreted kernel call compiles its unrolled Sinkhorn rounds)."""
+    cfg = small_config(preset)
+    model = init_random(cfg, seed=seed_of_test() % 1000, dtype="float32")
+    fused = init_random(cfg.replace(mhc_impl="pallas"), seed=seed_of_test() % 1000, dtype="float32")
+    tokens = np.random.default_rng(seed_of_test()).integers(0, cfg.vocab_size, size=(2, 12))
+    assert rel_err(fused(tokens), model(tokens)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("rows,dtype", [(256, jnp.bfloat16), (8192, jnp.bfloat16), (96, jnp.float32)])
+def test_compiled_kernels_match_reference_on_gpu(rows, dtype):
+    _check_against_reference(rows, 4, 4096, dtype, iters=20, seed=seed_of_test(), carry=False, interpret=False)
+    _check_against_reference(rows, 4, 4096, dtype, iters=20, seed=seed_of_test() + 1, carry=True, interpret=False)

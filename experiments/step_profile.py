@@ -151,7 +151,7 @@ def _lookup(kernel: str, info: dict) -> dict | None:
 
 # our kernels' own names -> component, where the program order cannot place them
 # (pallas_kernels' `name=`s; Mosaic GPU kernels are all `body_mosaic_gpu_kernel`, mostly the MoE's)
-_KERNEL_NAMES = (("sparse_mqa", "attn_core"), ("indexer_", "indexer"), ("moe_take_rows", "router"),
+_KERNEL_NAMES = (("sparse_mqa", "attn_core"), ("indexer_", "indexer"), ("mhc_", "mhc"), ("moe_take_rows", "router"),
                  ("moe_act_quant", "router"), ("moe_transpose", "router"), ("moe_", "moe_experts"),
                  ("mosaic_gpu", "moe_experts"))
 

@@ -1,16 +1,15 @@
-"""Manifold-constrained hyper-connections as two fused kernels, Pallas (Triton lowering) (docs/model.md §2).
+"""Manifold-constrained hyper-connections in a few kernels, Pallas (Triton lowering) (docs/model.md §2).
 
 The XLA path (model/mhc.py) runs a sublayer's mHC as a dozen kernels: the RMS statistic, a skinny GEMM, the
-Sinkhorn rounds as a device loop (two kernels and a host round trip per round), the collapse, and the expand as a
-batched GEMM of contraction 4. Here it is two kernels per sublayer:
+Sinkhorn rounds as a device loop (kernels and a host round trip per round), the collapse, and the expand as a
+batched GEMM of contraction n (4). Here a sublayer's mHC is:
 
-  mix_in   x [R, n, D] -> (y [R, D], coefficients [R, P]). One program per block of rows: a loop over the n D
-           columns accumulates sum(x^2) and fn x (MMA into float32: fn is split into three bf16 terms whose
-           products with bf16 x are exact in the accumulator, so the skinny GEMM is the float32 one), then
-           pre / post / the row softmax and Sinkhorn rounds of comb on per-row registers, then the collapse
-           y = sum_i a_i X_i over column chunks (a = this pre, or the vector carried in: V4.1 single-pass).
-  mix_out  X'_j = post_j F + sum_i comb_ij X_i, one program per (block of rows, chunk of D): x and F read once,
-           X' written once.
+  coefficients  XLA's skinny GEMM m = rho (fn x) (float32), then one kernel: pre / post / the row softmax and every
+                Sinkhorn round of comb on per-row registers -> packed rows [R, P];
+  collapse      y = sum_i a_i X_i, one program per (block of rows, chunk of D) (a = this pre, or the vector carried
+                in: V4.1 single-pass);
+  mix_out       X'_j = post_j F + sum_i comb_ij X_i, one program per (block of rows, chunk of D): x and F read
+                once, X' written once.
 
 The coefficients travel packed, one float32 row of P = max(16, next_pow2((2+n) n)) columns per token: pre at
 [0, n), post at [n, 2n), comb row-major at [2n, 2n + n^2). As in the model, the expand multiplies with comb and
@@ -72,63 +71,28 @@ def _sinkhorn(logits: list[list[jax.Array]], iters: int, eps: float) -> list[lis
     return c
 
 
-def _split3(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """float32 -> three bf16 terms summing to it within float32 rounding (bf16 x bf16 products are exact in f32)."""
-    hi = w.astype(jnp.bfloat16)
-    r = w - hi.astype(F32)
-    mid = r.astype(jnp.bfloat16)
-    return hi, mid, (r - mid.astype(F32)).astype(jnp.bfloat16)
-
-
-def _mix_in_kernel(*refs, n, d, bk, bd, iters, norm_eps, hc_eps, carried):
-    """x [br, nD]; fnT [nD, P] f32; colscale, base [P]; (carried [br, >= n]) -> y [br, D], coef [br, P]."""
-    x_ref, fn_ref, colscale_ref, base_ref = refs[:4]
-    a_ref = refs[4] if carried else None
-    y_ref, coef_ref = refs[-2:]
+def _coefficients_kernel(m_ref, colscale_ref, base_ref, coef_ref, *, n, iters, hc_eps):
+    """m [br, P] (rho (fn x), zero-padded columns), colscale, base [P] -> packed coefficients [br, P]."""
     br, p = coef_ref.shape
-    nd = n * d
-    exact_split = x_ref.dtype != F32
-
-    def accumulate(k, carry):
-        acc, ss = carry
-        cols = pl.ds(pl.multiple_of(k * bk, bk), bk)
-        xk = x_ref[:, cols]
-        xf = xk.astype(F32)
-        ss = ss + jnp.sum(xf * xf, axis=1)
-        w = fn_ref[cols, :]
-        if exact_split:
-            xb = xk.astype(jnp.bfloat16)
-            for part in _split3(w):
-                acc = acc + jnp.dot(xb, part, preferred_element_type=F32)
-        else:
-            acc = acc + jnp.dot(xf, w, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
-        return acc, ss
-
-    acc, ss = lax.fori_loop(0, nd // bk, accumulate, (jnp.zeros((br, p), F32), jnp.zeros((br,), F32)))
-    rho = lax.rsqrt(ss / nd + norm_eps)
-    z = acc * rho[:, None] * colscale_ref[...][None, :] + base_ref[...][None, :]
+    z = m_ref[...] * colscale_ref[...][None, :] + base_ref[...][None, :]
     zs = [_column(z, c) for c in range((2 + n) * n)]
     pre = [_sigmoid(zs[i]) + hc_eps for i in range(n)]
     post = [2.0 * _sigmoid(zs[n + i]) for i in range(n)]
     comb = _sinkhorn([[zs[2 * n + i * n + j] for j in range(n)] for i in range(n)], iters, hc_eps)
-    values = pre + post + [v for row in comb for v in row]
     cols = lax.broadcasted_iota(jnp.int32, (br, p), 1)
     packed = jnp.zeros((br, p), F32)
-    for c, v in enumerate(values):
+    for c, v in enumerate(pre + post + [v for row in comb for v in row]):
         packed = jnp.where(cols == c, v[:, None], packed)
     coef_ref[...] = packed
 
-    a = pre if a_ref is None else [_column(a_ref[...].astype(F32), i) for i in range(n)]
 
-    def collapse(c, _):
-        y = jnp.zeros((br, bd), F32)
-        for i in range(n):
-            xi = x_ref[:, pl.ds(pl.multiple_of(i * d + c * bd, bd), bd)].astype(F32)
-            y = y + a[i][:, None] * xi
-        y_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)] = y.astype(y_ref.dtype)
-        return 0
-
-    lax.fori_loop(0, d // bd, collapse, 0)
+def _collapse_kernel(x_ref, a_ref, y_ref, *, n):
+    """x [br, n, bd], a [br, w >= n] (the collapse vector in its first n columns) -> y [br, bd]."""
+    a = a_ref[...].astype(F32)
+    y = _column(a, 0)[:, None] * x_ref[:, 0, :].astype(F32)
+    for i in range(1, n):
+        y = y + _column(a, i)[:, None] * x_ref[:, i, :].astype(F32)
+    y_ref[...] = y.astype(y_ref.dtype)
 
 
 def _mix_out_kernel(x_ref, f_ref, coef_ref, o_ref, *, n):
@@ -167,53 +131,79 @@ def supported(n: int, d: int) -> bool:
 
 
 def _rows_block(r: int, cap: int) -> int:
+    """Rows per program: cap, or fewer for a short batch (at least 16, Triton's smallest MMA / tile)."""
     return min(cap, max(16, next_pow2(r)))
 
 
-@functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "block_rows", "block_k", "block_d",
-                                             "num_warps", "num_stages", "interpret"))
-def mix_in(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, carried: jax.Array | None = None, *,
-           norm_eps: float, hc_eps: float, iters: int, block_rows: int = 32, block_k: int = 256,
-           block_d: int = 512, num_warps: int = 4, num_stages: int = 2, interpret=None
-           ) -> tuple[jax.Array, jax.Array]:
-    """x [R, n, D] (bf16 / f32), fn [(2+n)n, nD], base [(2+n)n], scale [3], carried [R, w >= n] (the collapse vector
-    in its first n columns; None: this sublayer's own pre) -> (y [R, D] in x.dtype, coefficients [R, P] float32)."""
+def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
+    return a if a.shape[0] == rows else jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+
+@functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "block_rows", "interpret"))
+def coefficients(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float, hc_eps: float,
+                 iters: int, block_rows: int = 32, interpret=None) -> jax.Array:
+    """x [R, n, D], fn [(2+n)n, nD], base [(2+n)n], scale [3] -> packed coefficients [R, P] float32. The skinny GEMM
+    m = rho (fn x) is XLA's (float32, fn zero-padded to P rows so m arrives packed); the activations, the row
+    softmax and the Sinkhorn rounds run in one kernel on per-row registers."""
     r, n, d = x.shape
     _check(supported(n, d), f"need n a power of two and D a multiple of 16, got n={n}, D={d}")
     m = (2 + n) * n
     _check(fn.shape == (m, n * d) and base.shape == (m,) and scale.shape == (3,),
            f"fn [{m}, {n * d}], base [{m}], scale [3] expected, got {fn.shape}, {base.shape}, {scale.shape}")
-    if carried is not None:
-        _check(carried.ndim == 2 and carried.shape[0] == r and carried.shape[1] >= n,
-               f"carried must be [R={r}, >= {n}], got {carried.shape}")
     p = packed_width(n)
-    br = _rows_block(r, block_rows)
-    rp = -(-r // br) * br
-    bk, bd = _block(n * d, block_k), _block(d, block_d)
-    xf = x.reshape(r, n * d)
-    if rp != r:
-        xf = jnp.pad(xf, ((0, rp - r), (0, 0)))
-        carried = None if carried is None else jnp.pad(carried, ((0, rp - r), (0, 0)))
-    fnt = jnp.zeros((n * d, p), F32).at[:, :m].set(fn.astype(F32).T)
+    flat = x.reshape(r, n * d).astype(F32)
+    rho = lax.rsqrt(jnp.mean(jnp.square(flat), axis=-1, keepdims=True) + norm_eps)
+    mp = jnp.einsum("rk,ok->ro", flat * rho, jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))))
     kinds = jnp.array([0] * n + [1] * n + [2] * (n * n) + [0] * (p - m), jnp.int32)
     colscale = scale.astype(F32)[kinds]
-    base_p = jnp.zeros((p,), F32).at[:m].set(base.astype(F32))
-    args = [xf, fnt, colscale, base_p]
-    in_specs = [pl.BlockSpec((br, n * d), lambda i: (i, 0)), pl.BlockSpec((n * d, p), lambda i: (0, 0)),
-                pl.BlockSpec((p,), lambda i: (0,)), pl.BlockSpec((p,), lambda i: (0,))]
+    base_p = jnp.pad(base.astype(F32), (0, p - m))
+    br = _rows_block(r, block_rows)
+    rp = -(-r // br) * br
+    coef = pl.pallas_call(
+        functools.partial(_coefficients_kernel, n=n, iters=int(iters), hc_eps=float(hc_eps)), grid=(rp // br,),
+        in_specs=[pl.BlockSpec((br, p), lambda i: (i, 0)), pl.BlockSpec((p,), lambda i: (0,)),
+                  pl.BlockSpec((p,), lambda i: (0,))],
+        out_specs=pl.BlockSpec((br, p), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((rp, p), F32),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret_flag("triton", interpret), name="mhc_coefficients",
+    )(_pad_rows(mp, rp), colscale, base_p)
+    return coef[:r]
+
+
+@functools.partial(jax.jit, static_argnames=("block_rows", "block_d", "interpret"))
+def collapse(x: jax.Array, a: jax.Array, *, block_rows: int = 16, block_d: int = 512, interpret=None) -> jax.Array:
+    """y = sum_i a_i X_i: x [R, n, D], a [R, w >= n] (packed coefficients, or a pre vector) -> y [R, D] in
+    x.dtype (float32 sum)."""
+    r, n, d = x.shape
+    _check(supported(n, d), f"need n a power of two and D a multiple of 16, got n={n}, D={d}")
+    _check(a.ndim == 2 and a.shape[0] == r and a.shape[1] >= n and a.shape[1] & (a.shape[1] - 1) == 0,
+           f"a must be [R={r}, w >= {n}] with w a power of two, got {a.shape}")
+    br = _rows_block(r, block_rows)
+    rp = -(-r // br) * br
+    bd = _block(d, block_d)
+    y = pl.pallas_call(
+        functools.partial(_collapse_kernel, n=n), grid=(rp // br, d // bd),
+        in_specs=[pl.BlockSpec((br, n, bd), lambda i, c: (i, 0, c)),
+                  pl.BlockSpec((br, a.shape[1]), lambda i, c: (i, 0))],
+        out_specs=pl.BlockSpec((br, bd), lambda i, c: (i, c)),
+        out_shape=jax.ShapeDtypeStruct((rp, d), x.dtype),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret_flag("triton", interpret), name="mhc_collapse",
+    )(_pad_rows(x, rp), _pad_rows(a, rp))
+    return y[:r]
+
+
+def mix_in(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, carried: jax.Array | None = None, *,
+           norm_eps: float, hc_eps: float, iters: int, interpret=None) -> tuple[jax.Array, jax.Array]:
+    """x [R, n, D] (bf16 / f32), fn [(2+n)n, nD], base [(2+n)n], scale [3], carried [R, n] (the collapse vector;
+    None: this sublayer's own pre) -> (y [R, D] in x.dtype, packed coefficients [R, P] float32)."""
+    coef = coefficients(x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters, interpret=interpret)
+    n = x.shape[1]
     if carried is not None:
-        args.append(carried)
-        in_specs.append(pl.BlockSpec((br, carried.shape[1]), lambda i: (i, 0)))
-    kernel = functools.partial(_mix_in_kernel, n=n, d=d, bk=bk, bd=bd, iters=int(iters), norm_eps=float(norm_eps),
-                               hc_eps=float(hc_eps), carried=carried is not None)
-    y, coef = pl.pallas_call(
-        kernel, grid=(rp // br,), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((br, p), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((rp, d), x.dtype), jax.ShapeDtypeStruct((rp, p), F32)],
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret_flag("triton", interpret), name="mhc_mix_in",
-    )(*args)
-    return y[:r], coef[:r]
+        _check(carried.shape == (x.shape[0], n), f"carried must be [R={x.shape[0]}, {n}], got {carried.shape}")
+    a = coef if carried is None else jnp.pad(carried.astype(F32), ((0, 0), (0, coef.shape[1] - n)))
+    return collapse(x, a, interpret=interpret), coef
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "block_d", "num_warps", "num_stages", "interpret"))

@@ -4,7 +4,8 @@ The XLA path (model/mhc.py) runs a sublayer's mHC as a dozen kernels: the RMS st
 Sinkhorn rounds as a device loop (kernels and a host round trip per round), the collapse, and the expand as a
 batched GEMM of contraction n (4). Here a sublayer's mHC is:
 
-  coefficients  XLA's skinny GEMM m = rho (fn x) (float32), then one kernel: pre / post / the row softmax and every
+  coefficients  XLA's skinny GEMM m = rho (fn x) (float32 products: bf16 x against fn split in three bf16 terms),
+                then one kernel: pre / post / the row softmax and every
                 Sinkhorn round of comb on per-row registers -> packed rows [R, P];
   collapse      y = sum_i a_i X_i, one program per (block of rows, chunk of D) (a = this pre, or the vector carried
                 in: V4.1 single-pass);
@@ -135,6 +136,24 @@ def _rows_block(r: int, cap: int) -> int:
     return min(cap, max(16, next_pow2(r)))
 
 
+def _skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+    """m = rho (fn x) [R, P] for flat x [R, nD] and fn [P, nD] float32, with the norm as a post-scale. bf16 x: fn split
+    into three bf16 terms (hi, mid, lo summing to it within float32 rounding) stacked into one [3P, nD] operand, so
+    one bf16 GEMM reads x once and its products are exact in the float32 accumulator: the float32 linear, not
+    XLA's TF32 one. float32 x: an IEEE float32 GEMM."""
+    xf = flat.astype(F32)
+    rho = lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + norm_eps)
+    if flat.dtype == F32:
+        return rho * jnp.einsum("rk,ok->ro", xf, fn, precision=lax.Precision.HIGHEST)
+    hi = fn.astype(jnp.bfloat16)
+    rest = fn - hi.astype(F32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(F32)).astype(jnp.bfloat16)
+    parts = jnp.einsum("rk,ok->ro", flat.astype(jnp.bfloat16), jnp.concatenate([hi, mid, lo]),
+                       preferred_element_type=F32).reshape(flat.shape[0], 3, fn.shape[0])
+    return rho * (parts[:, 0] + parts[:, 1] + parts[:, 2])
+
+
 def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return a if a.shape[0] == rows else jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
@@ -143,17 +162,15 @@ def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
 def coefficients(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float, hc_eps: float,
                  iters: int, block_rows: int = 32, interpret=None) -> jax.Array:
     """x [R, n, D], fn [(2+n)n, nD], base [(2+n)n], scale [3] -> packed coefficients [R, P] float32. The skinny GEMM
-    m = rho (fn x) is XLA's (float32, fn zero-padded to P rows so m arrives packed); the activations, the row
-    softmax and the Sinkhorn rounds run in one kernel on per-row registers."""
+    m = rho (fn x) is XLA's (`_skinny_gemm`, fn zero-padded to P rows so m arrives packed); the activations, the
+    row softmax and the Sinkhorn rounds run in one kernel on per-row registers."""
     r, n, d = x.shape
     _check(supported(n, d), f"need n a power of two and D a multiple of 16, got n={n}, D={d}")
     m = (2 + n) * n
     _check(fn.shape == (m, n * d) and base.shape == (m,) and scale.shape == (3,),
            f"fn [{m}, {n * d}], base [{m}], scale [3] expected, got {fn.shape}, {base.shape}, {scale.shape}")
     p = packed_width(n)
-    flat = x.reshape(r, n * d).astype(F32)
-    rho = lax.rsqrt(jnp.mean(jnp.square(flat), axis=-1, keepdims=True) + norm_eps)
-    mp = jnp.einsum("rk,ok->ro", flat * rho, jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))))
+    mp = _skinny_gemm(x.reshape(r, n * d), jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))), norm_eps)
     kinds = jnp.array([0] * n + [1] * n + [2] * (n * n) + [0] * (p - m), jnp.int32)
     colscale = scale.astype(F32)[kinds]
     base_p = jnp.pad(base.astype(F32), (0, p - m))

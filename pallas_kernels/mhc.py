@@ -136,6 +136,17 @@ def _rows_block(r: int, cap: int) -> int:
     return min(cap, max(16, next_pow2(r)))
 
 
+def split_bf16x3(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 w -> bf16 (hi, mid, lo) with hi + mid + lo = w within float32 rounding. hi and mid are w's top mantissa
+    bits cut off by a bit mask, not rounded conversions: XLA on the GPU (excess precision allowed) folds a float32 ->
+    bf16 -> float32 round trip into the identity, which would make w - hi zero."""
+    def top(v):
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
+    hi = top(w)
+    mid = top(w - hi)
+    return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), (w - hi - mid).astype(jnp.bfloat16)
+
+
 def _skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     """m = rho (fn x) [R, P] for flat x [R, nD] and fn [P, nD] float32, with the norm as a post-scale. bf16 x: fn split
     into three bf16 terms (hi, mid, lo summing to it within float32 rounding) stacked into one [3P, nD] operand, so
@@ -145,10 +156,7 @@ def _skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     rho = lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + norm_eps)
     if flat.dtype == F32:
         return rho * jnp.einsum("rk,ok->ro", xf, fn, precision=lax.Precision.HIGHEST)
-    hi = fn.astype(jnp.bfloat16)
-    rest = fn - hi.astype(F32)
-    mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(F32)).astype(jnp.bfloat16)
+    hi, mid, lo = split_bf16x3(fn)
     parts = jnp.einsum("rk,ok->ro", flat.astype(jnp.bfloat16), jnp.concatenate([hi, mid, lo]),
                        preferred_element_type=F32).reshape(flat.shape[0], 3, fn.shape[0])
     return rho * (parts[:, 0] + parts[:, 1] + parts[:, 2])

@@ -89,6 +89,15 @@ def test_sinkhorn_rounds_follow_the_config():
     _check_against_reference(16, 4, 64, jnp.float32, iters=3, seed=seed_of_test(), carry=False)
 
 
+def test_bf16x3_split_is_exact_to_float32():
+    """The three bf16 terms of the skinny GEMM's fn sum back to it within float32 rounding, through jit."""
+    w = jnp.asarray(np.random.default_rng(seed_of_test()).normal(size=(64, 256)) * 0.05, jnp.float32)
+    parts = jax.jit(K.split_bf16x3)(w)
+    total = sum(np.asarray(p.astype(jnp.float32), np.float64) for p in parts)
+    np.testing.assert_allclose(total, np.asarray(w, np.float64), rtol=2 ** -23, atol=0)
+    assert all(p.dtype == jnp.bfloat16 for p in parts)
+
+
 def test_bad_shapes_raise():
     x, fn, base, scale, _, _ = _inputs(16, 4, 64, jnp.float32, 0)
     with pytest.raises(ValueError, match="n a power of two"):

@@ -605,8 +605,14 @@ def import_prefix(cache: Cache, cfg: ModelConfig, row: int, state: PrefixState) 
             raise ValueError("the prefix carries an Engram token history but the cache has no token ring")
         tokens = _put_ring(tokens[..., None], (), row, state.tokens[:, None], length, "Engram token history")[..., 0]
     floor = None if cache.rollback_floor is None else cache.rollback_floor.at[row].set(length)
-    return cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens,
-                         rollback_floor=floor)
+    return keep_layout(cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens,
+                                     rollback_floor=floor), cache)
+
+
+def keep_layout(new: Cache, old: Cache) -> Cache:
+    """`new` with every array on the sharding of its counterpart in `old`: a cache split over a mesh stays split the
+    same way after a host-driven update (the row writes of an import take the layout XLA's propagation gives)."""
+    return jax.tree.map(lambda n, o: n if n.sharding == o.sharding else jax.device_put(n, o.sharding), new, old)
 
 
 def set_token_history(cache: Cache, tokens: np.ndarray, before: np.ndarray) -> Cache:
@@ -625,4 +631,4 @@ def set_token_history(cache: Cache, tokens: np.ndarray, before: np.ndarray) -> C
         rows[b, :n[b]] = np.asarray(tokens[b])[first[b]:before[b]]
     step = Step.make(jnp.asarray(first), jnp.asarray(n), width)
     ring = ring_write(cache.tokens[..., None], jnp.asarray(rows)[..., None], step)[..., 0]
-    return cache.replace(tokens=ring)
+    return keep_layout(cache.replace(tokens=ring), cache)

@@ -289,10 +289,10 @@ def check_request(cfg: ModelConfig, max_new_tokens: int = 32, temperature: float
     if prefix_store is not None:
         if not isinstance(prefix_store, PrefixStore):
             raise ValueError(f"prefix_store must be a sampling.replay.PrefixStore, got {type(prefix_store).__name__}")
-        if mesh is not None:
-            raise NotImplementedError("prefix_store with a mesh: the prefix export / import copies one sequence's "
-                                      "rows between the host and a single-device cache, and has no path for a cache "
-                                      "split over the mesh")
+        if mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+            raise NotImplementedError("prefix_store on a mesh spanning several processes: the prefix export / import "
+                                      "copies a sequence's rows through this process's host memory, which holds only "
+                                      "its own devices' shards (a mesh of this process's devices works)")
         if timing:
             raise NotImplementedError("timing=True with prefix_store: the store path prefills in host-driven chunks "
                                       "(lookups, imports, exports between them) that the timed phases do not cover")

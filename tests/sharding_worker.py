@@ -209,6 +209,45 @@ def run_meshes(out_path: str, mode: str = "meshes") -> None:
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
+def run_prefix(out_path: str, full: bool) -> None:
+    """Prefix reuse (sampling.replay.PrefixStore) on a dp=2 x ep=4 mesh against one device: the same prompts twice
+    (the second time every prompt hits its stored prefix), greedy plain V4; `full` adds greedy MTP speculative (V4)
+    and V4.1 plain (encoder-side replay on a hit); tokens and hits compared."""
+    import jax
+    import numpy as np
+
+    from model import init_random, shard_model
+    from sampling import generate
+    from sampling.replay import PrefixStore
+    from sharding import ParallelConfig
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh = ParallelConfig(2, 4, 1).make_mesh()
+    rng = np.random.default_rng(5)
+    results = []
+    for preset, spec in (("tiny-v4", None), ("tiny-v4", "mtp"), ("tiny-v41", None))[:3 if full else 1]:
+        cfg = small_config(preset) if spec is None else small_v4()
+        model = init_random(cfg, seed=0, dtype="float32")
+        shared = rng.integers(3, cfg.vocab_size - 2, 40).tolist()
+        prompts = [shared[:n] + rng.integers(3, cfg.vocab_size - 2, 3).tolist() for n in (34, 36, 33, 40, 35, 38, 37,
+                                                                                           39)]
+        kw = dict(max_new_tokens=4, speculative=spec, num_draft=2) if spec else dict(max_new_tokens=4)
+        runs = {}
+        for where, m, msh in (("one device", model, None), ("mesh", shard_model(model, mesh), mesh)):
+            store = PrefixStore(page_size=8)
+            outs = [generate(m, prompts, prefix_store=store, mesh=msh, **kw) for _ in range(2)]
+            runs[where] = ([o.tokens.tolist() for o in outs], [o.stats["prefix_hits"] for o in outs])
+        results.append({"preset": preset, "speculative": spec, "tokens_equal": runs["mesh"][0] == runs["one device"][0],
+                        "hits": runs["mesh"][1], "hits_one_device": runs["one device"][1]})
+    Path(out_path).write_text(json.dumps(results, indent=1))
+
+
+def small_v4():
+    from common import small_v4 as shared  # tests/common.py (imports jax: as rel_err above)
+
+    return shared()
+
+
 def param_diff(a, b) -> dict:
     """Every parameter of two models: the largest relative difference of the floating ones (per array, to its
     max magnitude) and the fraction of differing elements of the integer / FP8 ones."""
@@ -484,6 +523,8 @@ if __name__ == "__main__":
         run_meshes(sys.argv[2], mode)
     elif mode == "fp8":
         run_fp8(sys.argv[2])
+    elif mode in ("prefix", "prefix-full"):
+        run_prefix(sys.argv[2], mode == "prefix-full")
     elif mode in ("engram", "engram-full"):
         run_engram(sys.argv[2], mode == "engram-full")
     else:

@@ -201,3 +201,24 @@ def test_stats():
     s = store.stats
     assert s == {"hits": 2, "misses": 1, "hit_tokens": 8 + 12, "short": 0, "collisions": 0, "inserts": 2,
                  "evictions": 1, "bytes": 70 + 12 * 4, "entries": 1}
+
+
+@pytest.mark.parametrize("mode", ["prefix", pytest.param("prefix-full", marks=pytest.mark.slow)])
+def test_prefix_store_on_a_mesh_matches_one_device(tmp_path, mode):
+    """On dp=2 x ep=4 (8 simulated devices, tests/sharding_worker.py): the same greedy tokens as one device with
+    prefix reuse, every prompt hitting the second time; V4 plain (~70 s), and in the slow run also MTP speculative
+    (V4) and V4.1's encoder-side replay (~4 min in all)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "prefix.json"
+    worker = Path(__file__).with_name("sharding_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), mode, str(out)], capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case in json.loads(out.read_text()):
+        assert case["tokens_equal"], case
+        assert case["hits"] == case["hits_one_device"], case
+        assert all(h > 0 for h in case["hits"][1]), case

@@ -41,6 +41,20 @@ _GLUE_KINDS = (("transpose", "transpose"), ("concatenate", "concatenate"), ("con
                ("gather", "scatter / gather"), ("copy", "copy"), ("reduce", "reduce"))
 _LIBRARY_GEMM = re.compile(r"^(sm\d+_xmma|nvjet|cutlass|gemm|ampere|volta|turing|cublas|sm90_)", re.I)
 _LIBRARY_AUX = re.compile(r"(splitKreduce|reduce_1Block|gemvx|gemv2)", re.I)
+_MANGLED_GEMM = re.compile(r"^_Z\w*(cutlass|cublasLt|xmma)", re.I)   # C++-mangled library GEMM kernels
+_CUB = re.compile(r"^(_ZN\d*cub|cub::)", re.I)                        # XLA's sorts on cub (several kernels a call)
+
+
+def _call_class(kernel: str) -> str:
+    """Which custom calls a kernel that XLA does not name belongs to: library GEMMs, cub sorts, or our kernels."""
+    if _LIBRARY_GEMM.match(kernel) or _MANGLED_GEMM.match(kernel):
+        return "gemm"
+    return "cub" if _CUB.match(kernel) else "ours"
+
+
+def _target_class(target: str) -> str:
+    t = target.lower()
+    return "gemm" if "cublas" in t else "cub" if "cub" in t else "ours"
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _OPCODE = re.compile(r"(?<![\w\[])([a-z][a-z0-9\-_]*)\(")
 
@@ -124,11 +138,13 @@ def component_of(op_name: str) -> str:
 
 def kind_of(kernel: str, ins: dict | None) -> str:
     """"gemm" (library or XLA's GEMM fusions), "pallas" (our kernels), or a glue kind of XLA's own kernels."""
-    if _LIBRARY_GEMM.match(kernel) or _LIBRARY_AUX.search(kernel):
+    if _LIBRARY_GEMM.match(kernel) or _MANGLED_GEMM.match(kernel) or _LIBRARY_AUX.search(kernel):
         return "gemm"
+    if _CUB.match(kernel):
+        return "sort"
     if ins is None or ins["op"] == "custom-call":
         t = ins["target"].lower() if ins else ""
-        return "gemm" if ("cublas" in t or "gemm" in t) else "pallas"
+        return "gemm" if ("cublas" in t or "gemm" in t) else "sort" if "cub" in t else "pallas"
     if "gemm_fusion" in kernel or "triton_gemm" in kernel or "dot" in kernel.split("_fusion")[0]:
         return "gemm"
     for key, kind in _GLUE_KINDS:
@@ -160,19 +176,27 @@ def attribute(kernels: list[tuple[str, float]], info: dict, custom_calls: list[s
     """One step's CUPTI kernels [(name, ms)] in launch order -> [{kernel, ms, component, kind, op_name}].
 
     XLA's own kernels are found by name. The others (library GEMMs, our Pallas kernels) are the program's custom
-    calls: matched in execution order when their counts agree, else by the kernel's own name."""
+    calls: matched in execution order when their counts agree, else each class on its own (library GEMMs, cub sorts
+    -- a run of consecutive cub kernels is one call -- and our kernels) where its counts agree, else by the kernel's
+    own name."""
     own = [_lookup(k, info) for k, _ in kernels]
     foreign = [i for i, (k, _) in enumerate(kernels) if own[i] is None and not _LIBRARY_AUX.search(k)]
     placed = {}
     if len(foreign) == len(custom_calls):
         placed = {i: info.get(name) for i, name in zip(foreign, custom_calls)}
-    else:   # the library GEMMs and our kernels matched each on their own
-        library = lambda name: "cublas" in info.get(name, {}).get("target", "").lower()  # noqa: E731
-        for is_gemm in (True, False):
-            ks = [i for i in foreign if bool(_LIBRARY_GEMM.match(kernels[i][0])) == is_gemm]
-            cs = [name for name in custom_calls if library(name) == is_gemm]
-            if len(ks) == len(cs):
-                placed.update({i: info.get(name) for i, name in zip(ks, cs)})
+    else:
+        for cls in ("gemm", "cub", "ours"):
+            units: list[list[int]] = []
+            for i in foreign:
+                if _call_class(kernels[i][0]) != cls:
+                    continue
+                if cls == "cub" and units and units[-1][-1] == i - 1:
+                    units[-1].append(i)
+                else:
+                    units.append([i])
+            calls = [name for name in custom_calls if _target_class(info.get(name, {}).get("target", "")) == cls]
+            if len(units) == len(calls):
+                placed.update({i: info.get(name) for unit, name in zip(units, calls) for i in unit})
     out, last = [], None
     for i, (k, ms) in enumerate(kernels):
         ins = own[i] or placed.get(i)

@@ -57,6 +57,23 @@ def test_library_gemms_match_their_calls_when_our_kernels_launch_more():
                                                            ("moe_experts", "pallas"), ("head", "gemm")]
 
 
+def test_mangled_library_gemms_and_cub_sorts_find_their_calls():
+    """A cutlass GEMM under its C++-mangled name and a cub sort launching three kernels: each meets its call."""
+    hlo = SYNTHETIC_HLO.replace('ROOT %custom-call.11 = bf16[16,8]{1,0} custom-call(%loop_transpose_fusion.4)',
+                                '%custom-call.10 = bf16[16,8]{1,0} custom-call(%loop_transpose_fusion.4), '
+                                'custom_call_target="__cub$DeviceRadixSort", metadata={op_name="jit(step)/attention/'
+                                'indexer/top_k"}\n  ROOT %custom-call.11 = bf16[16,8]{1,0} custom-call(%custom-call.10)')
+    info, order = sp.parse_hlo(hlo)
+    assert order == ["custom_call_7", "custom_call_9", "custom_call_10", "custom_call_11"]
+    kernels = [("_ZN7cutlass7Kernel2I50cutlass_gemm", 1.0), ("body_mosaic_gpu_kernel", 3.0),
+               ("body_mosaic_gpu_kernel", 3.0), ("loop_transpose_fusion_4", 0.5), ("_ZN3cub6detail11RadixSortA", 0.1),
+               ("_ZN3cub6detail11RadixSortB", 0.1), ("_ZN3cub6detail11RadixSortC", 0.1), ("nvjet_sm90_tst", 2.0)]
+    rows = sp.attribute(kernels, info, order)
+    assert [(r["component"], r["kind"]) for r in rows] == [
+        ("attn_proj", "gemm"), ("moe_experts", "pallas"), ("moe_experts", "pallas"), ("router", "transpose"),
+        ("indexer", "sort"), ("indexer", "sort"), ("indexer", "sort"), ("head", "gemm")]
+
+
 def test_counts_that_disagree_fall_back_to_kernel_names():
     info, order = sp.parse_hlo(SYNTHETIC_HLO)
     rows = sp.attribute([("sparse_mqa_sink", 1.0), ("indexer_scores", 1.0)], info, order)

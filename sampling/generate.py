@@ -338,8 +338,8 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
 
     prefix_store (sampling.replay.PrefixStore): reuse the longest cached prefix of each prompt and store
     new ones ([V4] exact resume; [V4.1] encoder-side replay of the last window before the hit, an
-    approximation). Combines with speculative decoding (lossless against the same store path without it);
-    not with a mesh or timing=True (NotImplementedError).
+    approximation). Combines with speculative decoding (lossless against the same store path without it) and with
+    a mesh of this process's devices; not with a mesh spanning processes or timing=True (NotImplementedError).
 
     stats: prompt lengths, steps run; speculative: mean accepted length, its histogram and per-step trace,
     per-position acceptance rates; with `timing=True` compile and run times and tokens/s (plain decoding

@@ -443,6 +443,39 @@ def _layer_entries(cache: Cache):
     return sorted(out, key=lambda e: e[0])
 
 
+# Host copies and writes of a cache's rows. On a mesh spanning processes this process holds only its own devices'
+# shards: a read gathers the rows to every process, a write takes the same host rows on every process (every process
+# makes the same calls, as it runs the same generation).
+
+def _host(a: jax.Array, index) -> np.ndarray:
+    """a[index] as numpy."""
+    if a.is_fully_addressable:
+        return np.asarray(a[index])
+    replicated = jax.sharding.NamedSharding(a.sharding.mesh, jax.sharding.PartitionSpec())
+    return np.asarray(jax.jit(lambda a: a[index], out_shardings=replicated)(a))
+
+
+def _write(a: jax.Array, index, rows) -> jax.Array:
+    """a.at[index].set(rows) for host rows, on a's sharding (a cache split over a mesh stays split the same way)."""
+    if a.is_fully_addressable:
+        out = a.at[index].set(jnp.asarray(rows, a.dtype))
+        return out if out.sharding == a.sharding else jax.device_put(out, a.sharding)
+    rows = np.asarray(rows, a.dtype)
+    replicated = jax.sharding.NamedSharding(a.sharding.mesh, jax.sharding.PartitionSpec())
+    rows = jax.make_array_from_callback(rows.shape, replicated, lambda i: rows[i])
+    return jax.jit(lambda a, r: a.at[index].set(r), out_shardings=a.sharding)(a, rows)
+
+
+def host_lengths(cache: "Cache") -> np.ndarray:
+    """The cache's lengths [B] as numpy (on every process of a mesh)."""
+    return _host(cache.lengths, slice(None))
+
+
+def set_lengths(cache: "Cache", lengths: np.ndarray) -> "Cache":
+    """The cache with lengths [B] from the host (the same on every process of a mesh)."""
+    return cache.replace(lengths=_write(cache.lengths, slice(None), np.asarray(lengths, np.int32)))
+
+
 def _ring_rows(ring: jax.Array, lead: tuple, row: int, first: int, length: int, cur: int, what: str) -> np.ndarray:
     """Host copy of ring rows of positions [first, length) of sequence `row` (cache length `cur`)."""
     size = ring.shape[len(lead) + 1]
@@ -451,12 +484,12 @@ def _ring_rows(ring: jax.Array, lead: tuple, row: int, first: int, length: int, 
                          f"(sequence {row} is at length {cur}); export at most {size - (length - first)} "
                          f"positions behind the current length")
     slots = np.arange(first, length) % size
-    return np.asarray(ring[(*lead, row, slots)])
+    return _host(ring, (*lead, row, slots))
 
 
 def _export_compressor(comp: CompressorCache, lead: tuple, ratio: int, overlap: bool, row: int, length: int,
                        cur: int, what: str) -> CompressorPrefix:
-    entries = np.asarray(comp.entries[(*lead, row, slice(0, length // ratio))])
+    entries = _host(comp.entries, (*lead, row, slice(0, length // ratio)))
     if comp.proj_a is None:
         return CompressorPrefix(entries=entries)
     # the next chunk pools from the first open block, or (overlap) the block before it: see
@@ -482,7 +515,7 @@ def export_prefix(cache: Cache, cfg: ModelConfig, row: int, length: int, include
     """
     if not 0 <= row < cache.batch:
         raise ValueError(f"row {row} out of range for a cache of {cache.batch} sequences")
-    cur = int(np.asarray(cache.lengths)[row])
+    cur = int(_host(cache.lengths, row))
     if not 0 < length <= cur:
         raise ValueError(f"cannot export sequence {row} at length {length}: it holds {cur} positions")
     entries = _layer_entries(cache)
@@ -523,7 +556,7 @@ def _put_ring(ring: jax.Array, lead: tuple, row: int, rows: np.ndarray, length: 
     if n == 0:
         return ring
     slots = np.arange(length - n, length) % size
-    return ring.at[(*lead, row, slots)].set(jnp.asarray(rows))
+    return _write(ring, (*lead, row, slots), rows)
 
 
 def _check_rows(target: jax.Array, lead: tuple, rows: np.ndarray, what: str) -> None:
@@ -548,7 +581,7 @@ def _import_compressor(comp: CompressorCache | None, lead: tuple, states: list, 
         raise ValueError(f"{what}: {n} entries do not fit the cache's store of {comp.entries.shape[len(lead) + 1]}")
     rows = _stacked([st.entries for st in states], lead)
     _check_rows(comp.entries, lead, rows, f"{what}.entries")
-    entries = comp.entries.at[(*lead, row, slice(0, n))].set(jnp.asarray(rows)) if n else comp.entries
+    entries = _write(comp.entries, (*lead, row, slice(0, n)), rows) if n else comp.entries
     proj_a, proj_g = comp.proj_a, comp.proj_g
     if states[0].proj_a is not None:
         if proj_a is None:
@@ -604,15 +637,9 @@ def import_prefix(cache: Cache, cfg: ModelConfig, row: int, state: PrefixState) 
         if tokens is None:
             raise ValueError("the prefix carries an Engram token history but the cache has no token ring")
         tokens = _put_ring(tokens[..., None], (), row, state.tokens[:, None], length, "Engram token history")[..., 0]
-    floor = None if cache.rollback_floor is None else cache.rollback_floor.at[row].set(length)
-    return keep_layout(cache.replace(lengths=cache.lengths.at[row].set(length), layers=tuple(layers), tokens=tokens,
-                                     rollback_floor=floor), cache)
-
-
-def keep_layout(new: Cache, old: Cache) -> Cache:
-    """`new` with every array on the sharding of its counterpart in `old`: a cache split over a mesh stays split the
-    same way after a host-driven update (the row writes of an import take the layout XLA's propagation gives)."""
-    return jax.tree.map(lambda n, o: n if n.sharding == o.sharding else jax.device_put(n, o.sharding), new, old)
+    floor = None if cache.rollback_floor is None else _write(cache.rollback_floor, row, length)
+    return cache.replace(lengths=_write(cache.lengths, row, length), layers=tuple(layers), tokens=tokens,
+                         rollback_floor=floor)
 
 
 def set_token_history(cache: Cache, tokens: np.ndarray, before: np.ndarray) -> Cache:
@@ -622,13 +649,8 @@ def set_token_history(cache: Cache, tokens: np.ndarray, before: np.ndarray) -> C
     if cache.tokens is None:
         return cache
     hist = cache.tokens.shape[1]
-    before = np.asarray(before, np.int32)
-    first = np.maximum(before - hist, 0)
-    n = before - first
-    width = max(int(n.max()), 1)
-    rows = np.zeros((len(before), width), np.int32)
-    for b in range(len(before)):
-        rows[b, :n[b]] = np.asarray(tokens[b])[first[b]:before[b]]
-    step = Step.make(jnp.asarray(first), jnp.asarray(n), width)
-    ring = ring_write(cache.tokens[..., None], jnp.asarray(rows)[..., None], step)[..., 0]
-    return keep_layout(cache.replace(tokens=ring), cache)
+    ring = _host(cache.tokens, slice(None)).copy()
+    for b, end in enumerate(np.asarray(before, np.int64)):
+        positions = np.arange(max(int(end) - hist, 0), int(end))
+        ring[b, positions % hist] = np.asarray(tokens[b])[positions]
+    return cache.replace(tokens=_write(cache.tokens, slice(None), ring))

@@ -289,10 +289,6 @@ def check_request(cfg: ModelConfig, max_new_tokens: int = 32, temperature: float
     if prefix_store is not None:
         if not isinstance(prefix_store, PrefixStore):
             raise ValueError(f"prefix_store must be a sampling.replay.PrefixStore, got {type(prefix_store).__name__}")
-        if mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat):
-            raise NotImplementedError("prefix_store on a mesh spanning several processes: the prefix export / import "
-                                      "copies a sequence's rows through this process's host memory, which holds only "
-                                      "its own devices' shards (a mesh of this process's devices works)")
         if timing:
             raise NotImplementedError("timing=True with prefix_store: the store path prefills in host-driven chunks "
                                       "(lookups, imports, exports between them) that the timed phases do not cover")
@@ -339,7 +335,8 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
     prefix_store (sampling.replay.PrefixStore): reuse the longest cached prefix of each prompt and store
     new ones ([V4] exact resume; [V4.1] encoder-side replay of the last window before the hit, an
     approximation). Combines with speculative decoding (lossless against the same store path without it) and with
-    a mesh of this process's devices; not with a mesh spanning processes or timing=True (NotImplementedError).
+    a mesh (spanning processes too: every process passes the same prompts and keeps its own store, which sees the
+    same prefixes); not with timing=True (NotImplementedError).
 
     stats: prompt lengths, steps run; speculative: mean accepted length, its histogram and per-step trace,
     per-position acceptance rates; with `timing=True` compile and run times and tokens/s (plain decoding
@@ -407,11 +404,12 @@ def generate(model: Transformer, prompts, max_new_tokens: int = 32, temperature:
                      wall_s=time.perf_counter() - t0)
         return GenerateOutput(tokens=to_host(out), lengths=to_host(n_gen), stats=stats)
     if prefix_store is not None:
-        logits, cache, hits = prefill_with_store(model, new_cache(), tokens, lens, prefix_store, replay_tail)
-        first = _sample_jit(logits, fold_in(key, 0), params)
-        out, n_gen, steps = _decode_jit(model, cache, first, key, stops, params, max_new_tokens)
-        stats.update(prefix_hits=hits.tolist(), prefix_store=prefix_store.stats, steps=int(steps))
-        return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(n_gen), stats=stats)
+        with context:
+            logits, cache, hits = prefill_with_store(model, new_cache(), tokens, lens, prefix_store, replay_tail)
+            first = _sample_jit(logits, fold_in(key, 0), params)
+            out, n_gen, steps = _decode_jit(model, cache, first, key, stops, params, max_new_tokens)
+        stats.update(prefix_hits=hits.tolist(), prefix_store=prefix_store.stats, steps=int(to_host(steps)))
+        return GenerateOutput(tokens=to_host(out), lengths=to_host(n_gen), stats=stats)
     with context:
         out, n_gen, steps = _run(model, new_cache, args, key, stops, params, max_new_tokens, timing, lens, stats,
                                   to_host)

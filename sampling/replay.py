@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.apply import shard_batch
+
 if TYPE_CHECKING:  # the store itself never touches jax
     from model.cache import PrefixState
 
@@ -204,6 +206,14 @@ def _rows(tokens: np.ndarray, start: np.ndarray, count: np.ndarray, bucket: int 
     return out
 
 
+def _batch_input(cache):
+    """Host [B, ...] -> a step's input: as it is, or on a mesh spanning processes split over the cache's batch shards
+    (the same host arrays on every process)."""
+    if cache.lengths.is_fully_addressable:
+        return jnp.asarray
+    return functools.partial(shard_batch, mesh=cache.lengths.sharding.mesh)
+
+
 def prefill_with_store(model, cache, tokens: np.ndarray, lengths: np.ndarray, store: PrefixStore,
                        replay_tail: int | None = None, commit=None):
     """Prefill prompts reusing the longest cached prefix of each (docs/model.md §13.6).
@@ -219,11 +229,12 @@ def prefill_with_store(model, cache, tokens: np.ndarray, lengths: np.ndarray, st
     position start[b] + i) and `after` [B], the token after each sequence's rows (None for the last chunk:
     the token after the prompt is not drawn yet).
     """
-    from model.cache import export_prefix, import_prefix, set_token_history
+    from model.cache import export_prefix, host_lengths, import_prefix, set_lengths, set_token_history
 
     cfg = model.config
     v41 = cfg.generation == "v41"
     window = cfg.sliding_window
+    put = _batch_input(cache)
     bsz = len(lengths)
     hits = np.zeros(bsz, np.int32)
     for b in range(bsz):
@@ -234,7 +245,7 @@ def prefill_with_store(model, cache, tokens: np.ndarray, lengths: np.ndarray, st
 
     def run(start, count, floor, last_only, tail, write_global, last=False):
         rows = _rows(tokens, start, count)
-        out = _chunk(model, rows, cache, jnp.asarray(count), jnp.asarray(floor), last_only, tail, write_global,
+        out = _chunk(model, put(rows), cache, put(count), put(floor), last_only, tail, write_global,
                      commit is not None)
         if commit is not None:
             after = None if last else tokens[np.arange(bsz), np.minimum(start + count, tokens.shape[1] - 1)]
@@ -244,7 +255,7 @@ def prefill_with_store(model, cache, tokens: np.ndarray, lengths: np.ndarray, st
     if v41 and hits.any():  # encoder-side replay of the last window before each hit
         start = np.where(hits > 0, hits - window, 0).astype(np.int32)
         count = np.where(hits > 0, window, 0).astype(np.int32)
-        cache = cache.replace(lengths=jnp.where(jnp.asarray(hits) > 0, jnp.asarray(start), cache.lengths))
+        cache = set_lengths(cache, np.where(hits > 0, start, host_lengths(cache)))
         cache = set_token_history(cache, tokens, start)
         _, cache = run(start, count, start, False, None, False)
     # up to the last page boundary before the prompt's end (stored), then the rest

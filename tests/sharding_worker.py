@@ -223,14 +223,11 @@ def run_prefix(out_path: str, full: bool) -> None:
 
     assert jax.device_count() == 8, jax.devices()
     mesh = ParallelConfig(2, 4, 1).make_mesh()
-    rng = np.random.default_rng(5)
     results = []
     for preset, spec in (("tiny-v4", None), ("tiny-v4", "mtp"), ("tiny-v41", None))[:3 if full else 1]:
         cfg = small_config(preset) if spec is None else small_v4()
         model = init_random(cfg, seed=0, dtype="float32")
-        shared = rng.integers(3, cfg.vocab_size - 2, 40).tolist()
-        prompts = [shared[:n] + rng.integers(3, cfg.vocab_size - 2, 3).tolist() for n in (34, 36, 33, 40, 35, 38, 37,
-                                                                                           39)]
+        prompts = prefix_prompts(cfg)
         kw = dict(max_new_tokens=4, speculative=spec, num_draft=2) if spec else dict(max_new_tokens=4)
         runs = {}
         for where, m, msh in (("one device", model, None), ("mesh", shard_model(model, mesh), mesh)):
@@ -486,9 +483,19 @@ def run_engram(out_path: str, full: bool) -> None:
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
-def run_multihost(out_prefix: str, port: str, pid: str, checkpoint: str) -> None:
+def prefix_prompts(cfg) -> list[list[int]]:
+    """Eight prompts sharing a 33-40 token prefix (page size 8: every prompt hits its stored prefix the second time)."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    shared = rng.integers(3, cfg.vocab_size - 2, 40).tolist()
+    return [shared[:n] + rng.integers(3, cfg.vocab_size - 2, 3).tolist() for n in (34, 36, 33, 40, 35, 38, 37, 39)]
+
+
+def run_multihost(out_prefix: str, port: str, pid: str, checkpoint: str, prefix: bool = False) -> None:
     """One of two processes: join the job, load the checkpoint onto an ep=8 mesh spanning both
-    (each process reads only its own experts), run a forward (expert all-to-all across processes)."""
+    (each process reads only its own experts), run a forward (expert all-to-all across processes); `prefix`: then
+    greedy generation with a PrefixStore on dp=2 x ep=4, the same prompts twice, instead."""
     from sharding import initialize_multihost
 
     initialize_multihost(f"localhost:{port}", 2, int(pid), timeout_s=60)
@@ -499,6 +506,18 @@ def run_multihost(out_prefix: str, port: str, pid: str, checkpoint: str) -> None
     from sharding import ParallelConfig, local_experts, shard_batch, to_host
 
     assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.devices())
+    if prefix:
+        from sampling import generate
+        from sampling.replay import PrefixStore
+
+        mesh = ParallelConfig(dp=2, ep=4).make_mesh()
+        model = load_checkpoint(checkpoint, dtype="float32", mesh=mesh)
+        store = PrefixStore(page_size=8)
+        outs = [generate(model, prefix_prompts(model.config), max_new_tokens=4, prefix_store=store, mesh=mesh)
+                for _ in range(2)]
+        Path(f"{out_prefix}.{pid}.json").write_text(json.dumps(
+            {"tokens": [o.tokens.tolist() for o in outs], "hits": [o.stats["prefix_hits"] for o in outs]}))
+        return
     mesh = ParallelConfig(ep=8).make_mesh()
     model = load_checkpoint(checkpoint, dtype="float32", mesh=mesh)
     tokens, _ = inputs(model.config)
@@ -512,7 +531,7 @@ def run_multihost(out_prefix: str, port: str, pid: str, checkpoint: str) -> None
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    devices = 4 if mode == "multihost" else 8
+    devices = 4 if mode.startswith("multihost") else 8
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -528,4 +547,4 @@ if __name__ == "__main__":
     elif mode in ("engram", "engram-full"):
         run_engram(sys.argv[2], mode == "engram-full")
     else:
-        run_multihost(*sys.argv[2:6])
+        run_multihost(*sys.argv[2:6], prefix=mode == "multihost-prefix")

@@ -320,6 +320,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_processes(tmp_path, mode: str, checkpoint) -> Path:
+    """Run the worker's `mode` in two local CPU processes x 4 devices forming one job; -> their output prefix."""
+    out = tmp_path / "out"
+    port = str(_free_port())
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[1]), env.get("PYTHONPATH", "")])
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(out), port, str(pid), str(checkpoint)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=900)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return out
+
+
 def test_two_process_mesh_forward(tmp_path):
     """Two local CPU processes x 4 devices form one ep=8 mesh (jax.distributed); each loads only its
     own experts from a safetensors checkpoint and runs a forward (expert exchange across processes):
@@ -333,24 +353,31 @@ def test_two_process_mesh_forward(tmp_path):
     save_safetensors(model, tmp_path / "ckpt")
     tokens, _ = inputs(cfg)
     want = np.asarray(model(tokens))
-    out = tmp_path / "out"
-    port = str(_free_port())
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[1]), env.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "multihost", str(out), port, str(pid),
-                               str(tmp_path / "ckpt")], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    _two_processes(tmp_path, "multihost", tmp_path / "ckpt")
     held = [set(json.loads((tmp_path / f"out.{pid}.json").read_text())["local_experts"]) for pid in (0, 1)]
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(range(cfg.n_routed_experts))
     for pid in (0, 1):
         got = np.load(tmp_path / f"out.{pid}.npy")
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < TOL
+
+
+@pytest.mark.slow
+def test_two_process_mesh_prefix_store(tmp_path):
+    """Prefix reuse on a dp=2 x ep=4 mesh spanning two processes (rows exported and imported through every
+    process's host memory): the greedy tokens and hits of one device, on both processes."""
+    from common import small_config
+    from model.checkpoint import save_safetensors
+    from sampling import generate
+    from sampling.replay import PrefixStore
+    from sharding_worker import prefix_prompts
+
+    cfg = small_config("tiny-v4")
+    model = init_random(cfg, seed=0, dtype="float32")
+    save_safetensors(model, tmp_path / "ckpt")
+    store = PrefixStore(page_size=8)
+    want = [generate(model, prefix_prompts(cfg), max_new_tokens=4, prefix_store=store) for _ in range(2)]
+    _two_processes(tmp_path, "multihost-prefix", tmp_path / "ckpt")
+    for pid in (0, 1):
+        got = json.loads((tmp_path / f"out.{pid}.json").read_text())
+        assert got["tokens"] == [w.tokens.tolist() for w in want]
+        assert got["hits"] == [w.stats["prefix_hits"] for w in want] and all(h > 0 for h in got["hits"][1])

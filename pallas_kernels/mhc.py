@@ -35,7 +35,8 @@ F32 = jnp.float32
 
 
 def packed_width(n: int) -> int:
-    """Columns of a packed coefficient row for n streams (a power of two >= 16, the MMA's minimum N)."""
+    """Columns of a packed coefficient row for n streams (a power of two >= 16: Triton tiles are powers of two, and
+    the skinny GEMM's N stays a multiple of 16)."""
     return max(16, next_pow2((2 + n) * n))
 
 
@@ -119,11 +120,11 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def _block(total: int, cap: int) -> int:
-    """The largest power of two <= cap dividing total (0 when none >= 16 does)."""
+    """The largest power of two <= cap dividing total (a multiple of 16: `supported`)."""
     b = cap
-    while b >= 16 and total % b:
+    while total % b:
         b //= 2
-    return b if b >= 16 else 0
+    return b
 
 
 def supported(n: int, d: int) -> bool:

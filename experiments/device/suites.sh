@@ -22,6 +22,9 @@
 #   fp8-dense             the FP8 projections multiplied from their bytes (--dense-impl pallas) against the in-graph
 #                         dequantisation, release format, V4 verify 64 / 256 x 4 and prefill 2 x 4096 (and the
 #                         official act_quant'd FP8 x FP8 prefill, --quant-sim), after the kernels' GPU tests
+#   mhc                   the mHC kernels' GPU tests and pieces (experiments.probes.mhc_kernels), then the release-format
+#                         steps with the mHC as XLA ops and as the kernels, V4 verify 8 / 64 / 256 x 4 and prefill 2 x
+#                         4096 (the kernels with --kernel-times)
 #   step-realistic        realistic mode (the router's own choices, distinct prompts, the whole speculative step),
 #                         release format, verify 64 x 4
 #   peer-ours             ours (release format and bf16) at the peer's shapes: prefill 1 x 4096 without context,
@@ -144,6 +147,14 @@ for suite in "${suites[@]}"; do
         for keys in model fp4; do
             bench 280 v4_fp4_index_keys_$keys $V4 --expert-weights fp4 --index-keys $keys --phase decode \
                 --batch 64 --context 131072 --time-budget 200
+        done ;;
+    mhc)
+        limit 70 python -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc_kernels.py 2>&1 | tail -3
+        limit 60 python -m experiments.probes.mhc_kernels 2>&1 | grep "^|"
+        for impl in reference pallas; do
+            kt=""; [ "$impl" = pallas ] && kt="--kernel-times 2"
+            bench 190 "v4_release_mhc_$impl" $V4 $RELEASE --mhc-impl $impl --phase decode,prefill --batch 8,64,256 \
+                --prefill-batch 2 --context 32768 $kt
         done ;;
     step-realistic)
         bench 240 v4_release_realistic $V4 $RELEASE --mode realistic --phase decode --batch 64 --context 32768 ;;

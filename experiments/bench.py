@@ -596,7 +596,28 @@ def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float, dev
         return res, box["cache"]
 
     prof = profile_step(fn.as_text(), run_once, steps, wall_ms, devices)
+    if "error" not in prof:
+        prof.update(pipelined_gap(run_once, prof))
     return prof, box["cache"]
+
+
+def pipelined_gap(run_once, prof: dict, calls: int = 20) -> dict:
+    """The gap split by issuing `calls` steps back to back and waiting once: per step, the host's side of a
+    synchronous call (dispatch and the wait: wall - pipelined) and the device's idle time between kernels
+    (pipelined - kernels), which a loop of steps on the device still pays."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(run_once())
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        out = run_once()
+    jax.block_until_ready(out)
+    ms = (time.perf_counter() - t0) * 1e3 / calls
+    return {"pipelined_ms": round(ms, 4), "host_gap_ms": round(prof["wall_ms"] - ms, 4),
+            "device_idle_ms": round(ms - prof["kernel_ms_per_step"], 4)}
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -96,7 +96,8 @@ def test_markdown_kernel_breakdown():
 
     env = {"date_utc": "now", "command": "c", "git_revision": "r", "git_dirty": False, "device": "H200",
            "device_count": 1, "backend": "gpu", "jax": "j", "flax": "f"}
-    profile = {"steps": 2, "wall_ms": 38.5, "kernel_ms_per_step": 30.5, "gap_ms": 8.0,
+    profile = {"steps": 2, "wall_ms": 38.5, "kernel_ms_per_step": 30.5, "gap_ms": 8.0, "pipelined_ms": 32.5,
+               "host_gap_ms": 6.0, "device_idle_ms": 2.0,
                "components": {"moe_experts": {"ms": 20.0, "by_kind": {"pallas": 19.0, "transpose": 1.0}},
                               "head": {"ms": 10.5, "by_kind": {"gemm": 10.5}}},
                "kinds": {"pallas": 19.0, "gemm": 10.5, "transpose": 1.0},
@@ -112,7 +113,21 @@ def test_markdown_kernel_breakdown():
     text = markdown(env, [rec])
     assert "| moe_experts | 20.000 | 51.9% | 10.0 | 2.00 | 8.0 | 1.000 |" in text
     assert "| host / launch gap | 8.000 | 20.8% |" in text
+    assert "| of it: the host's (dispatch and wait) | 6.000 | 15.6% |" in text
+    assert "| of it: the device idle between kernels | 2.000 | 5.2% |" in text
     assert "input_transpose_fusion [moe_experts, transpose] 1.000 (2.6%)" in text
+
+
+def test_pipelined_gap_splits_the_gap():
+    """Steps issued back to back: the host's share is the synchronous wall time less the pipelined step, the
+    device's idle time the pipelined step less its kernels."""
+    from experiments.bench import pipelined_gap
+
+    calls = []
+    split = pipelined_gap(lambda: calls.append(1) or 0, {"wall_ms": 5.0, "kernel_ms_per_step": 1.0}, calls=4)
+    assert len(calls) == 5   # one warm call, then the four timed
+    assert split["host_gap_ms"] == pytest.approx(5.0 - split["pipelined_ms"], abs=1e-3)
+    assert split["device_idle_ms"] == pytest.approx(split["pipelined_ms"] - 1.0, abs=1e-3)
 
 
 def test_sweep_two_points_then_resume(tmp_path, jax_cache):

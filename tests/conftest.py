@@ -46,17 +46,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start the 8-device sharding worker (tests/sharding_worker.py "meshes", ~100 s of XLA compiles; "engram",
-    ~150 s) now if a selected test needs its results (test_sharding.py's `mesh_results`, test_engram_sharded.py's
-    `engram_results`): it runs on the second CPU core, which this process (one compile at a time) mostly leaves
-    idle, while this process runs the tests before it."""
+    """Start the 8-device sharding worker runs that the selected tests need (tests/sharding_worker.py "engram" for
+    test_engram_sharded.py's `engram_results`, ~170 s of XLA compiles; "meshes" for test_sharding.py's
+    `mesh_results`, ~240 s) now, one after the other in the order their tests come: they run on the second CPU
+    core, which this process (one compile at a time) mostly leaves idle, while this process runs the tests before
+    them; one at a time, they never take this process's core."""
     if session.config.option.collectonly:
         return
-    for fixture, mode in (("mesh_results", "meshes"), ("engram_results", "engram")):
-        if any(fixture in getattr(item, "fixturenames", ()) for item in session.items):
-            import sharding_worker
+    first_use = {}
+    for index, item in enumerate(session.items):
+        for fixture, mode in (("mesh_results", "meshes"), ("engram_results", "engram")):
+            if fixture in getattr(item, "fixturenames", ()):
+                first_use.setdefault(mode, index)
+    if first_use:
+        import sharding_worker
 
-            sharding_worker.start_early(mode)
+        sharding_worker.start_early(sorted(first_use, key=first_use.get))
 
 
 def pytest_sessionfinish(session):

@@ -27,6 +27,14 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def simulated_devices_env(devices: int, **extra: str) -> dict:
+    """This process's environment for a subprocess on `devices` simulated CPU devices: XLA_FLAGS keeps the test-wide
+    CPU flags (tests/conftest.py: compile time dominates there too) and sets the device count."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    return dict(os.environ, XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]),
+                JAX_PLATFORMS="cpu", **extra)
+
+
 def small_config(preset: str):
     """The tiny presets cut to their essentials (compile time dominates on CPU): V4 with one hash SWA, one CSA
     and one HCA layer (every V4 attention kind, the indexer included) and no MTP layer; V4.1 without its DSpark

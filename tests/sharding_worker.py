@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,47 +42,85 @@ EXTRA_MESHES = {"tiny-v4": [(4, 2, 1)], "tiny-v41": [(1, 8, 1)]}
 
 class Run:
     """One worker subprocess: `python tests/sharding_worker.py MODE DIR/results.json`, its output in
-    DIR/results.log (a file, not a pipe: a run started ahead of its test has no reader until the test waits)."""
+    DIR/results.log (a file, not a pipe: a run started ahead of its test has no reader until the test waits).
+    With `after`, the subprocess starts only once that run has ended (a thread waits for it), so that queued runs
+    share one CPU core instead of taking the test process's."""
 
-    def __init__(self, mode: str, directory: Path):
+    def __init__(self, mode: str, directory: Path, after: Run | None = None):
+        self.mode = mode
         self.out = Path(directory) / "results.json"
         self.log = self.out.with_suffix(".log")
+        self.proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._started = threading.Event()   # set once the subprocess started (or will never start)
+        if after is None:
+            self._start()
+        else:
+            threading.Thread(target=self._start_after, args=(after,), daemon=True).start()
+
+    def _start(self) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, str(self.out)],
-                                         env=env, stdout=log, stderr=subprocess.STDOUT)
+        with self._lock:
+            if not self._cancelled:
+                with open(self.log, "w") as log:
+                    self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), self.mode,
+                                                  str(self.out)], env=env, stdout=log, stderr=subprocess.STDOUT)
+            self._started.set()
+
+    def _start_after(self, run: Run) -> None:
+        run._started.wait()
+        if run.proc is not None:
+            run.proc.wait()
+        self._start()
 
     def wait(self, timeout: float) -> int:
-        """The exit status (killed and re-raised on a timeout)."""
+        """The exit status (killed and re-raised on a timeout; the time a queued run waits to start counts)."""
+        deadline = time.monotonic() + timeout
+        if not self._started.wait(timeout):
+            self.cancel()
+            raise subprocess.TimeoutExpired(f"sharding_worker {self.mode} (queued)", timeout)
+        if self.proc is None:
+            raise RuntimeError(f"sharding_worker {self.mode} was cancelled before it started")
         try:
-            return self.proc.wait(timeout=timeout)
+            return self.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
 
+    def cancel(self) -> None:
+        """Kill the subprocess, or keep a queued one from starting."""
+        with self._lock:
+            self._cancelled = True
+            self._started.set()
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
     def log_tail(self) -> str:
-        return self.log.read_text()[-4000:]
+        return self.log.read_text()[-4000:] if self.log.exists() else "(no log: the run never started)"
 
 
 STARTED: dict[str, Run] = {}   # mode -> the run started at collection (start_early), until a test takes it
 _EARLY_DIRS: list[tempfile.TemporaryDirectory] = []
 
 
-def start_early(mode: str) -> None:
-    """Start MODE's run now, before the test that needs it (tests/conftest.py: at the end of collection): the
-    worker compiles in its own process, on the CPU core that the test process (one compile at a time) mostly
-    leaves idle, and the test takes its results from STARTED."""
-    _EARLY_DIRS.append(tempfile.TemporaryDirectory(prefix=f"sharding_worker_{mode}_"))
-    STARTED[mode] = Run(mode, Path(_EARLY_DIRS[-1].name))
+def start_early(modes: list[str]) -> None:
+    """Start the runs of `modes` now, before the tests that need them (tests/conftest.py: at the end of collection,
+    in the order their tests come), one after another: the worker compiles in its own process, on the CPU core that
+    the test process (one compile at a time) mostly leaves idle, and each test takes its results from STARTED."""
+    previous = None
+    for mode in modes:
+        _EARLY_DIRS.append(tempfile.TemporaryDirectory(prefix=f"sharding_worker_{mode}_"))
+        previous = STARTED[mode] = Run(mode, Path(_EARLY_DIRS[-1].name), after=previous)
 
 
 def stop_early() -> None:
-    """End of the session: kill the runs no test took (a -x stop, a deselection) and remove their files."""
-    for run in STARTED.values():
-        if run.proc.poll() is None:
-            run.proc.kill()
-            run.proc.wait()
+    """End of the session: kill the runs no test took (a -x stop, a deselection), keep queued ones from starting,
+    and remove their files."""
+    for run in reversed(list(STARTED.values())):
+        run.cancel()
     STARTED.clear()
     while _EARLY_DIRS:
         _EARLY_DIRS.pop().cleanup()

@@ -9,12 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common import simulated_devices_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_full_and_transport_alone(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = simulated_devices_env(4, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "experiments.bench_ep", "--small", "--mesh", "2,2,1", "--tokens", "16,6",
            "--transport", "gather", "--impl", "reference", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -37,12 +37,13 @@ def test_collectives_parser():
 
 def test_mesh_collectives_subprocess(tmp_path):
     """On 2 simulated devices (dp=2) the partitioned verify step compiles and lists its collectives."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    from common import simulated_devices_env
+
+    env = simulated_devices_env(2)
     cmd = [sys.executable, "-m", "experiments.compile_time", "--preset", "tiny-v4", "--layers", "3", "--steps",
            "verify", "--context", "40", "--decode-batch", "4", "--mesh", "2,1,1", "--collectives", "--out",
            str(tmp_path)]

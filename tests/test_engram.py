@@ -377,10 +377,14 @@ def test_fp8_rows_quantiser_matches_quant_io():
     np.testing.assert_array_equal(np.asarray(dequant_fp8_rows(q_jnp, s_jnp)), q.dequant_fp8_rows(q_np, s_np))
 
 
-@pytest.mark.parametrize("tables", ["fp8", pytest.param("model", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("tables", ["fp8", "model"])
 def test_placements_equal_on_one_device(tables):
     """On one device every placement gathers the same rows: prefill and decode logits equal bitwise; host tables
-    live in host memory (pinned_host), gathered there inside the step."""
+    live in host memory (pinned_host), gathered there inside the step. On request (-m slow): the default run has
+    host tables equal to device ones on one device (the golden checkpoint, FP8 and dequantised tables) and split
+    and host tables equal to replicated ones on 8 devices in prefill, decode and speculative decoding
+    (tests/test_engram_sharded.py)."""
     from common import teacher_forced_decode
 
     rng = np.random.default_rng(9)

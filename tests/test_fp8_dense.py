@@ -233,8 +233,11 @@ def test_sharded_on_8_devices(tmp_path_factory):
     assert any(c["scale_spec"] == "P('tp',)" for c in cases)
 
 
+@pytest.mark.slow
 def test_bench_smoke_fp8(tmp_path):
-    """experiments/bench.py --dense-weights fp8 on CPU: the record says so and is costed as "fp8-dense"."""
+    """experiments/bench.py --dense-weights fp8 on CPU: the record says so and is costed as "fp8-dense". On request
+    (-m slow), as the other CLI smoke runs beside the default bench.py run (tests/test_bench.py); the "fp8-dense"
+    costing is checked in the default run by test_memory_and_roofline_formats."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_bench import run_cli
 

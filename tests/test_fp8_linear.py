@@ -88,12 +88,14 @@ def test_config_needs_fp8_weights_for_the_kernels():
 def test_model_with_fp8_kernels_matches_the_reference_path(preset, quant_sim):
     """The float32 model with its FP8 projections multiplied from their bytes (grouped wo_a included; shapes that are
     not whole scale blocks keep the reference path) gives the reference path's logits; under quant_sim the official
-    act_quant'd FP8 x FP8 GEMMs."""
+    act_quant'd FP8 x FP8 GEMMs. The presets cut to one layer of each kind (tests/common.py: the same projections
+    on the kernels and off them as the full presets, in half the compile time)."""
     from flax import nnx
 
-    from model import ModelConfig, init_random
+    from common import small_v4, small_v41
+    from model import init_random
 
-    cfg = ModelConfig.preset(preset).replace(dense_weights="fp8", quant_sim=quant_sim)
+    cfg = {"tiny-v4": small_v4, "tiny-v41": small_v41}[preset]().replace(dense_weights="fp8", quant_sim=quant_sim)
     ref_model = init_random(cfg, seed=0, dtype="float32")
     kernel_model = init_random(cfg.replace(dense_impl="pallas"), seed=0, dtype="float32")
     on_kernels = [m for _, m in nnx.iter_modules(kernel_model) if getattr(m, "fp8_kernel", False)]

@@ -379,8 +379,12 @@ def test_triton_act_quant_matches_reference(fmt, act_block, kind, m):
     assert rel_err(got, want) < rel_err(plain, want)
 
 
-@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", "rows_2wg", "rows_2wg_persistent", "swap_ab",
-                                     "swap_ab_2wg", "swap_ab_2wg_persistent", "swap_ab_act_quant"])
+# The default run keeps one case of each property: one compute warpgroup (rows, swap_ab), two compute warpgroups and
+# persistent CTAs together (rows_2wg_persistent, swap_ab_2wg_persistent); two warpgroups in a CTA per item (the
+# interpreter's slowest cases, 20-30 s each) run on request (-m slow).
+@pytest.mark.parametrize("variant", ["rows", "rows_weight_in_combine", pytest.param("rows_2wg", marks=pytest.mark.slow),
+                                     "rows_2wg_persistent", "swap_ab", pytest.param("swap_ab_2wg", marks=pytest.mark.slow),
+                                     "swap_ab_2wg_persistent", "swap_ab_act_quant"])
 def test_mgpu_matches_reference(variant):
     """Mosaic GPU kernels in the MGPU interpreter. Its wgmma has neither a transposed SMEM operand nor a
     register operand: the row-tile kernels take the weights as [E, in, out] here (the model's [E, out, in]
@@ -414,28 +418,43 @@ def test_mgpu_matches_reference(variant):
     assert rel_err(got, want) < 1e-2
 
 
-def test_mgpu_fp8_rows_match_reference():
-    """FP8 x FP8 Mosaic GPU row tiles in the MGPU interpreter (weights as [E, in, out], see above): act_quant'd
-    activations, 128-block FP8 weights, per-block promotion into register totals, two compute warpgroups
-    (skewed routing: some all padding)."""
+FP8_ROWS_CONFIG = dict(block_m=128, compute_wgs=2, block_n=64, block_k=128, block_n_down=64, block_k_down=128,
+                       max_concurrent_steps=2)
+
+
+def _fp8_rows_problem():
     e, d, i, m, k = 4, 256, 256, 64, 2
     x, ids, w, w1, w2, w3 = problem(fresh_rng(), m, k, e, d, i, "skewed")
     q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3)
     x = x.astype(jnp.bfloat16)
     want = reference(x.astype(jnp.float32), ids, w, q1, q2, q3, sc, act_block=128)
-    cfg = K.MgpuConfig(block_m=128, compute_wgs=2, block_n=64, block_k=128, block_n_down=64, block_k_down=128,
-                       max_concurrent_steps=2)
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
-    for c in (cfg, dataclasses.replace(cfg, persistent=True)):
-        got = kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", config=c, interpret=True,
-                     weight_layout="in_out", act_block=128)
-        assert rel_err(got, want) < 1e-2, c
+    return (x, ids, w, t(q1), t(q2), t(q3), sc), want
+
+
+def test_mgpu_fp8_rows_match_reference():
+    """FP8 x FP8 Mosaic GPU row tiles in the MGPU interpreter (weights as [E, in, out], see above): act_quant'd
+    activations, 128-block FP8 weights, per-block promotion into register totals, two compute warpgroups
+    (skewed routing: some all padding)."""
+    args, want = _fp8_rows_problem()
+    cfg = K.MgpuConfig(**FP8_ROWS_CONFIG)
+    got = kernel(*args, backend="mgpu", config=cfg, interpret=True, weight_layout="in_out", act_block=128)
+    assert rel_err(got, want) < 1e-2
     with pytest.raises(ValueError, match="act_block must be the weights' scale block"):
-        kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", config=cfg, interpret=True,
-               weight_layout="in_out", act_block=64)
+        kernel(*args, backend="mgpu", config=cfg, interpret=True, weight_layout="in_out", act_block=64)
     with pytest.raises(ValueError, match="without warp specialisation"):
-        kernel(x, ids, w, t(q1), t(q2), t(q3), sc, backend="mgpu", interpret=True, weight_layout="in_out",
-               act_block=128, config=dataclasses.replace(cfg, block_m=64, compute_wgs=1, warp_specialized=False))
+        kernel(*args, backend="mgpu", interpret=True, weight_layout="in_out", act_block=128,
+               config=dataclasses.replace(cfg, block_m=64, compute_wgs=1, warp_specialized=False))
+
+
+@pytest.mark.slow
+def test_mgpu_fp8_rows_persistent_match_reference():
+    """The FP8 row tiles above in persistent CTAs (~35 s in the interpreter; persistent CTAs are in the default
+    run with bf16 tiles, test_mgpu_matches_reference)."""
+    args, want = _fp8_rows_problem()
+    cfg = K.MgpuConfig(**FP8_ROWS_CONFIG, persistent=True)
+    got = kernel(*args, backend="mgpu", config=cfg, interpret=True, weight_layout="in_out", act_block=128)
+    assert rel_err(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("quant_sim", [False, True])

@@ -49,9 +49,12 @@ def test_replay_composes_with_speculative(v41):
     assert not np.array_equal(plain.tokens, generate(v41, prompts, max_new_tokens=8).tokens)
 
 
+@pytest.mark.slow
 def test_v4_prefix_reuse_is_exact():
     """tiny-v4 cut to one layer of each attention kind (common.small_config: the CSA and HCA layers' ratios 4 and
-    16, which decide where a prefix may resume, as in the full preset)."""
+    16, which decide where a prefix may resume, as in the full preset). On request (-m slow): the default run has
+    a V4 store hit through `generate` equal to a cold run with MTP drafts (tests/test_prefix_store_speculative.py),
+    the exact V4 export / import (tests/test_prefix_store.py) and the store path without drafts on V4.1 (below)."""
     model = init_random(small_config("tiny-v4"), seed=0)
     store = PrefixStore(page_size=16)
     other = BASE[:37] + [9, 9, 9, 9, 9]

@@ -67,12 +67,19 @@ def test_layer_axis_is_never_sharded():
 
 # ------------------------------------------------------------------------------------ numerics
 
+@nnx.jit
+def _step(model, tokens, cache, n_new):
+    """One jitted chunk (every row's logits): a program per layout, where running the step op by op compiled each
+    op of the unrolled stack separately (twice the time)."""
+    return model.step(tokens, cache, n_new)[:2]
+
+
 def _run(model, tokens: np.ndarray) -> list[np.ndarray]:
     """Forward logits, then prefill of the first 8 tokens and one 4-token chunk through a cache."""
     b = tokens.shape[0]
     cache = allocate(model.config, b, 64, jnp.float32)
-    first, cache, _ = model.step(jnp.asarray(tokens[:, :8]), cache, jnp.full((b,), 8, jnp.int32))
-    second, cache, _ = model.step(jnp.asarray(tokens[:, 8:12]), cache, jnp.full((b,), 4, jnp.int32))
+    first, cache = _step(model, jnp.asarray(tokens[:, :8]), cache, jnp.full((b,), 8, jnp.int32))
+    second, cache = _step(model, jnp.asarray(tokens[:, 8:12]), cache, jnp.full((b,), 4, jnp.int32))
     return [np.asarray(model(jnp.asarray(tokens))), np.asarray(first), np.asarray(second)]
 
 
@@ -220,8 +227,9 @@ print("ok")
 @pytest.mark.slow
 def test_sharded_stacked_model_equals_one_device():
     """dp=2 x ep=4 on 8 simulated devices: a sharded and a born-sharded stacked model give one device's logits."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+    from common import simulated_devices_env
+
+    env = simulated_devices_env(8)
     out = subprocess.run([sys.executable, "-c", SHARDED_CHECK], env=env, cwd=REPO, timeout=1200, capture_output=True,
                          text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

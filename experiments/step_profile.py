@@ -41,6 +41,9 @@ _GLUE_KINDS = (("transpose", "transpose"), ("concatenate", "concatenate"), ("con
                ("gather", "scatter / gather"), ("copy", "copy"), ("reduce", "reduce"))
 _LIBRARY_GEMM = re.compile(r"^(sm\d+_xmma|nvjet|cutlass|gemm|ampere|volta|turing|cublas|sm90_)", re.I)
 _LIBRARY_AUX = re.compile(r"(splitKreduce|reduce_1Block|gemvx|gemv2)", re.I)
+# the runtime's own copy kernels (memcpy32_post, memcpy128, ...: no custom call of their own, they serve the op
+# before them)
+_RUNTIME_COPY = re.compile(r"^(memcpy|memset)\w*$", re.I)
 _MANGLED_GEMM = re.compile(r"^_Z\w*(cutlass|cublasLt|xmma)", re.I)   # C++-mangled library GEMM kernels
 _CUB = re.compile(r"^(_ZN\d*cub|cub::)", re.I)                        # XLA's sorts on cub (several kernels a call)
 
@@ -142,6 +145,8 @@ def kind_of(kernel: str, ins: dict | None) -> str:
         return "gemm"
     if _CUB.match(kernel):
         return "sort"
+    if _RUNTIME_COPY.match(kernel):
+        return "copy"
     if ins is None or ins["op"] == "custom-call":
         t = ins["target"].lower() if ins else ""
         return "gemm" if ("cublas" in t or "gemm" in t) else "sort" if "cub" in t else "pallas"
@@ -180,17 +185,19 @@ def attribute(kernels: list[tuple[str, float]], info: dict, custom_calls: list[s
     -- a run of consecutive cub kernels is one call -- and our kernels) where its counts agree, else by the kernel's
     own name."""
     own = [_lookup(k, info) for k, _ in kernels]
-    foreign = [i for i, (k, _) in enumerate(kernels) if own[i] is None and not _LIBRARY_AUX.search(k)]
+    # kernels that serve the op before them: a library GEMM's split-K reduction, the runtime's copies
+    helper = [own[i] is None and (_LIBRARY_AUX.search(k) or _RUNTIME_COPY.match(k)) for i, (k, _) in enumerate(kernels)]
+    foreign = [i for i in range(len(kernels)) if own[i] is None and not helper[i]]
     placed = {}
     if len(foreign) == len(custom_calls):
         placed = {i: info.get(name) for i, name in zip(foreign, custom_calls)}
     else:
         for cls in ("gemm", "cub", "ours"):
             units: list[list[int]] = []
-            for i in foreign:
+            for n, i in enumerate(foreign):
                 if _call_class(kernels[i][0]) != cls:
                     continue
-                if cls == "cub" and units and units[-1][-1] == i - 1:
+                if cls == "cub" and units and units[-1][-1] == foreign[n - 1]:   # helpers between do not count
                     units[-1].append(i)
                 else:
                     units.append([i])
@@ -200,7 +207,7 @@ def attribute(kernels: list[tuple[str, float]], info: dict, custom_calls: list[s
     out, last = [], None
     for i, (k, ms) in enumerate(kernels):
         ins = own[i] or placed.get(i)
-        if _LIBRARY_AUX.search(k) and own[i] is None:
+        if helper[i]:
             ins = last
         last = ins
         if ins is not None and ins["op_name"]:

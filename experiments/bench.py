@@ -295,7 +295,8 @@ def _state(model):
 # ----------------------------------------------------------------------------------------------- step functions
 
 def step_functions(setup: Setup, p: Point):
-    """Pure jitted functions over the model state (nnx.split once: no per-call graph traversal)."""
+    """Pure jitted functions over the model state's leaves (nnx.split and flatten once: a call flattens a flat
+    list, where an nnx.State costs ~1 us a leaf on the host, on the critical path of a synchronous step)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -303,19 +304,23 @@ def step_functions(setup: Setup, p: Point):
     from sampling.speculative import SpecParams, default_cost, prefill_and_propose, spec_step
 
     cfg = setup.cfg
-    graphdef, state = nnx.split(setup.model)
+    graphdef, tree = nnx.split(setup.model)
+    state, treedef = jax.tree.flatten(tree)
+
+    def merged(leaves):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     replay_tail = cfg.sliding_window if p.replay else None
     k = p.num_draft
 
     def prefill_fn(state, cache, tokens):
-        model = nnx.merge(graphdef, state)
+        model = merged(state)
         start = cache.lengths
         n_new = jnp.full(start.shape, tokens.shape[1], jnp.int32)
         logits, cache, _ = model.step(tokens, cache, n_new, last_only=True, replay_tail=replay_tail)
         return _greedy(logits[:, 0]), cache.replace(lengths=start)
 
     def verify_fn(state, cache, tokens):
-        model = nnx.merge(graphdef, state)
+        model = merged(state)
         start = cache.lengths
         n_new = jnp.full(start.shape, tokens.shape[1], jnp.int32)
         logits, cache, _ = model.step(tokens, cache, n_new)
@@ -324,12 +329,12 @@ def step_functions(setup: Setup, p: Point):
     sp = SpecParams(spec_kind(cfg), k, "fixed", default_cost(k), 0.0, 0, 1.0, replay_tail)
 
     def first_fn(state, cache, dc, tokens, lengths, key):
-        model = nnx.merge(graphdef, state)
+        model = merged(state)
         cache, dc, first, proposal = prefill_and_propose(model, cache, dc, tokens, lengths, key, sp)
         return cache, dc, first, proposal
 
     def spec_fn(state, cache, dc, pending, proposal, key):
-        model = nnx.merge(graphdef, state)
+        model = merged(state)
         cache, dc, _, a, n_verify, nxt, proposal = spec_step(model, cache, dc, pending, proposal, key, sp)
         return cache, dc, nxt, proposal, a, n_verify
 

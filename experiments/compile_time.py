@@ -66,6 +66,7 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
     (dp, ep, tp) mesh of visible devices, the collectives of the partitioned program)."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from experiments.bench import Point, Setup, make_mesh, step_functions
     from model.cache import allocate
@@ -89,7 +90,8 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
 
         placed = lambda tree, shardings: jax.tree.map(  # noqa: E731
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-        state = placed(state, param_shardings(state, mesh))
+        tree = nnx.state(model)   # the step functions take the state's leaves; the rules read its paths
+        state = jax.tree.leaves(placed(tree, param_shardings(tree, mesh)))
         cache = placed(cache, cache_shardings(cache, mesh))
         tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=batch_sharding(mesh, 2))
     t1 = time.perf_counter()

@@ -175,16 +175,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: tuple[float, ...], inv
     if inverse:
         angle = -angle
     cos, sin = jnp.cos(angle), jnp.sin(angle)
-    rope = x[..., -rope_dim:].astype(jnp.float32)
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].astype(jnp.float32)
     pairs = rope.reshape(*rope.shape[:-1], rope_dim // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
     rotated = rotated.reshape(rope.shape).astype(x.dtype)
-    # The rotated channels padded to x's width and selected in: one elementwise pass that XLA fuses with x's
-    # producer (a concatenation after the other channels ran as a pass of its own over x).
-    nope = x.shape[-1] - rope_dim
-    widened = jnp.pad(rotated, [(0, 0)] * (x.ndim - 1) + [(nope, 0)])
-    return jnp.where(jnp.arange(x.shape[-1]) >= nope, widened, x)
+    return jnp.concatenate([nope, rotated], axis=-1)
 
 
 def hadamard(x: jax.Array, batch_invariant: bool = False) -> jax.Array:

@@ -58,10 +58,15 @@ def _check_against_reference(r, n, d, dtype, iters, seed, carry, interpret=None)
     y_ref = np.einsum("rn,rnd->rd", a, np.asarray(x.astype(jnp.float32), np.float64))
     y, coef = K.mix_in(x, fn, base, scale, carried if carry else None, iters=iters, interpret=interpret, **EPS)
     assert coef.shape == (r, K.packed_width(n)) and y.shape == (r, d) and y.dtype == x.dtype
-    # the coefficients are float32 either way: the kernel's skinny GEMM is the float32 one (bf16 x split fn)
-    np.testing.assert_allclose(coef[:, :n], pre, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(coef[:, n:2 * n], post, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(coef[:, 2 * n:2 * n + n * n], comb.reshape(r, n * n), rtol=5e-5, atol=5e-6)
+    # the coefficients are float32 either way: the kernel's skinny GEMM is the float32 one (bf16 x split fn). On
+    # the GPU (tensor cores, float32 accumulation of n*D = 16384 products) it lands up to 1.8e-5 off float64 on
+    # 0.1% of 8192 rows of an H200, where the CPU's float32 stays within 1.7e-6: still far inside the TF32 of
+    # XLA's own float32 einsum there (~1e-3)
+    loose = 5 if interpret is False else 1
+    np.testing.assert_allclose(coef[:, :n], pre, rtol=2e-5 * loose, atol=2e-6 * loose)
+    np.testing.assert_allclose(coef[:, n:2 * n], post, rtol=2e-5 * loose, atol=2e-6 * loose)
+    np.testing.assert_allclose(coef[:, 2 * n:2 * n + n * n], comb.reshape(r, n * n), rtol=5e-5 * loose,
+                               atol=5e-6 * loose)
     tol = 1e-6 if dtype == jnp.float32 else 8e-3      # bf16: one rounding of the output apart
     assert rel_err(y, y_ref) < tol
     out = K.mix_out(x, f, coef, interpret=interpret)

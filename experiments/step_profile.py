@@ -163,7 +163,7 @@ def _lookup(kernel: str, info: dict) -> dict | None:
     while name:
         if name in info:
             return info[name]
-        stripped = re.sub(r"_\d+$", "", name)
+        stripped = re.sub(r"_+\d+$", "", name)   # XLA's copies of a kernel: `sort_53_1__1`, `..._2`
         if stripped == name:
             return None
         name = stripped

@@ -77,7 +77,8 @@ def test_mangled_library_gemms_and_cub_sorts_find_their_calls():
 def test_runtime_copies_serve_the_op_before_them():
     """The runtime's copy kernels (memcpy32_post, memcpy128) have no custom call of their own: our kernels still
     meet their calls (a Mosaic GPU attention kernel is not taken for the MoE's), and the copies join the op before
-    them, inside a cub run too."""
+    them, inside a cub run too; a kernel XLA named after its instruction with a copy's suffix (`__1`) is found
+    by it."""
     hlo = SYNTHETIC_HLO.replace('custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/moe/experts/'
                                 'pallas_call"}', 'custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/'
                                 'attention/attn_core/pallas_call"}')
@@ -87,7 +88,7 @@ def test_runtime_copies_serve_the_op_before_them():
                       'indexer/top_k"}\n  ROOT %custom-call.11 = bf16[16,8]{1,0} custom-call(%custom-call.10)')
     info, order = sp.parse_hlo(hlo)
     kernels = [("nvjet_sm90_tst_128x128", 1.0), ("memcpy32_post", 0.01), ("body_mosaic_gpu_kernel", 3.0),
-               ("loop_transpose_fusion_4", 0.5), ("_ZN3cub6detail11RadixSortA", 0.1), ("memcpy128", 0.01),
+               ("loop_transpose_fusion_4__1", 0.5), ("_ZN3cub6detail11RadixSortA", 0.1), ("memcpy128", 0.01),
                ("_ZN3cub6detail11RadixSortB", 0.1), ("sm90_xmma_gemm_bf16", 2.0)]
     rows = sp.attribute(kernels, info, order)
     assert [(r["component"], r["kind"]) for r in rows] == [

@@ -43,7 +43,9 @@ Timing (BENCHMARKS.md 5): random weights, tokens and caches (never zeros); every
 ahead of time (compile time reported separately), run `--warmup` times, then `--repeats` timed calls, each
 ended by `jax.block_until_ready`; medians (and p10/p90) over the timed calls. Every record carries the
 roofline of its step (experiments/roofline.py: per-device bytes / FLOPs floor on the H200 ceilings) and the
-achieved fraction floor / median; prefill also MFU. Before building anything the GPU memory (weights +
+achieved fraction floor / median; prefill also MFU. With `--kernel-times N` (a GPU) a record also gets the
+step's kernels per component (experiments/step_profile.py) and the step issued 20 times back to back, which
+splits the gap between kernels and wall time into the host's dispatch and wait and the device's idle time. Before building anything the GPU memory (weights +
 cache + a rough activation estimate) is checked against the device and configurations that do not fit are
 refused with a message (status "refused").
 

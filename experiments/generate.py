@@ -38,8 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--speculative", choices=["mtp", "dspark"], help="speculative decoding with the model's drafter")
     p.add_argument("--num-draft", type=int, help="drafts per speculative step (default 3)")
-    p.add_argument("--scan-layers", action="store_true", help="run repeated layer groups as one scanned body each "
-                   "(ModelConfig.scan_layers): a shorter compile")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="run repeated layer groups as one scanned body each (ModelConfig.scan_layers; the same "
+                   "numbers, a shorter compile: tiny-v4's first run 8.5 s against 11.4 unrolled on a quiet CPU); "
+                   "--no-scan-layers traces every layer")
     compile_cache.add_argument(p)
     p.add_argument("--json", help="also write the stats record to this file")
     return p.parse_args(argv)
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     from sampling.generate import DEFAULT_NUM_DRAFT, check_request, generate, request_length
 
     # every argument is checked against the config before the model is built (seconds, not a stall)
-    layout = {"scan_layers": True} if args.scan_layers else {}
+    layout = {"scan_layers": args.scan_layers}
     cfg = ModelConfig.from_hf(args.checkpoint) if args.checkpoint else ModelConfig.preset(args.preset)
     cfg = cfg.replace(**layout)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -117,7 +117,7 @@ def start_early(modes: list[str]) -> None:
 
 
 def stop_early() -> None:
-    """End of the session: kill the runs no test took (a -x stop, a deselection), keep queued ones from starting,
+    """End of the test run: kill the runs no test took (a -x stop, a deselection), keep queued ones from starting,
     and remove their files."""
     for run in reversed(list(STARTED.values())):
         run.cancel()

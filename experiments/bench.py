@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 import statistics
 import time
 import warnings
@@ -231,6 +232,7 @@ class Setup:
     repeats_decode: int = 60
     real_prefill: bool = False
     kernel_steps: int = 0  # > 0: that many extra steps under CUPTI, attributed per component (kernel_profile)
+    trace_dir: str | None = None  # two more steps under jax.profiler, a timeline per configuration (trace_steps)
     assumed_accepted: float = DEEPINFER_ACCEPTED
     checkpoint: str | None = None
     progress: Progress = dataclasses.field(default_factory=Progress)
@@ -534,6 +536,8 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
                 times.append(dt_)
             prog.update(label, i + 1, total, [t * 1e3 for t in times])
         out["finite_outputs"] = bool(res[1])
+        if setup.trace_dir:
+            out["trace_dir"], cache = trace_steps(fn, state, cache, sets, Path(setup.trace_dir) / re.sub(r"[^\w.-]+", "_", label))
         if setup.kernel_steps:
             out["profile"], cache = kernel_profile(fn, state, cache, sets, setup.kernel_steps,
                                                    statistics.median(times) * 1e3, int(np.prod(p.mesh)))
@@ -606,6 +610,19 @@ def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float, dev
     if "error" not in prof:
         prof.update(pipelined_gap(run_once, prof))
     return prof, box["cache"]
+
+
+def trace_steps(fn, state, cache, sets: list, directory: Path, steps: int = 2) -> tuple[str, Any]:
+    """`steps` more calls of a compiled prefill / verify step under jax.profiler, written to `directory` ->
+    (the directory, cache)."""
+    import jax
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(directory)):
+        for i in range(steps):
+            res, cache = fn(state, cache, sets[i % 2])
+        jax.block_until_ready((res, cache))
+    return str(directory), cache
 
 
 def pipelined_gap(run_once, prof: dict, calls: int = 20) -> dict:
@@ -698,7 +715,7 @@ def main(argv=None) -> list[dict]:
         if len(recs_refused) < len(points):
             setup = build(variant, preset, dtype, args.mesh, args.seed, args.checkpoint, progress, warmup=warm,
                           repeats_prefill=reps["prefill"], repeats_decode=reps["decode"],
-                          real_prefill=args.real_prefill, kernel_steps=args.kernel_times)
+                          real_prefill=args.real_prefill, kernel_steps=args.kernel_times, trace_dir=args.trace)
         for i, pt in enumerate(points):
             progress.log(f"[{i + 1}/{len(points)}] {pt.label()}{' batch-invariant' * variant.batch_invariant}")
             if args.time_budget and time.perf_counter() - progress.t0 > args.time_budget and pt not in recs_refused:

@@ -95,6 +95,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="indexer key cache: model dtype (default) or MXFP4 rows as the release stores them")
     p.add_argument("--kernel-times", type=int, default=0, metavar="STEPS",
                    help="prefill / verify: STEPS more steps under CUPTI; record per-kernel times (GPU only)")
+    p.add_argument("--trace", metavar="DIR",
+                   help="prefill / verify: two more steps under jax.profiler, one timeline per configuration in "
+                        "DIR/<configuration> (open with TensorBoard's profile plugin or Perfetto): kernels, copies, "
+                        "host work and the gaps between them")
     p.add_argument("--engram-vocab", type=int, help="[V4.1] Engram hash vocabulary (smaller tables, same rows "
                    "read per token), e.g. 160000 for V4.1 widths on one GPU")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1), help="dp,ep,tp (default 1,1,1: one device)")

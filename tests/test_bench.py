@@ -43,7 +43,8 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     copy = tmp_path / "out"
     plot = importlib.util.find_spec("matplotlib") is not None
     res = run_cli(["experiments.bench", "--quick", "--preset", "tiny-v4", "--layers", "4", "--mode", "both",
-                   "--phase", "both", "--out", str(out), "--tag", "test", "--kernel-times", "1"]
+                   "--phase", "both", "--out", str(out), "--tag", "test", "--kernel-times", "1", "--trace",
+                   str(tmp_path / "trace")]
                   + ["--plot"] * plot, 240, {"OUT": str(copy), **jax_cache})
     files = sorted(out.glob("bench_*_test.json"))
     assert len(files) == 1, list(out.iterdir())
@@ -67,6 +68,8 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
         # a point whose program another point compiled reuses it (0 s)
         assert all(v > 0 or r["compile_cache"][k] == "reused" for k, v in r["compile_s"].items())
         assert r["finite_outputs"] is True
+        if r["step"] in ("prefill", "verify"):   # a timeline per configuration
+            assert any(Path(r["trace_dir"]).rglob("*.xplane.pb")), r["trace_dir"]
         assert r["roofline"]["floor_ms"] > 0 and 0 < r["roofline_fraction"] < 10
         assert r["tokens_per_s"] > 0
         assert r["context_fill"] == "synthetic" and r["layers"] == 4

@@ -25,6 +25,8 @@
 #   mhc                   the mHC kernels' GPU tests and pieces (experiments.probes.mhc_kernels), then the release-format
 #                         steps with the mHC as XLA ops and as the kernels, V4 verify 8 / 64 / 256 x 4 and prefill 2 x
 #                         4096 (the kernels with --kernel-times)
+#   step-trace            the release-format V4 verify 64 x 4 and prefill 2 x 4096 with a jax.profiler timeline of two
+#                         steps each (--trace; in $OUT/trace): what the device does in the gaps between kernels
 #   step-realistic        realistic mode (the router's own choices, distinct prompts, the whole speculative step),
 #                         release format, verify 64 x 4
 #   peer-ours             ours (release format and bf16) at the peer's shapes: prefill 1 x 4096 without context,
@@ -155,6 +157,9 @@ for suite in "${suites[@]}"; do
             bench 190 "v4_release_mhc_$impl" $V4 $RELEASE --mhc-impl $impl --phase decode,prefill --batch 8,64,256 \
                 --prefill-batch 2 --context 32768 $kt
         done ;;
+    step-trace)
+        bench 200 v4_release_trace $V4 $RELEASE --phase decode,prefill --batch 64 --prefill-batch 2 \
+            --context 32768 --trace "$OUTDIR/trace" --repeats 5 ;;
     step-realistic)
         bench 240 v4_release_realistic $V4 $RELEASE --mode realistic --phase decode --batch 64 --context 32768 ;;
     peer-ours)

@@ -45,9 +45,9 @@ ended by `jax.block_until_ready`; medians (and p10/p90) over the timed calls. Ev
 roofline of its step (experiments/roofline.py: per-device bytes / FLOPs floor on the H200 ceilings) and the
 achieved fraction floor / median; prefill also MFU. With `--kernel-times N` (a GPU) a record also gets the
 step's kernels per component (experiments/step_profile.py) and the step issued 20 times back to back, which
-splits the gap between kernels and wall time into the host's dispatch and wait and the device's idle time. Before building anything the GPU memory (weights +
-cache + a rough activation estimate) is checked against the device and configurations that do not fit are
-refused with a message (status "refused").
+splits the gap between kernels and wall time into the host's dispatch and wait and the device's idle time.
+Before building anything the GPU memory (weights + cache + a rough activation estimate) is checked against the
+device and configurations that do not fit are refused with a message (status "refused").
 
 Output: one JSON record per configuration (command line, git revision, device, jax version, shapes,
 dtype, warm-up and repeat counts, medians, compile times, roofline) in
@@ -537,7 +537,8 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
             prog.update(label, i + 1, total, [t * 1e3 for t in times])
         out["finite_outputs"] = bool(res[1])
         if setup.trace_dir:
-            out["trace_dir"], cache = trace_steps(fn, state, cache, sets, Path(setup.trace_dir) / re.sub(r"[^\w.-]+", "_", label))
+            where = Path(setup.trace_dir) / re.sub(r"[^\w.-]+", "_", label)
+            out["trace_dir"], cache = trace_steps(fn, state, cache, sets, where)
         if setup.kernel_steps:
             out["profile"], cache = kernel_profile(fn, state, cache, sets, setup.kernel_steps,
                                                    statistics.median(times) * 1e3, int(np.prod(p.mesh)))

@@ -23,8 +23,8 @@ from pallas_kernels import reference as ref
 from .cache import LayerCache, Step, read, ring_positions, ring_write
 from .compressor import Compressor, Indexer, store_entries, visible_entries
 from .config import LayerSpec, ModelConfig
-from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_kernel_linear, normal_init, rms_normalize,
-                     rope_frequencies)
+from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_kernel_linear, normal_init, per_batch_shard,
+                     rms_normalize, rope_frequencies)
 
 
 @struct.dataclass
@@ -198,10 +198,7 @@ class Attention(nnx.Module):
         return topk, published if ix.candidate_source else candidates
 
     def _per_sequence(self, fn, batched: tuple, replicated: tuple = ()):
-        """fn(*batched, *replicated), on a mesh once per batch shard (GSPMD cannot split a pallas_call)."""
-        if self.per_shard is None:
-            return fn(*batched, *replicated)
-        return self.per_shard(fn, batched, replicated)
+        return per_batch_shard(self.per_shard, fn, batched, replicated)
 
     def _attention_kernel(self, q: jax.Array, step: Step, keys: list, ring_pos: jax.Array, own_pos: jax.Array,
                           shared: Shared) -> jax.Array:

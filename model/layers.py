@@ -84,6 +84,12 @@ class Linear(nnx.Module):
         return inv.row_blocks(product, x, lead=x.ndim - 1) if self.batch_invariant else product(x)
 
 
+def per_batch_shard(per_shard, fn, batched: tuple, replicated: tuple = ()):
+    """fn(*batched, *replicated) for a Pallas kernel: on a mesh once per batch shard through the runtime's runner
+    `per_shard` (sharding.BatchParallel: GSPMD cannot split a pallas_call), on the whole batch where it is None."""
+    return fn(*batched, *replicated) if per_shard is None else per_shard(fn, batched, replicated)
+
+
 def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> jax.Array:
     """x [G, M, K] @ W_g^T on the FP8 kernels for FP8 weights w [G, N, K] with block scales [G, N/B, K/B]; act_block
     (quant_sim's act_quant) other than the weights' block B rounds the input here and multiplies bf16 activations.

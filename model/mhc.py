@@ -22,7 +22,7 @@ from flax import nnx
 from pallas_kernels import mhc as pk_mhc
 from pallas_kernels.invariant import row_blocks
 
-from .layers import normal_init, rms_normalize
+from .layers import normal_init, per_batch_shard, rms_normalize
 
 
 class HyperConnection(nnx.Module):
@@ -98,7 +98,7 @@ def mix_in(hc: HyperConnection, x: jax.Array, carried: jax.Array | None, *, impl
                                 None if carried is None else carried.reshape(-1, carried.shape[-1]),
                                 norm_eps=norm_eps, hc_eps=hc_eps, iters=sinkhorn_iters)
         return y.reshape(*lead, d), coef.reshape(*lead, coef.shape[-1])
-    return _on_shards(per_shard, kernel, (x, carried), (hc.fn[...], hc.base[...], hc.scale[...]))
+    return per_batch_shard(per_shard, kernel, (x, carried), (hc.fn[...], hc.base[...], hc.scale[...]))
 
 
 def mix_out(x: jax.Array, out: jax.Array, coef: Coefficients, *, batch_invariant: bool = False, per_shard=None
@@ -112,16 +112,12 @@ def mix_out(x: jax.Array, out: jax.Array, coef: Coefficients, *, batch_invariant
         lead, (n, d) = x.shape[:-2], x.shape[-2:]
         return pk_mhc.mix_out(x.reshape(-1, n, d), out.reshape(-1, d), coef.reshape(-1, coef.shape[-1])
                               ).reshape(x.shape)
-    return _on_shards(per_shard, kernel, (x, out, coef))
+    return per_batch_shard(per_shard, kernel, (x, out, coef))
 
 
 def pre_vector(coef: Coefficients, n: int) -> jax.Array:
     """The pre vector [..., n] of either form of the coefficients."""
     return coef[0] if isinstance(coef, tuple) else coef[..., :n]
-
-
-def _on_shards(per_shard, fn, batched: tuple, replicated: tuple = ()):
-    return fn(*batched, *replicated) if per_shard is None else per_shard(fn, batched, replicated)
 
 
 class HyperHead(nnx.Module):

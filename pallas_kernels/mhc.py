@@ -132,6 +132,10 @@ def supported(n: int, d: int) -> bool:
     return n >= 1 and n & (n - 1) == 0 and d % 16 == 0
 
 
+def _check_supported(n: int, d: int) -> None:
+    _check(supported(n, d), f"need n a power of two and D a multiple of 16, got n={n}, D={d}")
+
+
 def _rows_block(r: int, cap: int) -> int:
     """Rows per program: cap, or fewer for a short batch (at least 16, Triton's smallest MMA / tile)."""
     return min(cap, max(16, next_pow2(r)))
@@ -174,7 +178,7 @@ def coefficients(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
     m = rho (fn x) is XLA's (`_skinny_gemm`, fn zero-padded to P rows so m arrives packed); the activations, the
     row softmax and the Sinkhorn rounds run in one kernel on per-row registers."""
     r, n, d = x.shape
-    _check(supported(n, d), f"need n a power of two and D a multiple of 16, got n={n}, D={d}")
+    _check_supported(n, d)
     m = (2 + n) * n
     _check(fn.shape == (m, n * d) and base.shape == (m,) and scale.shape == (3,),
            f"fn [{m}, {n * d}], base [{m}], scale [3] expected, got {fn.shape}, {base.shape}, {scale.shape}")
@@ -202,7 +206,7 @@ def collapse(x: jax.Array, a: jax.Array, *, block_rows: int = 16, block_d: int =
     """y = sum_i a_i X_i: x [R, n, D], a [R, w >= n] (packed coefficients, or a pre vector) -> y [R, D] in
     x.dtype (float32 sum)."""
     r, n, d = x.shape
-    _check(supported(n, d), f"need n a power of two and D a multiple of 16, got n={n}, D={d}")
+    _check_supported(n, d)
     _check(a.ndim == 2 and a.shape[0] == r and a.shape[1] >= n and a.shape[1] & (a.shape[1] - 1) == 0,
            f"a must be [R={r}, w >= {n}] with w a power of two, got {a.shape}")
     br = _rows_block(r, block_rows)
@@ -237,15 +241,13 @@ def mix_out(x: jax.Array, f: jax.Array, coef: jax.Array, *, block_rows: int = 16
             num_warps: int = 4, num_stages: int = 2, interpret=None) -> jax.Array:
     """x [R, n, D], F [R, D] (the sublayer's output), coef [R, P] (mix_in's) -> X' [R, n, D] in x.dtype."""
     r, n, d = x.shape
-    _check(supported(n, d), f"need n a power of two and D a multiple of 16, got n={n}, D={d}")
+    _check_supported(n, d)
     _check(f.shape == (r, d) and coef.shape == (r, packed_width(n)),
            f"F [{r}, {d}] and coef [{r}, {packed_width(n)}] expected, got {f.shape}, {coef.shape}")
     br = _rows_block(r, block_rows)
     rp = -(-r // br) * br
     bd = _block(d, block_d)
-    if rp != r:
-        pad = lambda a: jnp.pad(a, [(0, rp - r)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
-        x, f, coef = pad(x), pad(f), pad(coef)
+    x, f, coef = _pad_rows(x, rp), _pad_rows(f, rp), _pad_rows(coef, rp)
     out = pl.pallas_call(
         functools.partial(_mix_out_kernel, n=n), grid=(rp // br, d // bd),
         in_specs=[pl.BlockSpec((br, n, bd), lambda i, c: (i, 0, c)), pl.BlockSpec((br, bd), lambda i, c: (i, c)),

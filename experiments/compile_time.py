@@ -155,8 +155,8 @@ def main(argv=None) -> dict:
     if args.layers:
         cfg = scale_layers(cfg, args.layers)
     cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl, mhc_impl=args.mhc_impl,
-                      expert_weights=args.expert_weights,
-                      dense_weights=args.dense_weights, scan_layers=args.scan_layers)
+                      expert_weights=args.expert_weights, dense_weights=args.dense_weights,
+                      scan_layers=args.scan_layers)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if not steps or any(s not in ("prefill", "verify") for s in steps):
         raise SystemExit(f"--steps must list prefill and/or verify, got {args.steps!r}")

@@ -186,7 +186,8 @@ def attribute(kernels: list[tuple[str, float]], info: dict, custom_calls: list[s
     own name."""
     own = [_lookup(k, info) for k, _ in kernels]
     # kernels that serve the op before them: a library GEMM's split-K reduction, the runtime's copies
-    helper = [own[i] is None and (_LIBRARY_AUX.search(k) or _RUNTIME_COPY.match(k)) for i, (k, _) in enumerate(kernels)]
+    helper = [own[i] is None and bool(_LIBRARY_AUX.search(k) or _RUNTIME_COPY.match(k))
+              for i, (k, _) in enumerate(kernels)]
     foreign = [i for i in range(len(kernels)) if own[i] is None and not helper[i]]
     placed = {}
     if len(foreign) == len(custom_calls):

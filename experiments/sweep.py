@@ -82,8 +82,7 @@ def load_spec(path: str | None) -> dict:
 
 
 SPEC_KEYS = {"name", "preset", "layers", "dtype", "moe_impl", "attention_impl", "mhc_impl", "expert_weights",
-             "dense_weights",
-             "seed", "checkpoint", "phase", "mode", "step", "mesh", "batch", "prefill_batch", "context", "num_draft",
+             "dense_weights", "seed", "checkpoint", "phase", "mode", "step", "mesh", "batch", "prefill_batch", "context", "num_draft",
              "new_tokens", "replay", "warmup", "repeats", "real_prefill", "quick", "results", "scan_layers"}
 
 

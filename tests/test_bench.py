@@ -172,6 +172,16 @@ def test_points_and_keys():
         Point("decode", "benchmark", 8, 4096)
 
 
+def test_invariance_variants_with_scanned_layers():
+    """--scan-layers benches the fast mode; asking for the batch-invariant mode beside it is refused by name."""
+    from experiments.bench import invariance_variants, resolve_config
+
+    cfg = resolve_config("tiny-v4", scan_layers=True)
+    assert invariance_variants(cfg, "off") == [cfg]
+    with pytest.raises(ValueError, match="scan_layers=True with batch_invariant=True"):
+        invariance_variants(cfg, "both")
+
+
 def test_memory_estimate_refuses_what_cannot_fit():
     from experiments.bench import Point, resolve_config
     from experiments.bench_memory import estimate_memory, memory_message

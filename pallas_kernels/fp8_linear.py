@@ -6,7 +6,11 @@ projection: G groups, each its own [N, K] weight over its own inputs) with G exp
 package's single-weight grouped GEMMs over a plan whose tiles are the groups' rows in order (no routing, no
 gather):
   act_block == 0 -- activations as given (bf16; float32 in the parity mode); Triton dequantises each FP8 tile in
-                    registers by its block scale on the partial product (one pass over the weights per tile of rows).
+                    registers by its block scale on the partial product (one pass over the weights per tile of rows);
+                    backend="swap" (auto on Hopper for bf16 activations, 128-blocks and at most SWAP_MAX_ROWS
+                    rows per group: decode and verify) runs the MoE package's Mosaic GPU swap_ab tiles instead: the
+                    weights are wgmma's M operand, dequantised in registers, the tokens its N (one pass over the
+                    weights per tile of up to 128 tokens).
   act_block == B -- the official FP8 GEMM: activations act_quant'd per B values (reference.act_quant); FP8 x FP8
                     MMA with both scales on each block's float32 partial up to TRITON_FP8_MMA_MAX_ROWS rows, the
                     act_quant-rounded values on the bf16 path above it (the same products). backend="mgpu" runs
@@ -23,12 +27,28 @@ import jax
 import jax.numpy as jnp
 
 from . import reference as ref
-from .common import interpret_flag
+from .common import interpret_flag, next_pow2, on_hopper
 from .moe import triton_gemm
 from .moe.configs import MgpuConfig, TritonConfig
 from .moe.layouts import as_e8m0_bytes
 from .moe.mgpu_rows import row_gemm
+from .moe.mgpu_swap import swap_gemm
+from .moe.row_kernels import transpose
 from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
+
+# rows per group up to which "auto" takes the swap_ab tiles (bf16 activations, 128-blocks, on Hopper)
+SWAP_MAX_ROWS = 256
+
+
+def swap_config(m: int) -> MgpuConfig:
+    """The swap_ab tiling for m rows per group: one tile of the rows rounded up to a power of two from 16 (one
+    warpgroup issuing its own copies, the MoE's FP8 decode tiling) up to 64 rows; above, tiles of 128 tokens over
+    two compute warpgroups in persistent CTAs (the MoE's FP8 prefill swap tiling)."""
+    if m <= 64:
+        return MgpuConfig(block_m=max(16, next_pow2(m)), block_n=128, block_k=128, block_n_down=128,
+                          block_k_down=128, max_concurrent_steps=5, swap_ab=True, warp_specialized=False)
+    return MgpuConfig(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
+                      max_concurrent_steps=4, swap_ab=True, compute_wgs=2, persistent=True)
 
 
 def fp8_linear_reference(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int = 0) -> jax.Array:
@@ -46,8 +66,8 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     """y [G, M, N] = x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] (weight_layout "in_out": [G, K, N], which the
     Mosaic GPU CPU interpreter needs) with UE8M0 block scales [G, N/B, K/B] (uint8 exponent bytes or
     float8_e8m0fnu). act_block: 0 (bf16 activations) or the weights' block B (act_quant, FP8 x FP8).
-    backend: "auto" (the MoE tuning table's) | "triton" | "mgpu" (FP8 x FP8 only). Output in out_dtype, accumulated
-    in float32."""
+    backend: "auto" | "triton" | "mgpu" (FP8 x FP8 only) | "swap" (bf16 activations and 128-blocks only). Output
+    in out_dtype, accumulated in float32."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise ValueError(f"fp8_linear: x must be bf16, f16 or float32, got {x.dtype}")
     if x.ndim != 3 or w.ndim != 3 or scale.ndim != 3:
@@ -68,23 +88,29 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
         raise ValueError(f"fp8_linear: [{n}, {k}] is not a whole number of {block} x {block} scale blocks")
     if act_block not in (0, block):
         raise ValueError(f"fp8_linear: act_block must be 0 or the weights' scale block {block}, got {act_block}")
+    swap_ok = not act_block and block == 128 and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
     if backend == "auto":
-        # Triton at every load: the Mosaic GPU row tiles, compiled on an H200 at the projections' shapes (N up to
-        # 32768, K 1024 / 4096), missed the reference at 4096 rows and overran shared memory at prefill.
-        backend = "triton"
-    if backend not in ("triton", "mgpu"):
-        raise ValueError(f"fp8_linear: backend must be 'auto', 'triton' or 'mgpu', got {backend!r}")
+        # the swap tiles at decode / verify loads; Triton elsewhere: the Mosaic GPU row tiles, compiled on an H200
+        # at the projections' shapes (N up to 32768, K 1024 / 4096), missed the reference at 4096 rows and overran
+        # shared memory at prefill.
+        backend = "swap" if swap_ok and m <= SWAP_MAX_ROWS and not kn and on_hopper() else "triton"
+    if backend not in ("triton", "mgpu", "swap"):
+        raise ValueError(f"fp8_linear: backend must be 'auto', 'triton', 'mgpu' or 'swap', got {backend!r}")
     if backend == "mgpu" and not act_block:
         raise ValueError("fp8_linear: the mgpu row tiles multiply FP8 x FP8: give act_block (the scale block)")
+    if backend == "swap" and not swap_ok:
+        raise ValueError(f"fp8_linear: the swap tiles take bf16 activations (got {x.dtype}, act_block {act_block}) "
+                         f"and 128 x 128 scale blocks (got {block})")
     if kn and backend != "mgpu":
         raise ValueError("fp8_linear: weight_layout 'in_out' runs on the mgpu row tiles only")
     if config is None:
-        config = default_config(backend, g * m, g, "fp8", fp8_acts=act_block > 0)
-    if backend == "mgpu" and (not isinstance(config, MgpuConfig) or config.swap_ab):
-        raise ValueError("fp8_linear: backend 'mgpu' takes an MgpuConfig of row tiles (swap_ab=False)")
+        config = swap_config(m) if backend == "swap" else default_config(backend, g * m, g, "fp8",
+                                                                           fp8_acts=act_block > 0)
+    if backend in ("mgpu", "swap") and (not isinstance(config, MgpuConfig) or config.swap_ab != (backend == "swap")):
+        raise ValueError(f"fp8_linear: backend {backend!r} takes an MgpuConfig with swap_ab={backend == 'swap'}")
     if backend == "triton" and not isinstance(config, TritonConfig):
         raise ValueError(f"fp8_linear: backend 'triton' needs a TritonConfig, got {type(config).__name__}")
-    interp = interpret_flag(backend, interpret)
+    interp = interpret_flag("triton" if backend == "triton" else "mgpu", interpret)
 
     bm = config.block_m
     tiles_per_group = -(-m // bm)
@@ -96,13 +122,17 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
         xq, xs = ref.act_quant(xp, act_block)
     else:
         xq, xs = (ref.fp8_fake_quant(xp, act_block) if act_block else xp), None
-    if backend == "triton":
+    last = m - (tiles_per_group - 1) * bm
+    tile_rows = jnp.tile(jnp.array([bm] * (tiles_per_group - 1) + [last], jnp.int32), g)
+    plan = (tile_expert, tile_rows, jnp.full((1,), g * tiles_per_group, jnp.int32))
+    if backend == "swap":
+        y = swap_gemm("fp8 linear", transpose(xq, interpret=interp is not None), plan, (w,), (scale,), fmt="fp8",
+                      names=("block_n_down", "block_k_down"), cfg=config, epilogue=lambda accs: accs[0],
+                      out_dtype=out_dtype, interpret=interp, out_rows=True)
+    elif backend == "triton":
         y = triton_gemm.down((xq,), tile_expert, w, scale, fmt="fp8", cfg=config, out_dtype=out_dtype,
                              interpret=interp, z_scale=xs)
     else:
-        last = m - (tiles_per_group - 1) * bm
-        tile_rows = jnp.tile(jnp.array([bm] * (tiles_per_group - 1) + [last], jnp.int32), g)
-        plan = (tile_expert, tile_rows, jnp.full((1,), g * tiles_per_group, jnp.int32))
         y = row_gemm("fp8 linear", xq, plan, (w,), bn=config.block_n_down, bk=config.block_k_down, cfg=config,
                      kn=kn, epilogue=lambda accs: accs[0], out_dtype=out_dtype, interpret=interp,
                      x_scale_t=xs.T, ss=(scale,))

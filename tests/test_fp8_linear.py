@@ -73,6 +73,31 @@ def test_bad_inputs_raise():
         fp8_linear(jnp.ones((1, 4, 128), jnp.bfloat16), w, s)
     with pytest.raises(ValueError, match="FP8 x FP8"):
         fp8_linear(x, w, s, backend="mgpu")
+    with pytest.raises(ValueError, match="swap tiles take bf16 activations"):
+        fp8_linear(x.astype(jnp.float32), w, s, backend="swap")
+    with pytest.raises(ValueError, match="swap tiles take bf16 activations"):
+        fp8_linear(x, w, s, act_block=128, backend="swap")
+    w32, s32 = _weights(rng, 1, 64, 64, 32)
+    with pytest.raises(ValueError, match=r"128 x 128 scale blocks \(got 32\)"):
+        fp8_linear(jnp.ones((1, 4, 64), jnp.bfloat16), w32, s32, backend="swap")
+    with pytest.raises(ValueError, match="swap_ab=True"):
+        fp8_linear(x, w, s, backend="swap", config=MgpuConfig())
+
+
+GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
+@pytest.mark.parametrize("g,n,k,m", [(1, 32768, 1024, 32), (1, 32768, 1024, 256), (1, 4096, 8192, 8),
+                                     (8, 1024, 4096, 256), (1, 512, 4096, 100)])
+def test_swap_tiles_lower_for_cuda(g, n, k, m):
+    """The swap_ab tiles (FP8 dequantised into a register wgmma operand, which the Mosaic GPU interpreter lacks)
+    lower for CUDA at V4-Flash's projection shapes (wq_b, wo_b, the grouped wo_a, wkv) and decode / verify loads."""
+    sd = jax.ShapeDtypeStruct
+    args = (sd((g, m, k), jnp.bfloat16), sd((g, n, k), jnp.float8_e4m3fn), sd((g, n // 128, k // 128), jnp.uint8))
+    f = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", interpret=False))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1, "no Mosaic GPU kernel in the lowered module"
 
 
 def test_config_needs_fp8_weights_for_the_kernels():
@@ -112,6 +137,7 @@ MGPU_ROW_TILES_OPEN = pytest.mark.xfail(strict=True, reason="Mosaic GPU row tile
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,act_block,backend", [(32, 0, "auto"), (256, 0, "auto"), (1024, 0, "auto"),
+                                                 (5, 0, "swap"), (100, 0, "swap"), (1024, 0, "swap"),
                                                  (32, 128, "auto"), (4096, 128, "auto"),
                                                  pytest.param(4096, 128, "mgpu", marks=MGPU_ROW_TILES_OPEN)])
 def test_gpu_fp8_linear_v4_shapes(m, act_block, backend):
@@ -130,5 +156,6 @@ def test_gpu_grouped_fp8_linear():
     rng = np.random.default_rng(10)
     w, s = _weights(rng, 8, 1024, 4096, 128)
     x = jnp.asarray(rng.standard_normal((8, 256, 4096)), jnp.bfloat16)
-    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, out_dtype=jnp.float32))(x, w, s)
-    assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5
+    for backend in ("triton", "swap"):
+        got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend=backend, out_dtype=jnp.float32))(x, w, s)
+        assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5, backend

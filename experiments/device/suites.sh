@@ -19,9 +19,10 @@
 #   step-index-keys       V4, FP4 experts, verify 64 x 4 at 128K with bf16 and MXFP4 index keys
 #   launch-gap            the host / launch gap of the release-format verify 64 x 4 under XLA's command buffers (CUDA
 #                         graphs): XLA's default, every command kind at every graph size, none
-#   fp8-dense             the FP8 projections multiplied from their bytes (--dense-impl pallas) against the in-graph
-#                         dequantisation, release format, V4 verify 64 / 256 x 4 and prefill 2 x 4096 (and the
-#                         official act_quant'd FP8 x FP8 prefill, --quant-sim), after the kernels' GPU tests
+#   fp8-dense             the FP8 projections multiplied from their bytes (--dense-impl pallas: the swap_ab tiles at
+#                         decode / verify loads) against the in-graph dequantisation: the kernels' GPU tests, each
+#                         projection alone (experiments.probes.fp8_linear), then release-format V4 verify 8 / 64 /
+#                         256 x 4 both ways
 #   mhc                   the mHC kernels' GPU tests and pieces (experiments.probes.mhc_kernels), then the release-format
 #                         steps with the mHC as XLA ops and as the kernels, V4 verify 8 / 64 / 256 x 4 and prefill 2 x
 #                         4096 (the kernels with --kernel-times)
@@ -128,13 +129,12 @@ for suite in "${suites[@]}"; do
                 --kernel-times 2
         done ;;
     fp8-dense)
-        limit 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_linear.py 2>&1 | tail -3
+        limit 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_linear.py 2>&1 | tail -4
+        limit 120 python -m experiments.probes.fp8_linear 2>&1 | grep -E "^\||rror"
         for impl in reference pallas; do
-            bench 200 "v4_release_dense_$impl" $V4 $RELEASE --dense-impl $impl --phase decode,prefill --batch 64,256 \
-                --prefill-batch 2 --context 32768 --kernel-times 2
-        done
-        bench 120 v4_release_quant_sim_pallas $V4 $RELEASE --dense-impl pallas --quant-sim --phase prefill \
-            --prefill-batch 2 --context 32768 --kernel-times 2 ;;
+            bench 120 "v4_release_dense_$impl" $V4 $RELEASE --dense-impl $impl --phase decode --batch 8,64,256 \
+                --context 32768 --kernel-times 2
+        done ;;
     step-bf16)
         bench 400 v4_bf16 $V4 --phase decode,prefill --batch 8,64,256 --prefill-batch 1,4 --context 32768 \
             --kernel-times 2

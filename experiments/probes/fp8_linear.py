@@ -1,0 +1,79 @@
+"""Tool: V4-Flash's FP8 projections at decode / verify / prefill loads, three ways of multiplying the stored FP8
+bytes: the model's in-graph path (`Linear.dense_weight`: the weight dequantised to bf16 in HBM, then XLA's GEMM),
+and `pallas_kernels.fp8_linear` on the Triton tiles and on the Mosaic GPU swap_ab tiles (dequantised in
+registers). For each projection and row count it prints the CUPTI kernel time of each (all kernels it launches;
+median of the calls) beside the floor (the FP8 weights, their scales, the input and output once at 4.4 TB/s, or
+the bf16 MMA at 790 TFLOP/s, whichever is longer), and each kernel's error against the float32 reference.
+
+    python -m experiments.probes.fp8_linear                          # GPU: rows 32, 256, 1024
+    python -m experiments.probes.fp8_linear --rows 4096 --ways xla,triton
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.bench_kernels import cupti_ms
+from pallas_kernels import reference as ref
+from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_reference
+
+HBM, BF16 = 4.4e12, 790e12
+# name: (groups, out, in) at V4-Flash widths
+PROJECTIONS = {"wq_a": (1, 1024, 4096), "wq_b": (1, 32768, 1024), "wkv": (1, 512, 4096),
+               "wo_a (8 groups)": (8, 1024, 4096), "wo_b": (1, 4096, 8192)}
+
+
+def in_graph(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
+    """The model's reference path: dequantise to bf16, then one XLA GEMM per group."""
+    wd = jax.vmap(ref.dequant_fp8_blocks)(w, s).astype(jnp.bfloat16)
+    return jnp.einsum("gmk,gnk->gmn", x, wd)
+
+
+WAYS = {"xla": in_graph,
+        "triton": lambda x, w, s: fp8_linear(x, w, s, backend="triton"),
+        "swap": lambda x, w, s: fp8_linear(x, w, s, backend="swap")}
+
+
+def floor_us(g: int, n: int, k: int, m: int) -> float:
+    bytes_ = g * (n * k + (n // 128) * (k // 128) + 2 * m * (k + n))
+    return max(bytes_ / HBM, 2 * g * m * n * k / BF16) * 1e6
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="32,256,1024", help="token rows per group (comma list)")
+    p.add_argument("--ways", default=",".join(WAYS), help=f"comma list of {', '.join(WAYS)}")
+    p.add_argument("--iterations", type=int, default=20)
+    args = p.parse_args(argv)
+    ways = args.ways.split(",")
+    if unknown := set(ways) - set(WAYS):
+        raise SystemExit(f"--ways: unknown {sorted(unknown)}; choose from {list(WAYS)}")
+    if jax.default_backend() != "gpu":
+        raise SystemExit("experiments.probes.fp8_linear times CUDA kernels: it needs a GPU")
+    rng = np.random.default_rng(0)
+    print("| projection | rows | " + " | ".join(f"{w} us" for w in ways) + " | floor us | best / floor | rel. errors |")
+    print("|---|---:|" + "---:|" * len(ways) + "---:|---:|---|")
+    for name, (g, n, k) in PROJECTIONS.items():
+        w32 = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32) * k ** -0.5
+        w, s = jax.vmap(lambda a: ref.quantize_fp8_blocks(a, 128))(w32)
+        for m in (int(r) for r in args.rows.split(",")):
+            x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
+            want = np.asarray(fp8_linear_reference(x, w, s), np.float64)
+            times, errors = [], []
+            for way in ways:
+                f = jax.jit(WAYS[way])
+                got = f(x, w, s)
+                errors.append(f"{way} {np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want):.1e}")
+                t = cupti_ms(f, x, w, s, iterations=args.iterations)
+                times.append(float(np.median(t)) * 1e3)
+            fl = floor_us(g, n, k, m)
+            print(f"| {name} | {m} | " + " | ".join(f"{t:.1f}" for t in times) + f" | {fl:.1f} | "
+                  f"{min(times) / fl:.2f} | {', '.join(errors)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

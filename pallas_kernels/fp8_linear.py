@@ -1,21 +1,25 @@
-"""FP8 linears from the stored bytes: y = x W^T with W held as the release ships it (E4M3 [N, K] and one UE8M0
-scale per B x B block, B = 128 V4 / 32 V4.1), never dequantised into HBM.
+"""FP8 linears: y = x W^T with W held as the release ships it (E4M3 [N, K] and one UE8M0 scale per B x B block,
+B = 128 V4 / 32 V4.1).
 
 A dense linear is the MoE block's down GEMM with one expert, and a grouped one (the attention's grouped output
-projection: G groups, each its own [N, K] weight over its own inputs) with G experts; so both run on the MoE
+projection: G groups, each its own [N, K] weight over its own inputs) with G experts; so the kernels are the MoE
 package's single-weight grouped GEMMs over a plan whose tiles are the groups' rows in order (no routing, no
-gather):
-  act_block == 0 -- activations as given (bf16; float32 in the parity mode); Triton dequantises each FP8 tile in
-                    registers by its block scale on the partial product (one pass over the weights per tile of rows);
-                    backend="swap" (auto on Hopper for bf16 activations, 128-blocks and at most SWAP_MAX_ROWS
-                    rows per group: decode and verify) runs the MoE package's Mosaic GPU swap_ab tiles instead: the
-                    weights are wgmma's M operand, dequantised in registers, the tokens its N (one pass over the
-                    weights per tile of up to 128 tokens).
-  act_block == B -- the official FP8 GEMM: activations act_quant'd per B values (reference.act_quant); FP8 x FP8
-                    MMA with both scales on each block's float32 partial up to TRITON_FP8_MMA_MAX_ROWS rows, the
-                    act_quant-rounded values on the bf16 path above it (the same products). backend="mgpu" runs
-                    the Mosaic GPU row tiles (per-block promotion into register-carried totals) on request only.
-Tilings are the MoE tuning table's (moe/tuning.py) at rows per group = M.
+gather). Backends:
+  "swap"         bf16 activations, 128-blocks: the Mosaic GPU swap_ab tiles; the weights are wgmma's M operand,
+                 dequantised in registers, the tokens its N (one pass over the weights per tile of up to 128
+                 tokens).
+  "triton"       Triton dequantises each FP8 tile in registers by its block scale on the partial product (one pass
+                 over the weights per tile of rows); with act_block == B the official FP8 GEMM: activations
+                 act_quant'd per B values (reference.act_quant), FP8 x FP8 MMA with both scales on each block's
+                 float32 partial up to TRITON_FP8_MMA_MAX_ROWS rows, the act_quant-rounded values on the bf16 path
+                 above it (the same products).
+  "mgpu"         FP8 x FP8 only: the Mosaic GPU row tiles (per-block promotion into register-carried totals).
+  "dequantised"  bf16 activations: the weight dequantised to bf16 in HBM, then XLA's GEMM (which fuses the
+                 dequantisation into the GEMM for small weights).
+  "auto"         on a GPU with bf16 activations: "swap" for the largest weights at decode / verify loads (see
+                 SWAP_MAX_ROWS), "dequantised" elsewhere (it beat the Triton tiles at prefill: V4 prefill 2 x 4096
+                 56.80 against 81.77 ms a step); FP8 x FP8 and the CPU interpreter: "triton".
+Triton and mgpu tilings are the MoE tuning table's (moe/tuning.py) at rows per group = M.
 
 The reference (`fp8_linear_reference`) dequantises the weight and multiplies in float32: the kernels match it to
 float32 summation order (act_block == 0), or match it on act_quant-rounded inputs (act_block == B).
@@ -27,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference as ref
-from .common import interpret_flag, next_pow2, on_hopper
+from .common import interpret_flag, next_pow2, on_gpu, on_hopper
 from .moe import triton_gemm
 from .moe.configs import MgpuConfig, TritonConfig
 from .moe.layouts import as_e8m0_bytes
@@ -36,8 +40,14 @@ from .moe.mgpu_swap import swap_gemm
 from .moe.row_kernels import transpose
 from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
 
-# rows per group up to which "auto" takes the swap_ab tiles (bf16 activations, 128-blocks, on Hopper)
+# "auto" takes the swap_ab tiles (bf16 activations, 128-blocks, on Hopper) up to SWAP_MAX_ROWS rows per group for
+# weights of at least SWAP_MIN_WEIGHTS elements per call: V4-Flash's wq_b, grouped wo_a and wo_b (33.5M each),
+# which XLA dequantises into HBM before its GEMM (at 32 / 256 rows: 18 / 45, 27 / 43, 46 / 63 us against XLA's
+# 62 / 71, 66 / 72, 65 / 73). XLA fuses the dequantisation of the smaller ones into its GEMM and wins there (wq_a,
+# 4.2M: 11 / 16 us against 24 / 33; wkv 2.1M), as it does at 1024 rows (wq_b: 126 against 157 us).
+# `python -m experiments.probes.fp8_linear` on an H200.
 SWAP_MAX_ROWS = 256
+SWAP_MIN_WEIGHTS = 16 * 2 ** 20
 
 
 def swap_config(m: int) -> MgpuConfig:
@@ -66,8 +76,8 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     """y [G, M, N] = x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] (weight_layout "in_out": [G, K, N], which the
     Mosaic GPU CPU interpreter needs) with UE8M0 block scales [G, N/B, K/B] (uint8 exponent bytes or
     float8_e8m0fnu). act_block: 0 (bf16 activations) or the weights' block B (act_quant, FP8 x FP8).
-    backend: "auto" | "triton" | "mgpu" (FP8 x FP8 only) | "swap" (bf16 activations and 128-blocks only). Output
-    in out_dtype, accumulated in float32."""
+    backend: "auto" | "triton" | "mgpu" (FP8 x FP8 only) | "swap" (bf16 activations and 128-blocks only) |
+    "dequantised" (bf16 activations only). Output in out_dtype, accumulated in float32."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise ValueError(f"fp8_linear: x must be bf16, f16 or float32, got {x.dtype}")
     if x.ndim != 3 or w.ndim != 3 or scale.ndim != 3:
@@ -88,14 +98,26 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
         raise ValueError(f"fp8_linear: [{n}, {k}] is not a whole number of {block} x {block} scale blocks")
     if act_block not in (0, block):
         raise ValueError(f"fp8_linear: act_block must be 0 or the weights' scale block {block}, got {act_block}")
-    swap_ok = not act_block and block == 128 and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
+    bf16_acts = not act_block and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
+    swap_ok = bf16_acts and block == 128
     if backend == "auto":
-        # the swap tiles at decode / verify loads; Triton elsewhere: the Mosaic GPU row tiles, compiled on an H200
-        # at the projections' shapes (N up to 32768, K 1024 / 4096), missed the reference at 4096 rows and overran
-        # shared memory at prefill.
-        backend = "swap" if swap_ok and m <= SWAP_MAX_ROWS and not kn and on_hopper() else "triton"
-    if backend not in ("triton", "mgpu", "swap"):
-        raise ValueError(f"fp8_linear: backend must be 'auto', 'triton', 'mgpu' or 'swap', got {backend!r}")
+        # on a GPU with bf16 activations: the swap tiles at decode / verify loads, the dequantised path elsewhere;
+        # FP8 x FP8 (act_block) and the CPU interpreter: Triton (the Mosaic GPU row tiles, compiled on an H200 at
+        # the projections' shapes, missed the reference at 4096 rows and overran shared memory at prefill)
+        if bf16_acts and not kn and on_gpu():
+            big = g * n * k >= SWAP_MIN_WEIGHTS
+            backend = "swap" if swap_ok and big and m <= SWAP_MAX_ROWS and on_hopper() else "dequantised"
+        else:
+            backend = "triton"
+    if backend not in ("triton", "mgpu", "swap", "dequantised"):
+        raise ValueError(f"fp8_linear: backend must be 'auto', 'triton', 'mgpu', 'swap' or 'dequantised', got "
+                         f"{backend!r}")
+    if backend == "dequantised":
+        if not bf16_acts or kn:
+            raise ValueError(f"fp8_linear: the dequantised path takes bf16 activations (got {x.dtype}, act_block "
+                             f"{act_block}) and the 'out_in' layout")
+        wd = jax.vmap(ref.dequant_fp8_blocks)(w, scale).astype(jnp.bfloat16)
+        return jnp.einsum("gmk,gnk->gmn", x, wd, preferred_element_type=jnp.float32).astype(out_dtype)
     if backend == "mgpu" and not act_block:
         raise ValueError("fp8_linear: the mgpu row tiles multiply FP8 x FP8: give act_block (the scale block)")
     if backend == "swap" and not swap_ok:

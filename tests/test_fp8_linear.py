@@ -37,6 +37,19 @@ def test_triton_bf16_activations(seed, g, m, block):
     assert _rel(got, fp8_linear_reference(x, w, s)) < 2e-6
 
 
+@pytest.mark.parametrize("seed,g,m,block", [(6, 1, 5, 128), (7, 3, 17, 32)])
+def test_dequantised_path(seed, g, m, block):
+    """backend="dequantised" (auto on a GPU above the swap tiles' loads and for 32-blocks): the weight as exact bf16,
+    XLA's GEMM with float32 accumulation."""
+    rng = np.random.default_rng(seed)
+    w, s = _weights(rng, g, 2 * block, 4 * block, block)
+    x = jnp.asarray(rng.standard_normal((g, m, 4 * block)), jnp.bfloat16)
+    got = fp8_linear(x, w, s, backend="dequantised", out_dtype=jnp.float32)
+    assert _rel(got, fp8_linear_reference(x, w, s)) < 2e-6
+    with pytest.raises(ValueError, match="dequantised path takes bf16 activations"):
+        fp8_linear(x, w, s, act_block=block, backend="dequantised")
+
+
 @pytest.mark.parametrize("seed,m", [(4, 7), (5, 40)])
 def test_triton_fp8_activations(seed, m):
     """act_block = B: the official FP8 GEMM (act_quant, FP8 x FP8 MMA, both scales on each block's partial)."""

@@ -95,6 +95,24 @@ def test_scanned_equals_unrolled(preset):
     np.testing.assert_array_equal(got[2].argmax(-1), want[2].argmax(-1))
 
 
+def test_stacking_frees_the_blocks_it_consumes():
+    """LayerStack stacks each array and deletes its per-layer sources at once (the peak is one stacked array above
+    the weights); an array that two blocks share is left alone, and the stacks hold the blocks' values."""
+    from model.stack import _stacked
+    from model.layers import Linear
+
+    rngs = nnx.Rngs(0)
+    blocks = [Linear(8, 4, rngs=rngs) for _ in range(3)]
+    shared = blocks[0].weight[...]
+    blocks[2].weight = nnx.Param(shared)          # one array in two blocks
+    want = np.stack([np.asarray(b.weight[...]) for b in blocks])
+    sources = [b.weight[...] for b in blocks]
+    stacked = _stacked(blocks)
+    np.testing.assert_array_equal(np.asarray(stacked.weight[...]), want)
+    assert sources[1].is_deleted()
+    assert not shared.is_deleted()
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 
 @pytest.mark.parametrize("expert_weights", ["dense", pytest.param("fp4", marks=pytest.mark.slow)])

@@ -29,7 +29,7 @@
 #   step-trace            the release-format V4 verify 64 x 4 and prefill 2 x 4096 with a jax.profiler timeline of two
 #                         steps each (--trace; in $OUT/trace): what the device does in the gaps between kernels
 #   step-scale            the scale check: the release-format V4-Flash at 28 layers (the most of its layer pattern that
-#                         one H200 holds beside a 64-sequence 32K cache; 26 and 24 if refused), scanned layer groups,
+#                         one H200 holds beside a 64-sequence 32K cache; 26, then 24 if it fails), scanned layer groups,
 #                         verify 64 x 4: per-layer time and compile time against the 4-layer step
 #   step-realistic        realistic mode (the router's own choices, distinct prompts, the whole speculative step),
 #                         release format, verify 64 x 4
@@ -168,7 +168,7 @@ for suite in "${suites[@]}"; do
             rows=$(bench 280 "v4_release_${n}l" --preset v4-flash --layers $n $RELEASE --scan-layers --phase decode \
                 --batch 64 --context 32768)
             echo "$n layers: $rows"
-            echo "$rows" | grep -q refused || break
+            echo "$rows" | grep -q "| ok |" && break   # refused or out of memory: the next count
         done ;;
     step-realistic)
         bench 240 v4_release_realistic $V4 $RELEASE --mode realistic --phase decode --batch 64 --context 32768 ;;

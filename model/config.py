@@ -170,9 +170,9 @@ class ModelConfig:
     attention_impl: str = "reference"
     moe_impl: str = "reference"
     # The release's FP8 projections (dense_weights="fp8"): "reference" dequantises each weight in-graph before an XLA
-    # matmul; "pallas" multiplies from the stored bytes (pallas_kernels.fp8_linear: FP8 tiles dequantised in
-    # registers, or FP8 x FP8 with act_quant'd inputs under quant_sim); shapes that are not whole scale blocks keep
-    # the reference path.
+    # matmul; "pallas" runs pallas_kernels.fp8_linear's auto choice (on a GPU: the largest weights at decode / verify
+    # loads multiplied from the stored bytes, dequantised in registers; the rest dequantised for XLA's GEMM; FP8 x
+    # FP8 with act_quant'd inputs under quant_sim); shapes that are not whole scale blocks keep the reference path.
     dense_impl: str = "reference"
     # The hyper-connections (docs/model.md §2): "reference" (jnp: coefficients, Sinkhorn rounds, collapse and expand
     # as XLA ops) or "pallas" (pallas_kernels.mhc: two fused kernels per sublayer; hc_mult a power of two and

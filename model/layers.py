@@ -35,7 +35,8 @@ class Linear(nnx.Module):
     After `quantise(B)` (cfg.dense_weights="fp8", the tensors of quant_io.release_fp8) W is held as the
     release ships it: `weight` float8_e4m3fn [out, in] and `scale` UE8M0 exponent bytes uint8
     [ceil(out/B), ceil(in/B)]; each call dequantises it in-graph to the model dtype, then multiplies as usual, or
-    with `fp8_kernel` (cfg.dense_impl="pallas", whole scale blocks) multiplies from the stored bytes.
+    with `fp8_kernel` (cfg.dense_impl="pallas", whole scale blocks) runs `pallas_kernels.fp8_linear` (on a GPU the
+    largest weights at decode / verify loads multiplied from the stored bytes).
     `act_block` > 0 (cfg.quant_sim, the official FP8 GEMMs): the input is first rounded by act_quant per
     `act_block` values (`reference.fp8_fake_quant`), as the official FP8 GEMM rounds it.
     `batch_invariant` (cfg.batch_invariant): the product runs on fixed blocks of rows (`invariant.row_blocks`).

@@ -117,7 +117,8 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
             raise ValueError(f"fp8_linear: the dequantised path takes bf16 activations (got {x.dtype}, act_block "
                              f"{act_block}) and the 'out_in' layout")
         wd = jax.vmap(ref.dequant_fp8_blocks)(w, scale).astype(jnp.bfloat16)
-        return jnp.einsum("gmk,gnk->gmn", x, wd, preferred_element_type=jnp.float32).astype(out_dtype)
+        # the GEMM accumulates in float32 and writes out_dtype itself (no float32 copy of the output)
+        return jnp.einsum("gmk,gnk->gmn", x, wd, preferred_element_type=out_dtype)
     if backend == "mgpu" and not act_block:
         raise ValueError("fp8_linear: the mgpu row tiles multiply FP8 x FP8: give act_block (the scale block)")
     if backend == "swap" and not swap_ok:

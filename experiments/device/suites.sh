@@ -5,11 +5,10 @@
 #   bash experiments/device/suites.sh SUITE [SUITE ...]
 # One H200 unless marked [x2] (nvidia-h200-x2). Model step (experiments.bench, V4-Flash widths, 4 layers, 32K
 # context, benchmark mode, Pallas kernels; --kernel-times: the per-component breakdown):
-#   step-release          release format (FP8 dense + FP4 experts), V4 and V4.1: verify 8 / 64 / 256 x 4,
-#                         prefill 1 / 2 x 4096
+#   step-release          release format (FP8 dense + FP4 experts; --dense-impl pallas: the largest FP8 projections
+#                         from their bytes at decode), V4 and V4.1: verify 8 / 64 / 256 x 4, prefill 1 / 2 x 4096
 #   step-release-targets  the same at the target points only (V4: verify 8 / 64 / 256, prefill 2; V4.1: verify 64,
-#                         prefill 1); step-release-targets-fp8: the same with the FP8 projections multiplied from
-#                         their bytes (--dense-impl pallas)
+#                         prefill 1)
 #   step-bf16             V4 in bf16 (dense and experts): verify 8 / 64 / 256 x 4, prefill 1 / 4 x 4096; verify
 #                         256 x 4 with the bf16 LM head (V4.1's bf16 experts do not fit one GPU)
 #   step-fp4-experts      V4, bf16 dense + FP4 experts: verify 8 / 64 / 256 x 4, prefill 1 / 2 / 4 x 4096; verify
@@ -70,7 +69,8 @@
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
 B="python -m experiments.bench --quiet --moe-impl pallas --attention-impl pallas ${BENCH_ARGS:-}"
-RELEASE="--dense-weights fp8 --expert-weights fp4"
+FORMATS="--dense-weights fp8 --expert-weights fp4"   # the release's formats
+RELEASE="$FORMATS --dense-impl pallas"               # ... with the largest FP8 projections multiplied from their bytes
 V4="--preset v4-flash-4l"
 V41="--preset v41-flash --layers 4 --engram-vocab 160000"   # small Engram tables, the same lookups
 V4_43="--preset v4-flash"
@@ -114,12 +114,10 @@ for suite in "${suites[@]}"; do
             --context 32768 --kernel-times 2
         bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 1,2 \
             --context 32768 --kernel-times 2 ;;
-    step-release-targets|step-release-targets-fp8)
-        fmt=$RELEASE tag=release
-        [ "$suite" = step-release-targets-fp8 ] && fmt="$RELEASE --dense-impl pallas" tag=release_fp8_kernels
-        bench 280 "v4_$tag" $V4 $fmt --phase decode,prefill --batch 8,64,256 --prefill-batch 2 --context 32768 \
+    step-release-targets)
+        bench 280 v4_release $V4 $RELEASE --phase decode,prefill --batch 8,64,256 --prefill-batch 2 --context 32768 \
             --kernel-times 2
-        bench 280 "v41_$tag" $V41 $fmt --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
+        bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
             --kernel-times 2 ;;
     launch-gap)
         for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
@@ -132,7 +130,7 @@ for suite in "${suites[@]}"; do
         limit 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_linear.py 2>&1 | tail -4
         limit 120 python -m experiments.probes.fp8_linear 2>&1 | grep -E "^\||rror"
         for impl in reference pallas; do
-            bench 120 "v4_release_dense_$impl" $V4 $RELEASE --dense-impl $impl --phase decode --batch 8,64,256 \
+            bench 120 "v4_release_dense_$impl" $V4 $FORMATS --dense-impl $impl --phase decode --batch 8,64,256 \
                 --context 32768 --kernel-times 2
         done ;;
     step-bf16)

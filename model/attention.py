@@ -23,8 +23,8 @@ from pallas_kernels import reference as ref
 from .cache import LayerCache, Step, read, ring_positions, ring_write
 from .compressor import Compressor, Indexer, store_entries, visible_entries
 from .config import LayerSpec, ModelConfig
-from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_kernel_linear, normal_init, per_batch_shard,
-                     rms_normalize, rope_frequencies)
+from .layers import (Linear, RMSNorm, apply_rope, fp4_fake_quant, fp8_kernel_linear, fp8_kernel_runs, normal_init,
+                     per_batch_shard, rms_normalize, rope_frequencies)
 
 
 @struct.dataclass
@@ -116,21 +116,31 @@ class Attention(nnx.Module):
         o = apply_rope(o, positions[..., None], self.freqs, inverse=True)
         o = o.reshape(*o.shape[:-2], self.o_groups, -1)
         with jax.named_scope("proj"):
-            w, s = self.wo_a.weight[...], self.wo_a.scale
-            if self.wo_a.fp8_kernel and self.o_lora_rank % (w.shape[0] // s.shape[0]) == 0:
-                # one grouped FP8 GEMM: group g's rows against its own weight rows (whole scale blocks per group)
-                g, r, s = self.o_groups, self.o_lora_rank, s[...]
-                xg = jnp.moveaxis(o.reshape(-1, g, o.shape[-1]), 1, 0)
-                u = fp8_kernel_linear(xg, w.reshape(g, r, -1), s.reshape(g, r * s.shape[0] // w.shape[0], -1),
-                                      self.wo_a.act_block, self.wo_a.dtype)
-                u = jnp.moveaxis(u, 0, 1).reshape(*o.shape[:-2], g, r)
-            else:
+            u = self._grouped_fp8_kernel(o)
+            if u is None:
                 w_a = self.wo_a.dense_weight().reshape(self.o_groups, self.o_lora_rank, -1)
 
                 def grouped(o):
                     return jnp.einsum("...gi,goi->...go", o.astype(w_a.dtype), w_a)
                 u = inv.row_blocks(grouped, o, lead=o.ndim - 2) if self.batch_invariant else grouped(o)
         return self.wo_b(u.reshape(*u.shape[:-2], -1))
+
+    def _grouped_fp8_kernel(self, o: jax.Array) -> jax.Array | None:
+        """o [..., G, in] -> u [..., G, r] as one grouped FP8 GEMM on wo_a's kernels (group g's rows against its own
+        weight rows), or None where they do not run: wo_a not on the kernels, scale blocks across groups, or a load
+        the kernels leave to the in-graph path (`fp8_kernel_runs`)."""
+        lin, g, r = self.wo_a, self.o_groups, self.o_lora_rank
+        if not lin.fp8_kernel:
+            return None
+        w, s = lin.weight[...], lin.scale[...]
+        block = w.shape[0] // s.shape[0]
+        if r % block:
+            return None
+        wg, sg = w.reshape(g, r, -1), s.reshape(g, r // block, -1)
+        if not fp8_kernel_runs(o.size // (g * o.shape[-1]), wg, sg, lin.act_block, lin.dtype):
+            return None
+        u = fp8_kernel_linear(jnp.moveaxis(o.reshape(-1, g, o.shape[-1]), 1, 0), wg, sg, lin.act_block, lin.dtype)
+        return jnp.moveaxis(u, 0, 1).reshape(*o.shape[:-2], g, r)
 
     def __call__(self, h: jax.Array, step: Step, cache: LayerCache, shared: Shared
                  ) -> tuple[jax.Array, LayerCache, Shared]:

@@ -71,9 +71,10 @@ class Linear(nnx.Module):
 
     def _project(self, x: jax.Array) -> jax.Array:
         if self.fp8_kernel:
-            w, s = self.weight[...], self.scale[...]
-            y = fp8_kernel_linear(x.reshape(1, -1, x.shape[-1]), w[None], s[None], self.act_block, self.dtype)
-            return y.reshape(*x.shape[:-1], w.shape[0])
+            w, s = self.weight[...][None], self.scale[...][None]
+            if fp8_kernel_runs(x.size // x.shape[-1], w, s, self.act_block, self.dtype):
+                y = fp8_kernel_linear(x.reshape(1, -1, x.shape[-1]), w, s, self.act_block, self.dtype)
+                return y.reshape(*x.shape[:-1], w.shape[1])
         w = self.dense_weight()
         if self.act_block:
             x = ref.fp8_fake_quant(x, self.act_block)
@@ -89,6 +90,17 @@ def per_batch_shard(per_shard, fn, batched: tuple, replicated: tuple = ()):
     """fn(*batched, *replicated) for a Pallas kernel: on a mesh once per batch shard through the runtime's runner
     `per_shard` (sharding.BatchParallel: GSPMD cannot split a pallas_call), on the whole batch where it is None."""
     return fn(*batched, *replicated) if per_shard is None else per_shard(fn, batched, replicated)
+
+
+def fp8_kernel_runs(rows: int, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> bool:
+    """Whether `fp8_kernel_linear` of `rows` rows per group over w [G, N, K] would run one of the FP8 kernels
+    (pallas_kernels.fp8_linear's auto choice) rather than dequantise for XLA's GEMM, which the in-graph path does
+    itself (and lays out better around a grouped projection)."""
+    from pallas_kernels.fp8_linear import choose_backend
+
+    g, n, k = w.shape
+    block = n // scale.shape[1]
+    return choose_backend(g, rows, n, k, block, act_block if act_block == block else 0, dtype) != "dequantised"
 
 
 def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> jax.Array:

@@ -61,6 +61,16 @@ def swap_config(m: int) -> MgpuConfig:
                       max_concurrent_steps=4, swap_ab=True, compute_wgs=2, persistent=True)
 
 
+def choose_backend(g: int, m: int, n: int, k: int, block: int, act_block: int, x_dtype, kn: bool = False) -> str:
+    """The backend "auto" runs for G groups of m rows x [n, k] weights of `block`-blocks: on a GPU with bf16
+    activations "swap" (the largest weights at decode / verify loads, Hopper) or "dequantised"; FP8 x FP8
+    (act_block) and the CPU interpreter "triton"."""
+    if not act_block and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16) and not kn and on_gpu():
+        big = g * n * k >= SWAP_MIN_WEIGHTS
+        return "swap" if block == 128 and big and m <= SWAP_MAX_ROWS and on_hopper() else "dequantised"
+    return "triton"
+
+
 def fp8_linear_reference(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int = 0) -> jax.Array:
     """x [G, M, K] (float), w float8_e4m3fn [G, N, K], scale UE8M0 [G, N/B, K/B] -> [G, M, N] float32: the weight
     dequantised, the input act_quant-rounded first when act_block > 0."""
@@ -101,14 +111,7 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     bf16_acts = not act_block and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
     swap_ok = bf16_acts and block == 128
     if backend == "auto":
-        # on a GPU with bf16 activations: the swap tiles at decode / verify loads, the dequantised path elsewhere;
-        # FP8 x FP8 (act_block) and the CPU interpreter: Triton (the Mosaic GPU row tiles, compiled on an H200 at
-        # the projections' shapes, missed the reference at 4096 rows and overran shared memory at prefill)
-        if bf16_acts and not kn and on_gpu():
-            big = g * n * k >= SWAP_MIN_WEIGHTS
-            backend = "swap" if swap_ok and big and m <= SWAP_MAX_ROWS and on_hopper() else "dequantised"
-        else:
-            backend = "triton"
+        backend = choose_backend(g, m, n, k, block, act_block, x.dtype, kn)
     if backend not in ("triton", "mgpu", "swap", "dequantised"):
         raise ValueError(f"fp8_linear: backend must be 'auto', 'triton', 'mgpu', 'swap' or 'dequantised', got "
                          f"{backend!r}")

@@ -97,6 +97,29 @@ def test_bad_inputs_raise():
         fp8_linear(x, w, s, backend="swap", config=MgpuConfig())
 
 
+def test_auto_choice_on_a_hopper_gpu(monkeypatch):
+    """On an H200 "auto" (and with it the model's dense_impl="pallas") multiplies the largest weights from their bytes
+    at decode / verify loads and leaves the rest to XLA's GEMM over the dequantised weight."""
+    import pallas_kernels.fp8_linear as F
+    from model.layers import fp8_kernel_runs
+
+    monkeypatch.setattr(F, "on_gpu", lambda: True)
+    monkeypatch.setattr(F, "on_hopper", lambda: True)
+    bf16 = jnp.bfloat16
+    assert F.choose_backend(1, 256, 32768, 1024, 128, 0, bf16) == "swap"           # wq_b, verify 64 x 4
+    assert F.choose_backend(8, 32, 1024, 4096, 128, 0, bf16) == "swap"             # grouped wo_a, verify 8 x 4
+    assert F.choose_backend(1, 257, 32768, 1024, 128, 0, bf16) == "dequantised"    # past the swap tiles' loads
+    assert F.choose_backend(1, 32, 1024, 4096, 128, 0, bf16) == "dequantised"      # wq_a: XLA fuses the dequant
+    assert F.choose_backend(1, 32, 32768, 1024, 32, 0, bf16) == "dequantised"      # V4.1's 32-blocks
+    assert F.choose_backend(1, 32, 32768, 1024, 128, 128, bf16) == "triton"        # FP8 x FP8 (quant_sim)
+    assert F.choose_backend(1, 32, 32768, 1024, 128, 0, jnp.float32) == "triton"   # float32 activations
+    w = jax.ShapeDtypeStruct((1, 32768, 1024), jnp.float8_e4m3fn)
+    s = jax.ShapeDtypeStruct((1, 256, 8), jnp.uint8)
+    assert fp8_kernel_runs(256, w, s, 0, bf16) and not fp8_kernel_runs(8192, w, s, 0, bf16)
+    assert fp8_kernel_runs(8192, w, s, 128, bf16)   # quant_sim at the weights' block: FP8 x FP8 on Triton
+    assert not fp8_kernel_runs(8192, w, s, 64, bf16)   # at another block: rounded in-graph, then bf16 as above
+
+
 GPU = jax.default_backend() == "gpu"
 
 

@@ -59,9 +59,9 @@ def main(argv=None) -> None:
             g, n = gaps(events), args.steps
             largest = "; ".join(f"{us:.1f} ({a[:24]} -> {b[:24]})" for us, a, b in g["gaps"][:args.gaps])
             name = f.relative_to(root).parts[0] if f != root else f.name
+            idle_share = 100 * g["idle_us"] / g["span_us"]
             print(f"| {name} | {stream} | {len(events) // n} | {g['span_us'] / n / 1e3:.3f} | "
-                  f"{g['busy_us'] / n / 1e3:.3f} | {g['idle_us'] / n / 1e3:.3f} ({100 * g['idle_us'] / g['span_us']:.1f}%) "
-                  f"| {largest} |")
+                  f"{g['busy_us'] / n / 1e3:.3f} | {g['idle_us'] / n / 1e3:.3f} ({idle_share:.1f}%) | {largest} |")
 
 
 if __name__ == "__main__":

@@ -171,9 +171,9 @@ def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return a if a.shape[0] == rows else jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "block_rows", "num_warps", "interpret"))
 def coefficients(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float, hc_eps: float,
-                 iters: int, block_rows: int = 32, interpret=None) -> jax.Array:
+                 iters: int, block_rows: int = 32, num_warps: int = 4, interpret=None) -> jax.Array:
     """x [R, n, D], fn [(2+n)n, nD], base [(2+n)n], scale [3] -> packed coefficients [R, P] float32. The skinny GEMM
     m = rho (fn x) is XLA's (`_skinny_gemm`, fn zero-padded to P rows so m arrives packed); the activations, the
     row softmax and the Sinkhorn rounds run in one kernel on per-row registers."""
@@ -195,7 +195,7 @@ def coefficients(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
                   pl.BlockSpec((p,), lambda i: (0,))],
         out_specs=pl.BlockSpec((br, p), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((rp, p), F32),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret_flag("triton", interpret), name="mhc_coefficients",
     )(_pad_rows(mp, rp), colscale, base_p)
     return coef[:r]

@@ -22,7 +22,8 @@
 #                         decode / verify loads) against the in-graph dequantisation: the kernels' GPU tests, each
 #                         projection alone (experiments.probes.fp8_linear), then release-format V4 verify 8 / 64 /
 #                         256 x 4 both ways
-#   mhc                   the mHC kernels' GPU tests and pieces (experiments.probes.mhc_kernels), then the release-format
+#   mhc                   the mHC kernels' GPU tests and pieces (experiments.probes.mhc_kernels, with the coefficient
+#                         kernel at three more tilings), then the release-format
 #                         steps with the mHC as XLA ops and as the kernels, V4 verify 8 / 64 / 256 x 4 and prefill 2 x
 #                         4096 (the kernels with --kernel-times)
 #   step-trace            the release-format V4 verify 64 x 4 and prefill 2 x 4096 with a jax.profiler timeline of two
@@ -152,7 +153,7 @@ for suite in "${suites[@]}"; do
         done ;;
     mhc)
         limit 70 python -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc_kernels.py 2>&1 | tail -3
-        limit 60 python -m experiments.probes.mhc_kernels 2>&1 | grep "^|"
+        limit 90 python -m experiments.probes.mhc_kernels --coef-tilings 16x1,32x1,64x2 2>&1 | grep "^|"
         for impl in reference pallas; do
             kt=""; [ "$impl" = pallas ] && kt="--kernel-times 2"
             bench 190 "v4_release_mhc_$impl" $V4 $RELEASE --mhc-impl $impl --phase decode,prefill --batch 8,64,256 \

@@ -5,6 +5,8 @@ floor (bytes read and written once at 4.4 TB/s), and each kernel piece's error a
 
     python -m experiments.probes.mhc_kernels                      # GPU; rows 32, 256, 1024, 8192
     python -m experiments.probes.mhc_kernels --rows 64 --interpret   # CPU: the errors only (interpreted kernels)
+    python -m experiments.probes.mhc_kernels --rows 256 --coef-tilings 32x4,16x1,32x1,64x2   # the coefficient
+                                                      # kernel's rows per program x warps, one row each
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ N, D, HBM = 4, 4096, 4.4e12
 EPS = dict(norm_eps=1e-6, hc_eps=1e-6)
 
 
-def pieces(interpret):
-    """name -> (jnp function, kernel function, bytes moved per row at the floor)."""
+def pieces(interpret, block_rows: int = 32, num_warps: int = 4):
+    """name -> (jnp function, kernel function, bytes moved per row at the floor); the coefficient kernel tiled
+    block_rows x num_warps."""
+    tiling = dict(block_rows=block_rows, num_warps=num_warps)
     def ref_coef(x, fn, base, scale, f, carried):
         return hc_coefficients(fn, base, scale, x, sinkhorn_iters=20, **EPS)
 
     def ker_coef(x, fn, base, scale, f, carried):
-        return K.coefficients(x, fn, base, scale, iters=20, interpret=interpret, **EPS)
+        return K.coefficients(x, fn, base, scale, iters=20, interpret=interpret, **tiling, **EPS)
 
     def ref_collapse(x, fn, base, scale, f, carried):
         return collapse(x, carried)
@@ -77,14 +81,25 @@ def main(argv=None) -> None:
     p.add_argument("--rows", default="32,256,1024,8192", help="token rows (comma list)")
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--interpret", action="store_true", help="interpret the kernels (CPU): errors, no times")
+    p.add_argument("--coef-tilings", default="", help="also time the coefficients at these ROWSxWARPS tilings of "
+                   "its kernel (comma list, e.g. 16x1,32x1)")
     args = p.parse_args(argv)
+    try:
+        tilings = [tuple(int(v) for v in t.split("x")) for t in args.coef_tilings.split(",") if t]
+    except ValueError:
+        raise SystemExit(f"--coef-tilings: a comma list of ROWSxWARPS (e.g. 16x1,32x4), got {args.coef_tilings!r}")
+    if any(len(t) != 2 for t in tilings):
+        raise SystemExit(f"--coef-tilings: a comma list of ROWSxWARPS (e.g. 16x1,32x4), got {args.coef_tilings!r}")
     gpu = jax.default_backend() == "gpu"
     interpret = True if args.interpret else None
     print("| rows | piece | jnp us | kernels us | floor us | kernels / floor | rel. error |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = inputs(rows)
-        for name, (ref_fn, ker_fn, row_bytes) in pieces(interpret).items():
+        rows_pieces = dict(pieces(interpret))
+        for br, warps in tilings:
+            rows_pieces[f"coefficients ({br} rows x {warps} warps)"] = pieces(interpret, br, warps)["coefficients"]
+        for name, (ref_fn, ker_fn, row_bytes) in rows_pieces.items():
             ref_f, ker_f = jax.jit(ref_fn), jax.jit(ker_fn)
             want, got = ref_f(*xs), ker_f(*xs)
             times = []

@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mhc-impl", choices=("reference", "pallas"), default="reference")
     p.add_argument("--expert-weights", choices=("dense", "fp4"), default="dense")
     p.add_argument("--dense-weights", choices=("model", "fp8"), default="model")
+    p.add_argument("--dense-impl", choices=("reference", "pallas"), default="reference",
+                   help="the FP8 projections dequantised in-graph, or through pallas_kernels.fp8_linear (with "
+                   "--dense-weights fp8)")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1),
                    help="dp,ep,tp over the visible devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     p.add_argument("--collectives", action="store_true",
@@ -156,7 +159,7 @@ def main(argv=None) -> dict:
         cfg = scale_layers(cfg, args.layers)
     cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl, mhc_impl=args.mhc_impl,
                       expert_weights=args.expert_weights, dense_weights=args.dense_weights,
-                      scan_layers=args.scan_layers)
+                      dense_impl=args.dense_impl, scan_layers=args.scan_layers)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if not steps or any(s not in ("prefill", "verify") for s in steps):
         raise SystemExit(f"--steps must list prefill and/or verify, got {args.steps!r}")
@@ -175,7 +178,7 @@ def main(argv=None) -> dict:
         records.append(rec)
     meta = {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "backend": backend,
             "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,
-            "expert_weights": cfg.expert_weights, "dense_weights": cfg.dense_weights,
+            "expert_weights": cfg.expert_weights, "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl,
             "attention_impl": cfg.attention_impl, "mhc_impl": cfg.mhc_impl, "scan_layers": cfg.scan_layers,
             "traced_layers": traced_layers(layer_groups(cfg)),
             "compile_cache_dir": None if cache_dir is None else str(cache_dir), "command": "python -m experiments.compile_time " + " ".join(

@@ -19,6 +19,12 @@ def test_compiles_abstract_steps(tmp_path):
     assert saved["records"] == out["records"]
 
 
+def test_release_format_switches_parse():
+    """The device suites pass the release format's switches (FP8 dense with its kernels, FP4 experts) to both tools."""
+    args = compile_time.parse_args(["--dense-weights", "fp8", "--dense-impl", "pallas", "--expert-weights", "fp4"])
+    assert (args.dense_weights, args.dense_impl, args.expert_weights) == ("fp8", "pallas", "fp4")
+
+
 def test_collectives_parser():
     hlo = "\n".join([
         '  %ag = f32[64,4,512]{2,1,0} all-gather(f32[32,4,512]{2,1,0} %x), dimensions={0}, '

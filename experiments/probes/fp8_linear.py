@@ -1,17 +1,18 @@
 """Tool: V4-Flash's FP8 projections at decode / verify / prefill loads, three ways of multiplying the stored FP8
-bytes: the model's in-graph path (`Linear.dense_weight`: the weight dequantised to bf16 in HBM, then XLA's GEMM),
-and `pallas_kernels.fp8_linear` on the Triton tiles and on the Mosaic GPU swap_ab tiles (dequantised in
+bytes, all through `pallas_kernels.fp8_linear`: "dequantised" (the model's in-graph path: the weight dequantised to
+bf16 in HBM, then XLA's GEMM), the Triton tiles and the Mosaic GPU swap_ab tiles (dequantised in
 registers). For each projection and row count it prints the CUPTI kernel time of each (all kernels it launches;
 median of the calls) beside the floor (the FP8 weights, their scales, the input and output once at 4.4 TB/s, or
 the bf16 MMA at 790 TFLOP/s, whichever is longer), and each kernel's error against the float32 reference.
 
     python -m experiments.probes.fp8_linear                          # GPU: rows 32, 256, 1024
-    python -m experiments.probes.fp8_linear --rows 4096 --ways xla,triton
+    python -m experiments.probes.fp8_linear --rows 4096 --ways dequantised,triton
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,17 +26,7 @@ HBM, BF16 = 4.4e12, 790e12
 # name: (groups, out, in) at V4-Flash widths
 PROJECTIONS = {"wq_a": (1, 1024, 4096), "wq_b": (1, 32768, 1024), "wkv": (1, 512, 4096),
                "wo_a (8 groups)": (8, 1024, 4096), "wo_b": (1, 4096, 8192)}
-
-
-def in_graph(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
-    """The model's reference path: dequantise to bf16, then one XLA GEMM per group."""
-    wd = jax.vmap(ref.dequant_fp8_blocks)(w, s).astype(jnp.bfloat16)
-    return jnp.einsum("gmk,gnk->gmn", x, wd)
-
-
-WAYS = {"xla": in_graph,
-        "triton": lambda x, w, s: fp8_linear(x, w, s, backend="triton"),
-        "swap": lambda x, w, s: fp8_linear(x, w, s, backend="swap")}
+WAYS = ("dequantised", "triton", "swap")   # fp8_linear's backends
 
 
 def floor_us(g: int, n: int, k: int, m: int) -> float:
@@ -65,7 +56,7 @@ def main(argv=None) -> None:
             want = np.asarray(fp8_linear_reference(x, w, s), np.float64)
             times, errors = [], []
             for way in ways:
-                f = jax.jit(WAYS[way])
+                f = jax.jit(functools.partial(fp8_linear, backend=way))
                 got = f(x, w, s)
                 errors.append(f"{way} {np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want):.1e}")
                 t = cupti_ms(f, x, w, s, iterations=args.iterations)

@@ -92,6 +92,12 @@ def per_batch_shard(per_shard, fn, batched: tuple, replicated: tuple = ()):
     return fn(*batched, *replicated) if per_shard is None else per_shard(fn, batched, replicated)
 
 
+def _kernel_act_block(w: jax.Array, scale: jax.Array, act_block: int) -> int:
+    """The act_quant block the FP8 kernels see: quant_sim's block where it is the weights' own (FP8 x FP8), else 0
+    (the input is rounded in-graph first and multiplies as bf16)."""
+    return act_block if act_block == w.shape[1] // scale.shape[1] else 0
+
+
 def fp8_kernel_runs(rows: int, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> bool:
     """Whether `fp8_kernel_linear` of `rows` rows per group over w [G, N, K] would run one of the FP8 kernels
     (pallas_kernels.fp8_linear's auto choice) rather than dequantise for XLA's GEMM, which the in-graph path does
@@ -100,7 +106,7 @@ def fp8_kernel_runs(rows: int, w: jax.Array, scale: jax.Array, act_block: int, d
 
     g, n, k = w.shape
     block = n // scale.shape[1]
-    return choose_backend(g, rows, n, k, block, act_block if act_block == block else 0, dtype) != "dequantised"
+    return choose_backend(g, rows, n, k, block, _kernel_act_block(w, scale, act_block), dtype) != "dequantised"
 
 
 def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> jax.Array:
@@ -109,10 +115,10 @@ def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: i
     -> [G, M, N] in dtype."""
     from pallas_kernels.fp8_linear import fp8_linear
 
-    block = w.shape[1] // scale.shape[1]
-    if act_block and act_block != block:
-        x, act_block = ref.fp8_fake_quant(x, act_block), 0
-    return fp8_linear(x.astype(dtype), w, scale, act_block=act_block, out_dtype=dtype)
+    kernel_block = _kernel_act_block(w, scale, act_block)
+    if act_block and not kernel_block:
+        x = ref.fp8_fake_quant(x, act_block)
+    return fp8_linear(x.astype(dtype), w, scale, act_block=kernel_block, out_dtype=dtype)
 
 
 def float32_linear(x: jax.Array, w: jax.Array, input_dtype: str = "float32") -> jax.Array:

@@ -35,7 +35,7 @@ def gaps(events: list[dict]) -> dict:
     busy, end, holes = 0.0, events[0]["ts"], []
     for prev, e in zip([None] + events[:-1], events):
         start, stop = e["ts"], e["ts"] + e["dur"]
-        if start > end and prev is not None:
+        if start > end:   # never the first event: `end` starts at its start
             holes.append((start - end, prev["name"], e["name"]))
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)

@@ -84,12 +84,10 @@ def main(argv=None) -> None:
     p.add_argument("--coef-tilings", default="", help="also time the coefficients at these ROWSxWARPS tilings of "
                    "its kernel (comma list, e.g. 16x1,32x1)")
     args = p.parse_args(argv)
-    try:
-        tilings = [tuple(int(v) for v in t.split("x")) for t in args.coef_tilings.split(",") if t]
-    except ValueError:
+    specs = [t.split("x") for t in args.coef_tilings.split(",") if t]
+    if not all(len(t) == 2 and all(v.isdigit() for v in t) for t in specs):
         raise SystemExit(f"--coef-tilings: a comma list of ROWSxWARPS (e.g. 16x1,32x4), got {args.coef_tilings!r}")
-    if any(len(t) != 2 for t in tilings):
-        raise SystemExit(f"--coef-tilings: a comma list of ROWSxWARPS (e.g. 16x1,32x4), got {args.coef_tilings!r}")
+    tilings = [(int(rows), int(warps)) for rows, warps in specs]
     gpu = jax.default_backend() == "gpu"
     interpret = True if args.interpret else None
     print("| rows | piece | jnp us | kernels us | floor us | kernels / floor | rel. error |")

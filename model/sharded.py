@@ -270,24 +270,31 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh: Mesh | N
     model that cannot fit the device raises MemoryError before anything is built (`footprint.check_fits`).
 
     With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by the tables and
-    the model runs with the mesh's runtime (`init_sharded`); the values equal those of one device.
+    the model runs with the mesh's runtime; the values equal those of one device. A model with scanned layer
+    groups (cfg.scan_layers) is built piece by piece on one device too: each layer is written into its group's
+    stacks in place, where building the blocks and stacking them afterwards held every stacked array twice and
+    left the device's memory in holes too small for the next stack (the 24-layer release-format V4-Flash could
+    not allocate a 10 GiB stack on the H200 with ~40 GB free).
     """
     if mesh is not None:
-        return init_sharded(cfg, mesh, seed, dtype, token_map=token_map)
+        return _init_by_pieces(cfg, mesh, make_runtime(cfg, mesh), seed, dtype, token_map)
     check_fits(cfg, dtype)
+    if cfg.scan_layers:
+        one_device = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("dp", "ep", "tp"))
+        return _init_by_pieces(cfg, one_device, make_runtime(cfg), seed, dtype, token_map)
     return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
 
 
-def init_sharded(cfg: ModelConfig, mesh: Mesh, seed: int = 0, dtype="float32",
-                 token_map: np.ndarray | None = None) -> Transformer:
-    """A random model born sharded, built piece by piece (`model.transformer.construction_plan`: embedding,
-    each layer, draft stages, head) with one compiled program per distinct piece, whose out_shardings are
-    the table's. No full copy on any device (in a multi-process job each process materialises only its own
-    shards), and compile time does not grow with depth: one program for all 43 V4-Flash layers took XLA
-    >430 s on the H200 host (its slow-compile alarm; CPU: 4.6 s per layer). A layer of a scanned group is built
-    alone and written into its place in the group's stacks (born sharded, updated in place). The RNG state is
-    threaded from piece to piece, so the values equal `init_random(cfg, seed, dtype)` on one device."""
-    runtime = make_runtime(cfg, mesh)
+def _init_by_pieces(cfg: ModelConfig, mesh: Mesh, runtime, seed: int, dtype, token_map: np.ndarray | None
+                    ) -> Transformer:
+    """A random model born laid out on `mesh` and running with `runtime`, built piece by piece
+    (`model.transformer.construction_plan`: embedding, each layer, draft stages, head) with one compiled program
+    per distinct piece, whose out_shardings are the table's. No full copy on any device (in a multi-process job
+    each process materialises only its own shards), and compile time does not grow with depth: one program for
+    all 43 V4-Flash layers took XLA >430 s on the H200 host (its slow-compile alarm; CPU: 4.6 s per layer). A
+    layer of a scanned group is built alone and written into its place in the group's stacks (born laid out,
+    updated in place). The RNG state is threaded from piece to piece, so the values equal those of
+    `Transformer(cfg, rngs=nnx.Rngs(params=seed))`."""
     devices = int(mesh.devices.size)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, token_map=token_map, runtime=runtime))
     state = pad_engram_tables(state, cfg, devices)

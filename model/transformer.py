@@ -213,8 +213,9 @@ class Piece:
 
 def construction_plan(cfg: ModelConfig, dtype, hasher: EngramHasher | None) -> list[Piece]:
     """The Transformer's top-level modules in construction order: each draws its random weights from the one
-    `nnx.Rngs` in turn, so building the pieces one by one in this order (model.sharded.init_sharded: one
-    compiled program per distinct piece) gives the same weights as building the model at once."""
+    `nnx.Rngs` in turn, so building the pieces one by one in this order (model.sharded.init_random on a mesh or
+    with scanned layers: one compiled program per distinct piece) gives the same weights as building the model
+    at once."""
     dtype = resolve_dtype(dtype)
     piece = functools.partial(Piece, fp8_block=cfg.fp8_block if cfg.dense_weights == "fp8" else None,
                               act_block=cfg.act_quant_block, fp8_kernel=cfg.dense_impl == "pallas",

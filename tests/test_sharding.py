@@ -226,7 +226,7 @@ def test_runtime_is_explicit_and_checked():
 
 
 def test_born_sharded_build_shares_one_program_per_distinct_piece():
-    """init_sharded builds the model piece by piece (model.transformer.construction_plan) and compiles one
+    """init_random on a mesh builds the model piece by piece (model.transformer.construction_plan) and compiles one
     program per distinct piece: 9 for the 48 pieces of V4-Flash (15 for V4.1's 47), whose 43-layer one-program build did not
     finish compiling in 430 s on the H200 host."""
     from model.transformer import construction_plan, engram_hasher

@@ -134,8 +134,7 @@ def test_lower_for_cuda_at_v4_flash_widths(rows):
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
 def test_model_logits_match_reference(preset):
     """A whole small model (float32) with the kernels gives the reference logits (V4 two-pass, V4.1 single-pass).
-    Three Sinkhorn rounds: every interpreted kernel call compiles its unrolled rounds on the CPU (the kernel tests
-    above run the model's 20)."""
+    Three Sinkhorn rounds keep the interpreted run short (the kernel tests above run the model's 20)."""
     cfg = small_config(preset).replace(hc_sinkhorn_iters=3)
     model = init_random(cfg, seed=seed_of_test() % 1000, dtype="float32")
     fused = init_random(cfg.replace(mhc_impl="pallas"), seed=seed_of_test() % 1000, dtype="float32")

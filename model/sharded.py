@@ -9,7 +9,7 @@ logical axis "layers", which is never sharded: their parameter names read `layer
 paths `layers.{g}.period.{p}.…`, and the per-layer rule applies to the axes after it. On top of those tables
 and sharding's generic tools:
 
-    init_random(cfg, seed, dtype, mesh)      random weights; on a mesh born sharded, piece by piece
+    init_random(cfg, seed, dtype, mesh)      random weights; on a mesh (or with scanned layers) piece by piece
     shard_model(model, mesh, config, placements)   an existing model laid out on a mesh
     allocate_cache(cfg, batch, max_len, dtype, mesh)   a cache born sharded
     local_expert_tensors / skipped_expert_names / place_loaded   `load_checkpoint(mesh=)`: each process

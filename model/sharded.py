@@ -270,7 +270,7 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh: Mesh | N
     model that cannot fit the device raises MemoryError before anything is built (`footprint.check_fits`).
 
     With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by the tables and
-    the model runs with the mesh's runtime; the values equal those of one device. A model with scanned layer
+    the model runs with the mesh's runtime; the values equal those of one device to float32 rounding. A model with scanned layer
     groups (cfg.scan_layers) is built piece by piece on one device too: each layer is written into its group's
     stacks in place, where building the blocks and stacking them afterwards held every stacked array twice and
     left the device's memory in holes too small for the next stack (the 24-layer release-format V4-Flash could
@@ -294,7 +294,8 @@ def _init_by_pieces(cfg: ModelConfig, mesh: Mesh, runtime, seed: int, dtype, tok
     all 43 V4-Flash layers took XLA >430 s on the H200 host (its slow-compile alarm; CPU: 4.6 s per layer). A
     layer of a scanned group is built alone and written into its place in the group's stacks (born laid out,
     updated in place). The RNG state is threaded from piece to piece, so the values equal those of
-    `Transformer(cfg, rngs=nnx.Rngs(params=seed))`."""
+    `Transformer(cfg, rngs=nnx.Rngs(params=seed))` to float32 rounding (a compiled piece may round an op
+    differently from the op-by-op build)."""
     devices = int(mesh.devices.size)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, token_map=token_map, runtime=runtime))
     state = pad_engram_tables(state, cfg, devices)

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sharding.apply import local_experts, place
 from sharding.row_lookup import HOST_MEMORY, in_host_memory
-from sharding.mesh import check_batch
+from sharding.mesh import check_batch, make_mesh
 from sharding.rules import axes_by_name, key_name, logical_to_spec, path_name, tree_shardings
 
 from .cache import allocate, batch_axis, memory_estimate
@@ -270,18 +270,17 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh: Mesh | N
     model that cannot fit the device raises MemoryError before anything is built (`footprint.check_fits`).
 
     With a (dp, ep, tp) `mesh` (sharding.ParallelConfig) the arrays are born sharded by the tables and
-    the model runs with the mesh's runtime; the values equal those of one device to float32 rounding. A model with scanned layer
-    groups (cfg.scan_layers) is built piece by piece on one device too: each layer is written into its group's
-    stacks in place, where building the blocks and stacking them afterwards held every stacked array twice and
-    left the device's memory in holes too small for the next stack (the 24-layer release-format V4-Flash could
-    not allocate a 10 GiB stack on the H200 with ~40 GB free).
+    the model runs with the mesh's runtime; the values equal those of one device to float32 rounding. A model
+    with scanned layer groups (cfg.scan_layers) is built piece by piece on one device too: each layer is written
+    into its group's stacks in place, where building the blocks and stacking them afterwards held every stacked
+    array twice and left the device's memory in holes too small for the next stack (the 24-layer release-format
+    V4-Flash could not allocate a 10 GiB stack on the H200 with ~40 GB free).
     """
     if mesh is not None:
         return _init_by_pieces(cfg, mesh, make_runtime(cfg, mesh), seed, dtype, token_map)
     check_fits(cfg, dtype)
     if cfg.scan_layers:
-        one_device = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("dp", "ep", "tp"))
-        return _init_by_pieces(cfg, one_device, make_runtime(cfg), seed, dtype, token_map)
+        return _init_by_pieces(cfg, make_mesh(devices=jax.devices()[:1]), make_runtime(cfg), seed, dtype, token_map)
     return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
 
 

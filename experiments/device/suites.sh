@@ -167,7 +167,7 @@ for suite in "${suites[@]}"; do
             rows=$(bench 280 "v4_release_${n}l" --preset v4-flash --layers $n $RELEASE --scan-layers --phase decode \
                 --batch 64 --context 32768)
             echo "$n layers: $rows"
-            echo "$rows" | grep -q "| ok |" && break   # refused or out of memory: the next count
+            echo "$rows" | grep -qE "^\| decode .*\| [0-9.]+ \| [0-9.]+-[0-9.]+ \|" && break  # timed: stop; else the next count
         done ;;
     step-realistic)
         bench 240 v4_release_realistic $V4 $RELEASE --mode realistic --phase decode --batch 64 --context 32768 ;;

@@ -18,13 +18,16 @@ it): on a CPU this shows the XLA partitioning of everything but the GPU kernels'
 compiles the model with its repeated layer groups scanned (ModelConfig.scan_layers: one traced body per group
 position, `traced_layers` in the record). The persistent compilation cache (experiments/compile_cache.py) is on
 as in every CLI: each record says whether its compile was a cache hit (warm) or a miss (cold: a fresh
-`--compile-cache DIR`, or `--compile-cache off`). Output: JSON + markdown under
+`--compile-cache DIR`, or `--compile-cache off`). `--lower-for cuda` traces and lowers the step for CUDA on any host, the kernels chosen as
+on an H100 / H200 (`pallas_kernels.common.lowering_for_hopper`), without compiling: the GPU's trace + lower time,
+measured on a CPU machine. Output: JSON + markdown under
 experiments/results/compile_time_<stamp>_<backend>.{json,md} (and $OUT when set).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
 import sys
@@ -33,11 +36,13 @@ import time
 from experiments import compile_cache
 from experiments import records as records_io
 from experiments.bench_cli import parse_mesh
+from pallas_kernels.common import lowering_for_hopper
 
 
 COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|ragged-all-to-all|reduce-scatter|"
                         r"collective-permute)(?:-start)?\(")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
+LOWERED_FOR_CUDA = ", lowered for CUDA (Hopper kernels), not compiled"
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
             "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
@@ -61,9 +66,10 @@ def collectives(hlo_text: str) -> list[dict]:
 
 
 def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, num_draft: int = 3,
-                 mesh_shape: tuple = (1, 1, 1), list_collectives: bool = False) -> dict:
+                 mesh_shape: tuple = (1, 1, 1), list_collectives: bool = False, lower_for: str | None = None) -> dict:
     """Lower and compile one step (kind "prefill" or "verify") on abstract inputs -> timings (and, on a
-    (dp, ep, tp) mesh of visible devices, the collectives of the partitioned program)."""
+    (dp, ep, tp) mesh of visible devices, the collectives of the partitioned program). lower_for "cuda": lowered
+    for CUDA with the Hopper kernels, not compiled (compile_s None)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -96,6 +102,11 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
         tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=batch_sharding(mesh, 2))
     t1 = time.perf_counter()
     with setup.context():
+        if lower_for is not None:
+            fns[kind].trace(state, cache, tokens).lower(lowering_platforms=(lower_for,))
+            return {"step": kind, "batch": batch, "context": context, "rows": rows, "mesh": list(mesh_shape),
+                    "abstract_model_s": round(t1 - t0, 3), "trace_lower_s": round(time.perf_counter() - t1, 3),
+                    "compile_s": None, "compile_cache": "-", "lowered_for": lower_for}
         lowered = fns[kind].lower(state, cache, tokens)
         t2 = time.perf_counter()
         with compile_cache.CacheEvents() as events:
@@ -139,6 +150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="list the partitioned program's collectives (kind, shape, bytes per device, source op)")
     p.add_argument("--scan-layers", action="store_true",
                    help="scan repeated layer groups (ModelConfig.scan_layers) instead of tracing every layer")
+    p.add_argument("--lower-for", choices=("cuda",),
+                   help="trace and lower for CUDA with the Hopper kernels on any host, without compiling")
     compile_cache.add_argument(p)
     p.add_argument("--out", help="results directory (default experiments/results; $OUT also gets a copy)")
     return p.parse_args(argv)
@@ -163,36 +176,42 @@ def main(argv=None) -> dict:
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if not steps or any(s not in ("prefill", "verify") for s in steps):
         raise SystemExit(f"--steps must list prefill and/or verify, got {args.steps!r}")
+    if args.lower_for and (args.mesh != (1, 1, 1) or args.collectives):
+        raise SystemExit("--lower-for lowers the one-device step: leave out --mesh and --collectives")
     backend = jax.default_backend()
     records = []
-    for kind in steps:
-        batch, rows = ((args.prefill_batch, args.new_tokens) if kind == "prefill"
-                       else (args.decode_batch, 1 + args.num_draft))
-        rec = compile_step(cfg, args.dtype, kind, batch, args.context, rows, args.num_draft, args.mesh,
-                           args.collectives)
-        print(f"[compile_time] {cfg.name} {kind} B{batch} x {rows} rows at {args.context}: trace+lower "
-              f"{rec['trace_lower_s']:.1f} s, compile {rec['compile_s']:.1f} s (cache {rec['compile_cache']})",
-              flush=True)
-        for c in rec.get("collectives", [])[:12]:
-            print(f"    {c['count']:3d} x {c['kind']:<14} {c['shape']:<40} {c['bytes'] / 2**20:9.2f} MiB  {c['op']}")
-        records.append(rec)
+    with lowering_for_hopper() if args.lower_for else contextlib.nullcontext():
+        for kind in steps:
+            batch, rows = ((args.prefill_batch, args.new_tokens) if kind == "prefill"
+                           else (args.decode_batch, 1 + args.num_draft))
+            rec = compile_step(cfg, args.dtype, kind, batch, args.context, rows, args.num_draft, args.mesh,
+                               args.collectives, args.lower_for)
+            compiled = "not compiled" if rec["compile_s"] is None else f"compile {rec['compile_s']:.1f} s"
+            print(f"[compile_time] {cfg.name} {kind} B{batch} x {rows} rows at {args.context}: trace+lower "
+                  f"{rec['trace_lower_s']:.1f} s, {compiled} (cache {rec['compile_cache']})", flush=True)
+            for c in rec.get("collectives", [])[:12]:
+                print(f"    {c['count']:3d} x {c['kind']:<14} {c['shape']:<40} {c['bytes'] / 2**20:9.2f} MiB  "
+                      f"{c['op']}")
+            records.append(rec)
     meta = {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "backend": backend,
             "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,
             "expert_weights": cfg.expert_weights, "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl,
             "attention_impl": cfg.attention_impl, "mhc_impl": cfg.mhc_impl, "scan_layers": cfg.scan_layers,
+            "lowered_for": args.lower_for,
             "traced_layers": traced_layers(layer_groups(cfg)),
             "compile_cache_dir": None if cache_dir is None else str(cache_dir), "command": "python -m experiments.compile_time " + " ".join(
                 sys.argv[1:] if argv is None else argv)}
     lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype} ({cfg.dense_weights} dense, {cfg.expert_weights} "
              f"experts), {'scanned' if cfg.scan_layers else 'unrolled'} layers ({meta['traced_layers']} traced), "
-             f"{backend} ({meta['device']}), "
+             f"{backend} ({meta['device']}){LOWERED_FOR_CUDA * bool(args.lower_for)}, "
              f"jax {jax.__version__}", "", f"`{meta['command']}`", "",
              "| step | batch x rows | context | trace + lower s | compile s | cache | temp GiB |",
              "|---|---|---|---|---|---|---|"]
     for r in records:
         temp = f"{r['temp_bytes'] / 2**30:.1f}" if "temp_bytes" in r else "-"
+        compile_s = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
         lines.append(f"| {r['step']} | {r['batch']} x {r['rows']} | {r['context']} | {r['trace_lower_s']:.1f} "
-                     f"| {r['compile_s']:.1f} | {r['compile_cache']} | {temp} |")
+                     f"| {compile_s} | {r['compile_cache']} | {temp} |")
     out = {"meta": meta, "records": records}
     records_io.save(out, "\n".join(lines) + "\n", "compile_time", backend, args.out)
     return out

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.common import on_gpu
+
 from . import quant_io
 from .attention import Attention, Shared
 from .cache import Cache, LayerCache, Step, allocate, allocate_layer, ring_gather, ring_write
@@ -47,7 +49,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
 def _warn_if_interpreted(cfg: ModelConfig) -> None:
     """Kernel paths off a GPU run in Pallas interpret mode: say so (once per trace) rather than run slowly."""
     backend = jax.default_backend()
-    if backend != "gpu" and (cfg.attention_impl != "reference" or cfg.moe_impl != "reference"):
+    if not on_gpu() and (cfg.attention_impl != "reference" or cfg.moe_impl != "reference"):
         warnings.warn(f"{cfg.name}: attention_impl={cfg.attention_impl!r}, moe_impl={cfg.moe_impl!r} on the {backend} "
                       "backend run the Pallas kernels in interpret mode (a correctness path, orders of magnitude "
                       "slower than 'reference')", stacklevel=3)

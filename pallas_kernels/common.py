@@ -1,21 +1,45 @@
-"""What the kernel wrappers share: the backend query behind `interpret=None`, the zero padding that
+"""What the kernel wrappers share: the backend query behind `interpret=None` (and `lowering_for_hopper`, which
+answers as a Hopper GPU on any host, for lowering a step for CUDA from a CPU), the zero padding that
 brings head counts and head dims to the power-of-two sizes the Triton lowering needs, the in-kernel decoders
 of UE8M0 scales and packed FP4 (E2M1) tiles (MoE experts, indexer keys) and the MoE kernels' SwiGLU epilogue."""
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 
+_FOR_HOPPER = False   # inside `lowering_for_hopper()`
+
+
+@contextlib.contextmanager
+def lowering_for_hopper():
+    """Within: the wrappers choose their kernels as on a Hopper GPU (compiled, not interpreted) whatever the host,
+    so that a CPU machine can lower a whole step for CUDA (`.lower(lowering_platforms=("cuda",))`) and time it.
+    jax's caches are cleared on entry and exit: a trace made on one side must not serve the other."""
+    global _FOR_HOPPER
+    before = _FOR_HOPPER
+    jax.clear_caches()
+    _FOR_HOPPER = True
+    try:
+        yield
+    finally:
+        _FOR_HOPPER = before
+        jax.clear_caches()
+
+
 def on_gpu() -> bool:
     """True where jax's default backend is a GPU (compile the kernels); elsewhere they are interpreted."""
-    return jax.default_backend() == "gpu"
+    return _FOR_HOPPER or jax.default_backend() == "gpu"
 
 
 def on_hopper() -> bool:
     """True where the first device is a Hopper GPU (compute capability 9.x: wgmma, TMA; Mosaic GPU kernels)."""
+    if _FOR_HOPPER:
+        return True
     d = jax.devices()[0]
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 

@@ -27,6 +27,8 @@ float32 summation order (act_block == 0), or match it on act_quant-rounded input
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -80,6 +82,10 @@ def fp8_linear_reference(x: jax.Array, w: jax.Array, scale: jax.Array, act_block
     return jnp.einsum("gmk,gnk->gmn", x.astype(jnp.float32), wd, precision=jax.lax.Precision.HIGHEST)
 
 
+# jitted so that a program lowers each distinct call once: the scanned layer bodies call the same projection with the
+# same shapes, and JAX lowers a jitted call once per module where it lowers an inline pallas_call at every call site
+@functools.partial(jax.jit, static_argnames=("act_block", "backend", "config", "out_dtype", "interpret",
+                                             "weight_layout"))
 def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int = 0, backend: str = "auto",
                config: TritonConfig | MgpuConfig | None = None, out_dtype=jnp.bfloat16, interpret=None,
                weight_layout: str = "out_in") -> jax.Array:

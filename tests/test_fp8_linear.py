@@ -1,6 +1,8 @@
 """pallas_kernels.fp8_linear: FP8 linears from the stored bytes against the dequantising reference, on seeded random
 inputs (interpret mode on CPU)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,3 +197,18 @@ def test_gpu_grouped_fp8_linear():
     for backend in ("triton", "swap"):
         got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend=backend, out_dtype=jnp.float32))(x, w, s)
         assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5, backend
+
+
+@pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
+def test_a_repeated_projection_lowers_its_kernel_once():
+    """Two projections of one shape (as in the scanned layer bodies, which all call wq_b's) lower one Mosaic GPU
+    kernel, called twice: fp8_linear is jitted, and JAX lowers a jitted call once per module."""
+    sd = jax.ShapeDtypeStruct
+    x, w, s = sd((1, 32, 1024), jnp.bfloat16), sd((1, 32768, 1024), jnp.float8_e4m3fn), sd((1, 256, 8), jnp.uint8)
+    project = functools.partial(fp8_linear, backend="swap", interpret=False)
+
+    def lowered(f, *args) -> str:
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    once = lowered(project, x, w, s).count("mosaic_gpu")
+    twice = lowered(lambda x, w1, s1, w2, s2: project(x, w1, s1) + project(x, w2, s2), x, w, s, w, s)
+    assert once >= 1 and twice.count("mosaic_gpu") == once

@@ -245,3 +245,17 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
     f = lambda *a: K.moe_experts(*a, 10.0, backend="mgpu", config=cfg, interpret=False)  # noqa: E731
     with pytest.raises(Exception, match="shared memory"):
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
+def test_a_repeated_expert_block_lowers_its_kernels_once():
+    """Two expert blocks of one shape (the scanned layer bodies) lower their Mosaic GPU kernels once: moe_experts
+    is jitted, and JAX lowers a jitted call once per module."""
+    args, sc = v4_flash_args("fp4", 256)
+    block = lambda *a: K.moe_experts(*a[:6], 10.0, scales=a[6], backend="mgpu", interpret=False)  # noqa: E731
+
+    def lowered(f, *a) -> str:
+        return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    once = lowered(block, *args, sc).count("mosaic_gpu")
+    twice = lowered(lambda *a: block(*a[:7]) + block(a[7], *a[1:7]), *args, sc, args[0])
+    assert once >= 2 and twice.count("mosaic_gpu") == once

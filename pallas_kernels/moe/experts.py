@@ -16,6 +16,7 @@ in three steps, the same for every regime and weight format:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -34,6 +35,9 @@ from .row_kernels import act_quant_rows, take_rows
 from .tuning import TRITON_FP8_MMA_MAX_ROWS, choose_backend, default_config
 
 
+# jitted so that a program lowers each distinct call once (as fp8_linear: the scanned bodies repeat it)
+@functools.partial(jax.jit, static_argnames=("limit", "backend", "config", "interpret", "weight_layout",
+                                             "compute_dtype", "act_block", "balanced"))
 def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
                 w3: jax.Array, limit: float, *, scales=None, backend: str = "auto", config=None,
                 interpret=None, weight_layout: str = "out_in", compute_dtype=jnp.bfloat16, act_block: int = 0,

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import jax
+import pytest
+
 from experiments import compile_time
+from pallas_kernels.common import on_gpu
 
 
 def test_compiles_abstract_steps(tmp_path):
@@ -17,6 +21,21 @@ def test_compiles_abstract_steps(tmp_path):
     assert out["meta"]["layers"] == 3
     saved = json.loads(next(tmp_path.glob("compile_time_*.json")).read_text())
     assert saved["records"] == out["records"]
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-only: cross-lowering for CUDA")
+def test_lowers_the_release_step_for_cuda_on_a_cpu(tmp_path):
+    """--lower-for cuda: the scanned release-format step lowered for CUDA with the Hopper kernels on this CPU, not
+    compiled; the kernels' backend query answers for the host again after."""
+    release = ["--moe-impl", "pallas", "--attention-impl", "pallas", "--mhc-impl", "pallas", "--dense-weights", "fp8",
+               "--expert-weights", "fp4", "--dense-impl", "pallas"]
+    out = compile_time.main(["--preset", "v4-flash-4l", "--scan-layers", *release, "--steps", "verify",
+                             "--lower-for", "cuda", "--out", str(tmp_path)])
+    rec, = out["records"]
+    assert rec["compile_s"] is None and rec["lowered_for"] == "cuda" and rec["trace_lower_s"] > 0
+    assert not on_gpu()
+    with pytest.raises(SystemExit, match="--lower-for lowers the one-device step"):
+        compile_time.main(["--preset", "v4-flash-4l", *release, "--lower-for", "cuda", "--mesh", "1,2,1"])
 
 
 def test_release_format_switches_parse():

@@ -18,9 +18,9 @@ it): on a CPU this shows the XLA partitioning of everything but the GPU kernels'
 compiles the model with its repeated layer groups scanned (ModelConfig.scan_layers: one traced body per group
 position, `traced_layers` in the record). The persistent compilation cache (experiments/compile_cache.py) is on
 as in every CLI: each record says whether its compile was a cache hit (warm) or a miss (cold: a fresh
-`--compile-cache DIR`, or `--compile-cache off`). `--lower-for cuda` traces and lowers the step for CUDA on any host, the kernels chosen as
-on an H100 / H200 (`pallas_kernels.common.lowering_for_hopper`), without compiling: the GPU's trace + lower time,
-measured on a CPU machine. Output: JSON + markdown under
+`--compile-cache DIR`, or `--compile-cache off`). `--lower-for cuda` traces and lowers the step for CUDA on any
+host, the kernels chosen as on an H100 / H200 (`pallas_kernels.common.lowering_for_hopper`), without compiling: the
+GPU's trace + lower time, measured on a CPU machine. Output: JSON + markdown under
 experiments/results/compile_time_<stamp>_<backend>.{json,md} (and $OUT when set).
 """
 

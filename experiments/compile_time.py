@@ -197,12 +197,12 @@ def main(argv=None) -> dict:
             "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,
             "expert_weights": cfg.expert_weights, "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl,
             "attention_impl": cfg.attention_impl, "mhc_impl": cfg.mhc_impl, "scan_layers": cfg.scan_layers,
-            "lowered_for": args.lower_for,
-            "traced_layers": traced_layers(layer_groups(cfg)),
-            "compile_cache_dir": None if cache_dir is None else str(cache_dir), "command": "python -m experiments.compile_time " + " ".join(
-                sys.argv[1:] if argv is None else argv)}
-    lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype} ({cfg.dense_weights} dense, {cfg.expert_weights} "
-             f"experts), {'scanned' if cfg.scan_layers else 'unrolled'} layers ({meta['traced_layers']} traced), "
+            "lowered_for": args.lower_for, "traced_layers": traced_layers(layer_groups(cfg)),
+            "compile_cache_dir": None if cache_dir is None else str(cache_dir),
+            "command": "python -m experiments.compile_time " + " ".join(sys.argv[1:] if argv is None else argv)}
+    lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype} ({cfg.dense_weights} dense, "
+             f"{cfg.expert_weights} experts), {'scanned' if cfg.scan_layers else 'unrolled'} layers "
+             f"({meta['traced_layers']} traced), "
              f"{backend} ({meta['device']}){LOWERED_FOR_CUDA * bool(args.lower_for)}, "
              f"jax {jax.__version__}", "", f"`{meta['command']}`", "",
              "| step | batch x rows | context | trace + lower s | compile s | cache | temp GiB |",

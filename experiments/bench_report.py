@@ -36,8 +36,9 @@ def environment(command: str) -> dict:
             "git_revision": rev, "git_dirty": dirty,
             "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
             "device_count": jax.device_count(), "jax": jax.__version__, "flax": flax.__version__,
-            "python": sys.version.split()[0], "compile_cache_dir": jax.config.jax_compilation_cache_dir
-            if jax.config.jax_enable_compilation_cache else None}
+            "python": sys.version.split()[0], "xla_flags": os.environ.get("XLA_FLAGS"),
+            "compile_cache_dir": jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache
+            else None}
 
 
 def command_line(argv, module: str = "experiments.bench") -> str:

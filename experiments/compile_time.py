@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import re
 import sys
 import time
@@ -199,6 +200,7 @@ def main(argv=None) -> dict:
             "attention_impl": cfg.attention_impl, "mhc_impl": cfg.mhc_impl, "scan_layers": cfg.scan_layers,
             "lowered_for": args.lower_for, "traced_layers": traced_layers(layer_groups(cfg)),
             "compile_cache_dir": None if cache_dir is None else str(cache_dir),
+            "xla_flags": os.environ.get("XLA_FLAGS"),
             "command": "python -m experiments.compile_time " + " ".join(sys.argv[1:] if argv is None else argv)}
     lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype} ({cfg.dense_weights} dense, "
              f"{cfg.expert_weights} experts), {'scanned' if cfg.scan_layers else 'unrolled'} layers "

@@ -62,6 +62,7 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
         for k in ("command", "git_revision", "device", "jax", "backend", "date_utc"):
             assert env.get(k), (k, env)
         assert "experiments.bench" in env["command"]
+        assert "xla_flags" in env   # the XLA flags the step ran under (None: XLA's defaults)
         assert r["repeats"] >= 10 and r["warmup"] >= 1
         assert len(r["step_times_ms"]) == r["repeats"]
         assert r["step_ms"]["median"] > 0 and all(math.isfinite(t) and t > 0 for t in r["step_times_ms"])

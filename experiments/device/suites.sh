@@ -49,6 +49,8 @@
 #   compile-time-scan     the same with scanned layer groups (--scan-layers), release format: 4 layers cold, 43
 #                         layers cold, then 43 layers warm (a second process on the same compilation cache)
 #   compile-time-scan-x2  compile-time-scan on two GPUs (ep=2)
+#   compile-time-autotune XLA's GEMM autotuning off (--xla_gpu_autotune_level=0): the 43-layer scanned verify step
+#                         compiled cold, and the 4-layer release-format verify 64 x 4 it then runs (what the step pays)
 #   kernels-attention     experiments.bench_kernels: sparse attention and the indexer at V4-Flash shapes
 #   kernels-moe           experiments.bench_moe, forced balance: every expert format and implementation, decode
 #                         64 / 256 tokens and prefill 8K, the whole MoE layer, FP8 x FP8 (act_quant 128)
@@ -209,6 +211,14 @@ for suite in "${suites[@]}"; do
             limit 190 python -m experiments.compile_time $preset --scan-layers --compile-cache "$cache" $mesh \
                 --moe-impl pallas --attention-impl pallas $RELEASE 2>&1 | grep -E "^\| |rror"
         done ;;
+    compile-time-autotune)
+        (
+            export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
+            limit 190 python -m experiments.compile_time $V4_43 --scan-layers --compile-cache off --steps verify \
+                --moe-impl pallas --attention-impl pallas $RELEASE 2>&1 | grep -E "^\| |rror"
+            bench 250 v4_release_autotune0 $V4 $RELEASE --compile-cache off --phase decode --batch 64 --context 32768 \
+                --kernel-times 2
+        ) ;;
     kernels-attention)
         limit 300 python -m experiments.bench_kernels --only attention_decode,attention_prefill --out "$OUTDIR" \
             2>&1 | grep -E "^\| |rror" | cut -c1-200

@@ -8,6 +8,7 @@ import os
 import zlib
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,6 +16,12 @@ import numpy as np
 def seed_of_test() -> int:
     """A fixed seed per test (from its pytest node id): inputs differ between tests, never between runs."""
     return zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].encode()) % (1 << 30)
+
+
+def cuda_text(f, *args, **kwargs) -> str:
+    """The StableHLO text of `jax.jit(f)` lowered for CUDA on (abstract) arguments: a kernel's compiled form, checked
+    from any host."""
+    return jax.jit(f).trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def rel_err(a, b) -> float:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from common import cuda_text
 from pallas_kernels import reference as ref
 from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_reference
 from pallas_kernels.moe import MgpuConfig, TritonConfig
@@ -133,8 +134,7 @@ def test_swap_tiles_lower_for_cuda(g, n, k, m):
     lower for CUDA at V4-Flash's projection shapes (wq_b, wo_b, the grouped wo_a, wkv) and decode / verify loads."""
     sd = jax.ShapeDtypeStruct
     args = (sd((g, m, k), jnp.bfloat16), sd((g, n, k), jnp.float8_e4m3fn), sd((g, n // 128, k // 128), jnp.uint8))
-    f = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", interpret=False))
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_text(lambda x, w, s: fp8_linear(x, w, s, backend="swap", interpret=False), *args)
     assert text.count("mosaic_gpu") >= 1, "no Mosaic GPU kernel in the lowered module"
 
 
@@ -206,9 +206,6 @@ def test_a_repeated_projection_lowers_its_kernel_once():
     sd = jax.ShapeDtypeStruct
     x, w, s = sd((1, 32, 1024), jnp.bfloat16), sd((1, 32768, 1024), jnp.float8_e4m3fn), sd((1, 256, 8), jnp.uint8)
     project = functools.partial(fp8_linear, backend="swap", interpret=False)
-
-    def lowered(f, *args) -> str:
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    once = lowered(project, x, w, s).count("mosaic_gpu")
-    twice = lowered(lambda x, w1, s1, w2, s2: project(x, w1, s1) + project(x, w2, s2), x, w, s, w, s)
+    once = cuda_text(project, x, w, s).count("mosaic_gpu")
+    twice = cuda_text(lambda x, w1, s1, w2, s2: project(x, w1, s1) + project(x, w2, s2), x, w, s, w, s)
     assert once >= 1 and twice.count("mosaic_gpu") == once

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import rel_err, seed_of_test, small_config, small_v41, tie_free_tokens
+from common import cuda_text, rel_err, seed_of_test, small_config, small_v41, tie_free_tokens
 from pallas_kernels import attention as attention_mod
 from pallas_kernels import reference as ref
 from pallas_kernels.attention import sparse_attention
@@ -437,7 +437,7 @@ def _lower_attention(b, s, h, d, ring, n, k, csa, dtype=jnp.bfloat16, expect="tr
     def f(*a, **e):
         return sparse_attention(*a, **e, scale=d ** -0.5, window=128, ratio=4 if csa else 128, interpret=False,
                                 **kern)
-    text = jax.jit(f).trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_text(f, *args, **extra)
     assert expect in text
 
 
@@ -458,9 +458,8 @@ def test_lower_for_cuda_real_shapes():
                 sds((b, n, 128), jnp.float8_e4m3fn if quant == "fp8" else jnp.bfloat16))
         args = (sds((b, t, 64, 128), jnp.bfloat16), sds((b, t, 64), jnp.float32), keys, sds((b, t), jnp.int32))
         scale = sds((b, n), jnp.float32) if quant == "fp8" else None
-        text = jax.jit(lambda *a, sc=None: indexer_topk(*a, key_scale=sc, ratio=4, k=512, tiles=tiles,
-                                                        interpret=False)
-                       ).trace(*args, sc=scale).lower(lowering_platforms=("cuda",)).as_text()
+        text = cuda_text(lambda *a, sc=None: indexer_topk(*a, key_scale=sc, ratio=4, k=512, tiles=tiles,
+                                                          interpret=False), *args, sc=scale)
         assert "triton" in text
 
 

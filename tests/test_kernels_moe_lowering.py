@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from common import cuda_text
 from moe_tilings import FP8_ROWS, FP8_ROWS_3WG
 from pallas_kernels import moe as K
 
@@ -199,7 +200,7 @@ def test_lower_for_cuda_v4_flash(backend, fmt, tokens, layout, cfg):
                              interpret=False, weight_layout="out_in" if layout == "held" else layout)
 
     t0 = time.time()
-    text = jax.jit(f).trace(*args, sc).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_text(f, *args, sc)
     target = "mosaic_gpu" if backend == "mgpu" else "__gpu$xla.gpu.triton"
     assert text.count(target) >= 2, f"no {backend} kernels in the lowered module"
     assert time.time() - t0 < 30
@@ -213,7 +214,7 @@ def test_lower_balanced_192_row_tiles(fmt, act):
     args, sc = v4_flash_args(fmt, 8192)
     f = lambda *a: K.moe_experts(*a[:6], 10.0, scales=a[6], interpret=False, act_block=act,  # noqa: E731
                                  backend="mgpu", balanced=True)
-    text = jax.jit(f).trace(*args, sc).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_text(f, *args, sc)
     assert text.count("mosaic_gpu") >= 2
     name = "dense" if fmt == "bf16" else fmt
     assert K.default_config("mgpu", 49152, E4, name, fp8_acts=act > 0, balanced=True).block_m == 192
@@ -234,7 +235,7 @@ def test_lower_act_quant_for_cuda_v4_flash(backend, fmt, tokens, cfg):
     args, sc = v4_flash_args(fmt, tokens)
     f = lambda *a: K.moe_experts(*a[:6], 10.0, scales=a[6], backend=backend, interpret=False,  # noqa: E731
                                  act_block=128, config=cfg)
-    text = jax.jit(f).trace(*args, sc).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_text(f, *args, sc)
     assert text.count("mosaic_gpu" if backend == "mgpu" else "__gpu$xla.gpu.triton") >= 2
 
 
@@ -244,7 +245,7 @@ def test_mgpu_smem_budget_is_checked_at_lowering():
     cfg = K.MgpuConfig(block_m=128, block_n=256, block_k=128)        # two 128x256 fp32 accs: too big
     f = lambda *a: K.moe_experts(*a, 10.0, backend="mgpu", config=cfg, interpret=False)  # noqa: E731
     with pytest.raises(Exception, match="shared memory"):
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        cuda_text(f, *args)
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
@@ -253,9 +254,6 @@ def test_a_repeated_expert_block_lowers_its_kernels_once():
     is jitted, and JAX lowers a jitted call once per module."""
     args, sc = v4_flash_args("fp4", 256)
     block = lambda *a: K.moe_experts(*a[:6], 10.0, scales=a[6], backend="mgpu", interpret=False)  # noqa: E731
-
-    def lowered(f, *a) -> str:
-        return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-    once = lowered(block, *args, sc).count("mosaic_gpu")
-    twice = lowered(lambda *a: block(*a[:7]) + block(a[7], *a[1:7]), *args, sc, args[0])
+    once = cuda_text(block, *args, sc).count("mosaic_gpu")
+    twice = cuda_text(lambda *a: block(*a[:7]) + block(a[7], *a[1:7]), *args, sc, args[0])
     assert once >= 2 and twice.count("mosaic_gpu") == once

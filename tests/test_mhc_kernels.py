@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import rel_err, seed_of_test, small_config
+from common import cuda_text, rel_err, seed_of_test, small_config
 from model import ModelConfig, init_random
 from model.mhc import hc_coefficients
 from pallas_kernels import mhc as K
@@ -127,7 +127,7 @@ def test_lower_for_cuda_at_v4_flash_widths(rows):
     def f(x, fn, base, scale, fout):
         y, coef = K.mix_in(x, fn, base, scale, iters=20, interpret=False, **EPS)
         return K.mix_out(x, fout, coef, interpret=False), y
-    text = jax.jit(f).trace(*args, sds((rows, d), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_text(f, *args, sds((rows, d), jnp.bfloat16))
     assert text.count("__gpu$xla.gpu.triton") >= 3
 
 

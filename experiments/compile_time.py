@@ -103,19 +103,16 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
         tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=batch_sharding(mesh, 2))
     t1 = time.perf_counter()
     with setup.context():
-        if lower_for is not None:
-            fns[kind].trace(state, cache, tokens).lower(lowering_platforms=(lower_for,))
-            return {"step": kind, "batch": batch, "context": context, "rows": rows, "mesh": list(mesh_shape),
-                    "abstract_model_s": round(t1 - t0, 3), "trace_lower_s": round(time.perf_counter() - t1, 3),
-                    "compile_s": None, "compile_cache": "-", "lowered_for": lower_for}
-        lowered = fns[kind].lower(state, cache, tokens)
+        platforms = {} if lower_for is None else {"lowering_platforms": (lower_for,)}
+        lowered = fns[kind].trace(state, cache, tokens).lower(**platforms)
         t2 = time.perf_counter()
+        rec = {"step": kind, "batch": batch, "context": context, "rows": rows, "mesh": list(mesh_shape),
+               "abstract_model_s": round(t1 - t0, 3), "trace_lower_s": round(t2 - t1, 3)}
+        if lower_for is not None:
+            return {**rec, "compile_s": None, "compile_cache": "-", "lowered_for": lower_for}
         with compile_cache.CacheEvents() as events:
             compiled = lowered.compile()
-    t3 = time.perf_counter()
-    rec = {"step": kind, "batch": batch, "context": context, "rows": rows, "mesh": list(mesh_shape),
-           "abstract_model_s": round(t1 - t0, 3), "trace_lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3),
-           "compile_cache": events.status}
+    rec.update(compile_s=round(time.perf_counter() - t2, 3), compile_cache=events.status)
     try:
         mem = compiled.memory_analysis()
         rec["temp_bytes"] = int(mem.temp_size_in_bytes)

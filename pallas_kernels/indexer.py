@@ -30,7 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import reference as ref
-from .common import FP4_FOLD, fp4_tile, interpret_flag, next_pow2, pad_axis
+from .common import FP4_FOLD, fp4_tile, interpret_flag, next_pow2, on_gpu, pad_axis
+from .topk import topk_select
 
 # rows_per_block query rows share each key tile; a program loops over `tiles` key tiles of block_n entries
 # (the H200 sweeps behind each: docs/kernels.md). One query row over bf16 keys (decode): a loop over 32 tiles of
@@ -207,17 +208,24 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
 
 
 def grouped_topk(scores: jax.Array, group_max: jax.Array, k: int, n: int, group: int = GROUP,
-                 mask: jax.Array | None = None) -> jax.Array:
+                 mask: jax.Array | None = None, select: str = "auto") -> jax.Array:
     """Top-k entry indices from scores [..., Np] and their group maxima [..., Np // group].
 
-    -> [..., min(k, n)] int32, best first, -1 where the score is -inf. Same set as
-    `reference.topk_indices(scores[..., :n], k)` except between exactly tied scores. mask [..., n] bool
-    (optional): only entries inside it count; it must be constant on each group of `group` entries (whole
-    groups in or out, as V4.1's candidate source publishes them) -- entries outside are never picked either
-    way, but a group half in would rank by a maximum it may not own.
+    -> [..., min(k, n)] int32, -1 where the score is -inf. select "sort": best first, by XLA's top-k on two small
+    problems (see the module docstring); the same set as `reference.topk_indices(scores[..., :n], k)` except between
+    exactly tied scores. "kernel": in position order, by `topk.topk_select` on the whole rows (no sort); exactly
+    that set. "auto": the kernel on a GPU, the sorts elsewhere. mask [..., n] bool (optional): only entries inside
+    it count; it must be constant on each group of `group` entries (whole groups in or out, as V4.1's candidate
+    source publishes them) -- entries outside are never picked either way, but a group half in would rank by a
+    maximum it may not own.
     """
+    _check(select in ("auto", "sort", "kernel"), f"select must be 'auto', 'sort' or 'kernel', got {select!r}")
     kk = min(k, n)
     ngroups = group_max.shape[-1]
+    if (select == "auto" and on_gpu()) or select == "kernel":
+        if mask is not None:
+            scores = jnp.where(pad_axis(mask, mask.ndim - 1, scores.shape[-1], False), scores, -jnp.inf)
+        return topk_select(scores, kk, n)
     if mask is not None:
         mask = pad_axis(mask, mask.ndim - 1, ngroups * group, False)
         group_max = jnp.where(mask.reshape(*mask.shape[:-1], ngroups, group).any(-1), group_max, -jnp.inf)

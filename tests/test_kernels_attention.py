@@ -280,7 +280,8 @@ def test_indexer_rejects_bad_keys():
         indexer_select(q, w, keys, pos, ratio=4, k=4, candidates=jnp.ones((1, 2, 39), bool))
 
 
-def test_grouped_topk_equals_top_k():
+@pytest.mark.parametrize("select", ["sort", "kernel"])
+def test_grouped_topk_equals_top_k(select):
     rng = np.random.default_rng(seed_of_test())
     for n, k, g in ((1000, 16, 8), (4096, 64, 8), (333, 20, 4), (64, 40, 8)):
         s = rng.standard_normal((3, 2, n)).astype(np.float32)
@@ -290,12 +291,50 @@ def test_grouped_topk_equals_top_k():
         sp = np.full((3, 2, npad), -np.inf, np.float32)
         sp[..., :n] = s
         gmax = sp.reshape(3, 2, npad // g, g).max(-1)
-        out = grouped_topk(jnp.asarray(sp), jnp.asarray(gmax), k, n, g)
+        out = grouped_topk(jnp.asarray(sp), jnp.asarray(gmax), k, n, g, select=select)
         assert same_sets(out, ref.topk_indices(jnp.asarray(s), k)) == 0, (n, k, g)
         # restricted to whole groups (V4.1 candidates): the same as masking the scores first
         mask = np.repeat(rng.random((3, 2, npad // g)) < 0.3, g, axis=-1)[..., :n]
-        out = grouped_topk(jnp.asarray(sp), jnp.asarray(gmax), k, n, g, mask=jnp.asarray(mask))
+        out = grouped_topk(jnp.asarray(sp), jnp.asarray(gmax), k, n, g, mask=jnp.asarray(mask), select=select)
         assert same_sets(out, ref.topk_indices(jnp.asarray(np.where(mask, s, -np.inf)), k)) == 0, (n, k, g)
+
+
+def _tied_scores(rng, shape, n_pad: int) -> np.ndarray:
+    """Scores [..., n_pad] with many exact ties (a few distinct values), a row that sees nothing, a row with fewer
+    finite entries than most k, and garbage past each row's n (the kernel must not read it as scores)."""
+    s = np.round(rng.standard_normal(shape) * 2).astype(np.float32)
+    s.reshape(-1, shape[-1])[0] = -np.inf
+    s.reshape(-1, shape[-1])[1, 5:] = -np.inf
+    return np.concatenate([s, np.full((*shape[:-1], n_pad - shape[-1]), 7.0, np.float32)], axis=-1)
+
+
+@pytest.mark.parametrize("lead,n,n_pad,k", [((3, 2), 300, 304, 16), ((4,), 64, 64, 40), ((2,), 33, 40, 64),
+                                              ((5,), 1000, 1024, 128)])
+def test_topk_select_equals_top_k(lead, n, n_pad, k):
+    """The selection kernel (interpreted) returns exactly lax.top_k's sets, ties included (lower positions win),
+    in position order, -1 after them where fewer than k are finite."""
+    from pallas_kernels.topk import topk_select
+    rng = np.random.default_rng(seed_of_test())
+    s = _tied_scores(rng, (*lead, n), n_pad)
+    out = np.asarray(topk_select(jnp.asarray(s), k, n))
+    want = np.asarray(ref.topk_indices(jnp.asarray(s[..., :n]), k))
+    assert out.shape == want.shape
+    for a, e in zip(out.reshape(-1, out.shape[-1]), want.reshape(-1, want.shape[-1])):
+        taken = a[a >= 0]
+        assert sorted(taken.tolist()) == sorted(e[e >= 0].tolist())
+        assert (np.diff(taken) > 0).all() and (a[len(taken):] == -1).all()
+
+
+def test_topk_select_rejects_bad_input():
+    from pallas_kernels.topk import topk_select
+    with pytest.raises(ValueError, match="float32"):
+        topk_select(jnp.zeros((2, 8), jnp.bfloat16), 2)
+    with pytest.raises(ValueError, match="n must be"):
+        topk_select(jnp.zeros((2, 8)), 2, 9)
+    with pytest.raises(ValueError, match="k must be"):
+        topk_select(jnp.zeros((2, 8)), 0)
+    with pytest.raises(ValueError, match="select must be"):
+        grouped_topk(jnp.zeros((2, 8)), jnp.zeros((2, 1)), 2, 8, select="radix")
 
 
 @pytest.mark.parametrize("n,t", [(301, 3), (40, 3), (301, 1)])   # two-stage top-k; one stage; one row (tile loop)
@@ -461,6 +500,9 @@ def test_lower_for_cuda_real_shapes():
         text = cuda_text(lambda *a, sc=None: indexer_topk(*a, key_scale=sc, ratio=4, k=512, tiles=tiles,
                                                           interpret=False), *args, sc=scale)
         assert "triton" in text
+    from pallas_kernels.topk import topk_select
+    for rows, n in ((8192, 9216), (1024, 8448), (256, 300)):     # V4 prefill 2 x 4096 and verify 256 x 4; tiny
+        assert "triton" in cuda_text(lambda s: topk_select(s, 512, interpret=False), sds((rows, n), jnp.float32))
 
 
 # ----------------------------------------------------------------------------- Mosaic GPU kernel (impl="mgpu")
@@ -607,6 +649,18 @@ def test_gpu_indexer_real_width(t, quant):
     overlap = np.mean([len(set(a.tolist()) & set(e.tolist())) / len(e)
                        for a, e in zip(out.reshape(-1, 512), expect.reshape(-1, 512))])
     assert overlap > 0.995, f"seed {seed}: overlap {overlap}"
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("rows,n", [(1024, 9216), (256, 8448)])
+def test_gpu_topk_select_real_width(rows, n):
+    """The compiled selection kernel at the indexer's step widths: exactly lax.top_k's sets, ties included."""
+    from pallas_kernels.topk import topk_select
+    rng = np.random.default_rng(seed_of_test())
+    s = jnp.asarray(_tied_scores(rng, (rows, n), n))
+    out, want = np.asarray(topk_select(s, 512)), np.asarray(ref.topk_indices(s, 512))
+    assert same_sets(out, want) == 0
 
 
 @pytest.mark.gpu

@@ -16,7 +16,8 @@ writes the maximum of every group of `group` consecutive scores. The k best grou
 entries (a group outranked by k others holds no entry that beats its own maximum, so none of the top
 k; exact ties aside), so top-k runs on two small problems: k of N/group group maxima, then k of
 k*group candidates, instead of k of N. At N = 32K, k = 512, group = 8 that is 4096 + 4096 elements
-instead of 32768 per row.
+instead of 32768 per row. On a GPU each of the two takes its k with the selection kernel (pallas_kernels/topk.py)
+instead of XLA's sort.
 """
 
 from __future__ import annotations
@@ -209,38 +210,40 @@ def indexer_scores(q, weights, keys, positions, *, ratio: int, key_scale=None, m
 
 def grouped_topk(scores: jax.Array, group_max: jax.Array, k: int, n: int, group: int = GROUP,
                  mask: jax.Array | None = None, select: str = "auto") -> jax.Array:
-    """Top-k entry indices from scores [..., Np] and their group maxima [..., Np // group].
+    """Top-k entry indices from scores [..., Np] and their group maxima [..., Np // group], in two small problems
+    (see the module docstring): k of the group maxima, then k of the chosen groups' entries.
 
-    -> [..., min(k, n)] int32, -1 where the score is -inf. select "sort": best first, by XLA's top-k on two small
-    problems (see the module docstring); the same set as `reference.topk_indices(scores[..., :n], k)` except between
-    exactly tied scores. "kernel": in position order, by `topk.topk_select` on the whole rows (no sort); exactly
-    that set. "auto": the kernel on a GPU, the sorts elsewhere. mask [..., n] bool (optional): only entries inside
-    it count; it must be constant on each group of `group` entries (whole groups in or out, as V4.1's candidate
-    source publishes them) -- entries outside are never picked either way, but a group half in would rank by a
-    maximum it may not own.
+    -> [..., min(k, n)] int32, -1 where the score is -inf; the same set as
+    `reference.topk_indices(scores[..., :n], k)` except between exactly tied scores. select: how each problem takes
+    its k -- "sort": XLA's top-k (best first); "kernel": `topk.topk_select` (no sort; groups in position order,
+    then entries in candidate order); "auto": the kernel on a GPU, the sorts elsewhere. mask [..., n] bool
+    (optional): only entries inside it count; it must be constant on each group of `group` entries (whole groups in
+    or out, as V4.1's candidate source publishes them) -- entries outside are never picked either way, but a group
+    half in would rank by a maximum it may not own.
     """
     _check(select in ("auto", "sort", "kernel"), f"select must be 'auto', 'sort' or 'kernel', got {select!r}")
+    kernel = select == "kernel" or (select == "auto" and on_gpu())
+
+    def top(x: jax.Array, kk: int, width: int) -> jax.Array:   # k best of x[..., :width], -1 where -inf
+        return topk_select(x, kk, width) if kernel else ref.topk_indices(x[..., :width], kk)
+
     kk = min(k, n)
     ngroups = group_max.shape[-1]
-    if (select == "auto" and on_gpu()) or select == "kernel":
-        if mask is not None:
-            scores = jnp.where(pad_axis(mask, mask.ndim - 1, scores.shape[-1], False), scores, -jnp.inf)
-        return topk_select(scores, kk, n)
     if mask is not None:
         mask = pad_axis(mask, mask.ndim - 1, ngroups * group, False)
         group_max = jnp.where(mask.reshape(*mask.shape[:-1], ngroups, group).any(-1), group_max, -jnp.inf)
     if ngroups <= kk or kk * group >= n:  # two stages would not shrink the problem
-        s = scores[..., :n] if mask is None else jnp.where(mask[..., :n], scores[..., :n], -jnp.inf)
-        vals, idx = lax.top_k(s, kk)
-    else:
-        _, gidx = lax.top_k(group_max, kk)                                   # [..., kk] groups
+        return top(scores if mask is None else jnp.where(mask, scores, -jnp.inf), kk, n)
+    groups = top(group_max, kk, ngroups)                                             # [..., kk], -1: none left
 
-        def take(a):   # [..., Np] -> the entries of the chosen groups [..., kk, group]
-            return jnp.take_along_axis(a.reshape(*a.shape[:-1], ngroups, group), gidx[..., None], axis=-2)
-        cand = take(scores) if mask is None else jnp.where(take(mask), take(scores), -jnp.inf)
-        vals, pos = lax.top_k(cand.reshape(*cand.shape[:-2], kk * group), kk)  # [..., kk]
-        idx = jnp.take_along_axis(gidx, pos // group, axis=-1) * group + pos % group
-    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+    def take(a):   # [..., Np] -> the entries of the chosen groups [..., kk, group]
+        return jnp.take_along_axis(a.reshape(*a.shape[:-1], ngroups, group), jnp.maximum(groups, 0)[..., None],
+                                   axis=-2)
+    keep = groups[..., None] >= 0 if mask is None else (groups[..., None] >= 0) & take(mask)
+    cand = jnp.where(keep, take(scores), -jnp.inf).reshape(*groups.shape[:-1], kk * group)
+    pos = top(cand, kk, kk * group)
+    idx = jnp.take_along_axis(groups, jnp.maximum(pos, 0) // group, axis=-1) * group + pos % group
+    return jnp.where(pos >= 0, idx, -1).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=(

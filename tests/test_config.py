@@ -403,3 +403,21 @@ def test_float32_linear_of_bf16_operands(seed):
         assert np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref) < 2e-6
     text = str(jax.make_jaxpr(float32_linear)(x, w))
     assert "convert_element_type" not in text and "preferred_element_type=float32" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_in_place_update_equals_concatenation(dtype):
+    """The GPU's formulation (the rotated channels written over x in place; chosen wherever the kernels are, here
+    under lowering_for_hopper) gives the CPU's concatenation bitwise, queries [B, T, H, Dh] and keys [B, T, Dh]."""
+    from pallas_kernels.common import lowering_for_hopper
+    cfg = ModelConfig.preset("tiny-v4")
+    freqs = rope_frequencies(cfg.rope_head_dim, cfg.layer_spec(2).rope_theta, cfg.layer_spec(2).yarn)
+    rng = np.random.default_rng(1)
+    pos = jnp.asarray(rng.integers(0, 4096, (2, 9)).astype(np.int32))
+    for shape, p in (((2, 9, 3, cfg.head_dim), pos[..., None]), ((2, 9, 64), pos)):
+        x = jnp.asarray(rng.standard_normal(shape), dtype)
+        for inverse in (False, True):
+            want = jax.jit(lambda x, p: apply_rope(x, p, freqs, inverse=inverse))(x, p)
+            with lowering_for_hopper():
+                got = jax.jit(lambda x, p: apply_rope(x, p, freqs, inverse=inverse))(x, p)
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -421,3 +421,35 @@ def test_rope_in_place_update_equals_concatenation(dtype):
             with lowering_for_hopper():
                 got = jax.jit(lambda x, p: apply_rope(x, p, freqs, inverse=inverse))(x, p)
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_gpu_rope_in_place_in_the_decode_step(preset, monkeypatch):
+    """The GPU writes RoPE in place inside the whole jitted steps: a prefill and teacher-forced decode steps equal
+    the same steps with the concatenation (what the CPU runs), float32 at the highest matmul precision. Catches a
+    miscompiled in-place update like the one XLA's CPU backend has (8% off there)."""
+    import model.layers as layers_mod
+    from common import rel_err, seed_of_test
+    from model import init_random
+    from model.cache import allocate
+    from model.transformer import decode, prefill
+
+    model = init_random(ModelConfig.preset(preset), seed=3)
+    tokens = np.random.default_rng(seed_of_test()).integers(2, model.config.vocab_size, (2, 24))
+
+    def steps():
+        cache = allocate(model.config, 2, 64, jnp.float32)
+        first, cache = prefill(model, cache, tokens[:, :16], np.full(2, 16))
+        out = [np.asarray(first)]
+        for i in range(16, 24):
+            logits, cache = decode(model, cache, tokens[:, i])
+            out.append(np.asarray(logits))
+        return np.stack(out, 1)
+
+    with jax.default_matmul_precision("highest"):
+        in_place = steps()
+        monkeypatch.setattr(layers_mod, "on_gpu", lambda: False)
+        jax.clear_caches()
+        concatenated = steps()
+    assert rel_err(in_place, concatenated) < 1e-5

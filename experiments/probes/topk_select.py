@@ -1,7 +1,8 @@
-"""Tool: the indexer's top-k at its step shapes, four ways: XLA's lax.top_k on the whole rows; `indexer.grouped_topk`'s
-two stages (k of the group maxima, then k of their entries) by XLA's sorts and by the selection kernel
-(`pallas_kernels.topk.topk_select`, what the model runs on a GPU); the selection kernel on the whole rows. Prints the CUPTI kernel time of each (median of the calls; everything the way
-launches) beside the HBM floor (the scores read once at 4.4 TB/s), and whether each way returns lax.top_k's sets.
+"""Tool: the indexer's top-k at its step shapes, four ways: XLA's lax.top_k on the whole rows;
+`indexer.grouped_topk`'s two stages (k of the group maxima, then k of their entries) by XLA's sorts and by the
+selection kernel (`pallas_kernels.topk.topk_select`, what the model runs on a GPU); the selection kernel on the
+whole rows. Prints the CUPTI kernel time of each (median of the calls; everything the way launches) beside the HBM
+floor (the scores read once at 4.4 TB/s), and whether each way returns lax.top_k's sets.
 
     python -m experiments.probes.topk_select                       # GPU: V4 prefill 2 x 4096 and verify 256 x 4
     python -m experiments.probes.topk_select --shapes 4x304x16 --interpret   # CPU: the sets only

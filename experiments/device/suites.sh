@@ -22,9 +22,10 @@
 #                         decode / verify loads) against the in-graph dequantisation: the kernels' GPU tests, each
 #                         projection alone (experiments.probes.fp8_linear), then release-format V4 verify 8 / 64 /
 #                         256 x 4 both ways
-#   topk-select           the indexer's top-k by the selection kernel (pallas_kernels/topk.py) instead of XLA's sorts:
-#                         its GPU tests, the top-k alone at the step shapes (experiments.probes.topk_select), then the
-#                         release-format V4 verify 256 x 4 and prefill 2 x 4096 (--kernel-times)
+#   attention-glue        the indexer's top-k by the selection kernel (pallas_kernels/topk.py) and RoPE written in
+#                         place: their GPU tests, each alone at the step shapes (experiments.probes.topk_select,
+#                         experiments.probes.rope_in_place), then the release-format V4 verify 256 x 4 and prefill 2 x
+#                         4096 (--kernel-times)
 #   mhc                   the mHC kernels' GPU tests and pieces (experiments.probes.mhc_kernels, with the coefficient
 #                         kernel at three more tilings), then the release-format
 #                         steps with the mHC as XLA ops and as the kernels, V4 verify 8 / 64 / 256 x 4 and prefill 2 x
@@ -126,10 +127,11 @@ for suite in "${suites[@]}"; do
             --kernel-times 2
         bench 280 v41_release $V41 $RELEASE --phase decode,prefill --batch 64 --prefill-batch 1 --context 32768 \
             --kernel-times 2 ;;
-    topk-select)
-        limit 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_attention.py \
-            -k "topk_select or indexer_real_width" 2>&1 | tail -3
+    attention-glue)
+        limit 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_attention.py tests/test_config.py \
+            -k "topk_select or indexer_real_width or rope_in_place" 2>&1 | tail -3
         limit 60 python -m experiments.probes.topk_select 2>&1 | grep -E "^\||rror"
+        limit 60 python -m experiments.probes.rope_in_place 2>&1 | grep -E "^\||rror"
         bench 150 v4_release $V4 $RELEASE --phase decode,prefill --batch 256 --prefill-batch 2 --context 32768 \
             --kernel-times 2 ;;
     launch-gap)

@@ -270,16 +270,16 @@ def indexer_topk(q, weights, keys, positions, *, ratio: int, k: int, key_scale=N
     return grouped_topk(scores, gmax, int(k), keys.shape[1], group)
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "k", "publish_groups", "group", "interpret"))
+@functools.partial(jax.jit, static_argnames=("ratio", "k", "publish_groups", "group", "interpret", "select"))
 def indexer_select(q, weights, keys, positions, *, ratio: int, k: int, candidates=None, publish_groups: int = 0,
-                   group: int = GROUP, key_scale=None, interpret: bool | None = None):
+                   group: int = GROUP, key_scale=None, interpret: bool | None = None, select: str = "auto"):
     """A layer's indexer step on the fused kernel, V4.1's candidate layers included (docs/model.md §7.2-7.4).
     Shapes as `indexer_topk`; without candidates or publish_groups it is `indexer_topk` at default tiling.
     [V4.1] group = the candidate block size (the kernel's group maxima are the block scores);
     publish_groups > 0 (the candidate source): its own top-k is unrestricted, and it returns the candidate
     mask [B, T, N]: the publish_groups best groups (`reference.top_candidate_groups`). candidates [B, T, N]
-    bool (a Reindex layer): only entries inside count (whole groups, as published). -> (top-k indices
-    [B, T, min(k, N)], the published mask or None)."""
+    bool (a Reindex layer): only entries inside count (whole groups, as published). select: how the top-k takes
+    its k (`grouped_topk`). -> (top-k indices [B, T, min(k, N)], the published mask or None)."""
     _check(not (publish_groups and candidates is not None), "a candidate source publishes, it is not restricted")
     if candidates is not None:
         _check(candidates.shape == positions.shape + (keys.shape[1],),
@@ -291,4 +291,4 @@ def indexer_select(q, weights, keys, positions, *, ratio: int, k: int, candidate
     if publish_groups:
         keep = ref.top_candidate_groups(gmax, (positions + 1) // ratio, int(publish_groups), group)
         published = jnp.repeat(keep, group, axis=-1)[..., :n]
-    return grouped_topk(scores, gmax, int(k), n, group, mask=candidates), published
+    return grouped_topk(scores, gmax, int(k), n, group, mask=candidates, select=select), published

@@ -337,8 +337,9 @@ def test_topk_select_rejects_bad_input():
         grouped_topk(jnp.zeros((2, 8)), jnp.zeros((2, 1)), 2, 8, select="radix")
 
 
+@pytest.mark.parametrize("select", ["sort", "kernel"])
 @pytest.mark.parametrize("n,t", [(301, 3), (40, 3), (301, 1)])   # two-stage top-k; one stage; one row (tile loop)
-def test_indexer_select_candidates_interpret(n, t):
+def test_indexer_select_candidates_interpret(n, t, select):
     """[V4.1] the candidate source's published mask and a Reindex layer's restricted top-k on the fused kernel
     equal the reference's (model.compressor.candidate_blocks; top-k of the masked scores)."""
     from model.compressor import candidate_blocks
@@ -351,11 +352,11 @@ def test_indexer_select_candidates_interpret(n, t):
     visible = jnp.arange(n)[None, None] < ((pos + 1) // ratio)[..., None]
     scores = jax.jit(ref.indexer_scores)(q, w, keys, visible)
     want_mask = candidate_blocks(scores, (pos + 1) // ratio, blocks, g)
-    top, published = indexer_select(q, w, keys, pos, ratio=ratio, k=k, publish_groups=blocks, group=g)
+    top, published = indexer_select(q, w, keys, pos, ratio=ratio, k=k, publish_groups=blocks, group=g, select=select)
     np.testing.assert_array_equal(np.asarray(published), np.asarray(want_mask))
     assert same_sets(top, ref.topk_indices(scores, k)) == 0, f"seed {seed}"    # the source's own: unrestricted
     assert int(np.asarray(want_mask).sum(-1).max()) <= blocks * g < n // 2      # the restriction matters
-    top, none = indexer_select(q, w, keys, pos, ratio=ratio, k=k, candidates=want_mask, group=g)
+    top, none = indexer_select(q, w, keys, pos, ratio=ratio, k=k, candidates=want_mask, group=g, select=select)
     assert none is None
     assert same_sets(top, ref.topk_indices(jnp.where(want_mask, scores, -jnp.inf), k)) == 0, f"seed {seed}"
 

@@ -300,9 +300,12 @@ def test_grouped_topk_equals_top_k(select):
 
 
 def _tied_scores(rng, shape, n_pad: int) -> np.ndarray:
-    """Scores [..., n_pad] with many exact ties (a few distinct values), a row that sees nothing, a row with fewer
-    finite entries than most k, and garbage past each row's n (the kernel must not read it as scores)."""
+    """Scores [..., n_pad] with many exact ties (a few distinct values, zeros of both signs), a row that sees nothing,
+    a row with fewer finite entries than most k, and garbage past each row's n (the kernel must not read it as
+    scores)."""
     s = np.round(rng.standard_normal(shape) * 2).astype(np.float32)
+    s[np.signbit(s) & (s == 0)] = 0.0
+    s[rng.random(shape) < 0.1] = -0.0     # signed zeros: lax.top_k ranks +0 above -0, as the kernel's keys do
     s.reshape(-1, shape[-1])[0] = -np.inf
     s.reshape(-1, shape[-1])[1, 5:] = -np.inf
     return np.concatenate([s, np.full((*shape[:-1], n_pad - shape[-1]), 7.0, np.float32)], axis=-1)

@@ -91,8 +91,9 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
     return "\n".join(out) + "\n"
 
 
-GLUE_KINDS = ("transpose", "concatenate", "convert", "sort", "copy", "cache write", "scatter / gather", "reduce",
-              "elementwise / other")
+# "cache write": older records' name for "in-place update"
+GLUE_KINDS = ("transpose", "concatenate", "convert", "sort", "copy", "in-place update", "cache write", "scatter / gather",
+              "reduce", "elementwise / other")
 
 
 def breakdown_table(r: dict) -> list[str]:

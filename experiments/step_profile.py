@@ -37,7 +37,7 @@ _SCOPE_RULES = (("shared_expert", "shared_expert"), ("dispatch", "router"), ("co
                 ("attn_core", "attn_core"), ("attention", "attn_core"), ("mhc", "mhc"), ("embed", "embed"))
 # kernel kinds of XLA's own kernels, by the fusion name's hero op (first match wins)
 _GLUE_KINDS = (("transpose", "transpose"), ("concatenate", "concatenate"), ("convert", "convert"),
-               ("sort", "sort"), ("dynamic_update_slice", "cache write"), ("scatter", "scatter / gather"),
+               ("sort", "sort"), ("dynamic_update_slice", "in-place update"), ("scatter", "scatter / gather"),
                ("gather", "scatter / gather"), ("copy", "copy"), ("reduce", "reduce"))
 _LIBRARY_GEMM = re.compile(r"^(sm\d+_xmma|nvjet|cutlass|gemm|ampere|volta|turing|cublas|sm90_)", re.I)
 _LIBRARY_AUX = re.compile(r"(splitKreduce|reduce_1Block|gemvx|gemv2)", re.I)

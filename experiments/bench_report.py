@@ -92,8 +92,8 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
 
 
 # "cache write": older records' name for "in-place update"
-GLUE_KINDS = ("transpose", "concatenate", "convert", "sort", "copy", "in-place update", "cache write", "scatter / gather",
-              "reduce", "elementwise / other")
+GLUE_KINDS = ("transpose", "concatenate", "convert", "sort", "copy", "in-place update", "cache write",
+              "scatter / gather", "reduce", "elementwise / other")
 
 
 def breakdown_table(r: dict) -> list[str]:

@@ -1,9 +1,9 @@
 """Top-k selection without a sort, Pallas (Triton lowering): the set of the k largest entries of each row.
 
 XLA's GPU top-k sorts whole rows; at the indexer's prefill load (8,192 query rows over ~9K entries at 32K context)
-its two sorts take 2.6 ms of a ~48 ms V4-Flash 4-layer step. Selecting needs less than sorting: one program holds a row in
-registers and settles the k-th largest value bit by bit (32 counting passes over the row, from the top bit of its
-order-preserving integer key down), then takes every entry above it and, of the entries equal to it, the lowest
+its two sorts take 2.6 ms of a ~48 ms V4-Flash 4-layer step. Selecting needs less than sorting: one program holds a
+row in registers and settles the k-th largest value bit by bit (32 counting passes over the row, from the top bit of
+its order-preserving integer key down), then takes every entry above it and, of the entries equal to it, the lowest
 positions first until k are taken -- exactly the set `lax.top_k` returns, ties included. The taken positions are
 written in position order (a prefix sum gives each its slot), not best first.
 

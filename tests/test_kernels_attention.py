@@ -23,6 +23,7 @@ from pallas_kernels import attention as attention_mod
 from pallas_kernels import reference as ref
 from pallas_kernels.attention import sparse_attention
 from pallas_kernels.indexer import grouped_topk, indexer_scores, indexer_topk
+from pallas_kernels.topk import topk_select
 
 GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a GPU")
@@ -316,7 +317,6 @@ def _tied_scores(rng, shape, n_pad: int) -> np.ndarray:
 def test_topk_select_equals_top_k(lead, n, n_pad, k):
     """The selection kernel (interpreted) returns exactly lax.top_k's sets, ties included (lower positions win),
     in position order, -1 after them where fewer than k are finite."""
-    from pallas_kernels.topk import topk_select
     rng = np.random.default_rng(seed_of_test())
     s = _tied_scores(rng, (*lead, n), n_pad)
     out = np.asarray(topk_select(jnp.asarray(s), k, n))
@@ -329,7 +329,6 @@ def test_topk_select_equals_top_k(lead, n, n_pad, k):
 
 
 def test_topk_select_rejects_bad_input():
-    from pallas_kernels.topk import topk_select
     with pytest.raises(ValueError, match="float32"):
         topk_select(jnp.zeros((2, 8), jnp.bfloat16), 2)
     with pytest.raises(ValueError, match="n must be"):
@@ -504,7 +503,6 @@ def test_lower_for_cuda_real_shapes():
         text = cuda_text(lambda *a, sc=None: indexer_topk(*a, key_scale=sc, ratio=4, k=512, tiles=tiles,
                                                           interpret=False), *args, sc=scale)
         assert "triton" in text
-    from pallas_kernels.topk import topk_select
     for rows, n in ((8192, 9216), (1024, 8448), (256, 300)):     # V4 prefill 2 x 4096 and verify 256 x 4; tiny
         assert "triton" in cuda_text(lambda s: topk_select(s, 512, interpret=False), sds((rows, n), jnp.float32))
 
@@ -660,7 +658,6 @@ def test_gpu_indexer_real_width(t, quant):
 @pytest.mark.parametrize("rows,n", [(1024, 9216), (256, 8448)])
 def test_gpu_topk_select_real_width(rows, n):
     """The compiled selection kernel at the indexer's step widths: exactly lax.top_k's sets, ties included."""
-    from pallas_kernels.topk import topk_select
     rng = np.random.default_rng(seed_of_test())
     s = jnp.asarray(_tied_scores(rng, (rows, n), n))
     out, want = np.asarray(topk_select(s, 512)), np.asarray(ref.topk_indices(s, 512))

@@ -17,6 +17,7 @@ import numpy as np
 
 import model.layers as layers
 from experiments.bench_kernels import cupti_ms
+from pallas_kernels.common import on_gpu
 
 HEADS, HEAD_DIM = 64, 512
 FREQS = tuple(float(f) for f in np.geomspace(1.0, 1e-4, 32))
@@ -46,9 +47,12 @@ def main(argv=None) -> None:
             outs, times = [], []
             for in_place in (False, True):
                 layers.on_gpu = lambda in_place=in_place: in_place   # apply_rope's choice, traced below
-                f = jax.jit(fn)
-                outs.append(np.asarray(f(x, pos).astype(jnp.float32)))
-                ts = cupti_ms(f, x, pos, iterations=args.iterations) if gpu else None
+                try:
+                    f = jax.jit(fn)
+                    outs.append(np.asarray(f(x, pos).astype(jnp.float32)))
+                    ts = cupti_ms(f, x, pos, iterations=args.iterations) if gpu else None
+                finally:
+                    layers.on_gpu = on_gpu
                 times.append(f"{float(np.median(ts)) * 1e3:.1f}" if ts else "-")
             print(f"| {b} x {t} | {name} | {times[0]} | {times[1]} | {np.array_equal(outs[0], outs[1])} |",
                   flush=True)

@@ -86,8 +86,9 @@ class Compressor(nnx.Module):
         """
         a, g = self.project(h, step.positions)
         r, s = self.ratio, h.shape[1]
-        back = 2 * r if self.overlap else r
-        span = -(-(s + back) // r) * r
+        # a chunk of s rows closes at most ceil(s / r) blocks, the first of them the one holding its first row
+        # (end // r - start // r <= ceil(s / r)); with overlap the block before lends its A halves
+        span = (-(-s // r) + (1 if self.overlap else 0)) * r
         base = (step.start // r) * r - (r if self.overlap else 0)  # [B]
         pos = base[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]  # [B, span]
         from_ring = (pos < step.start[:, None])[..., None]

@@ -143,8 +143,20 @@ class Experts(nnx.Module):
         return self.w1[...], self.w2[...], self.w3[...], scales
 
 
+# decode / verify loads (up to verify 256 x 4) of the shared expert run on the MoE kernels when its weights are held
+# FP8 and multiplied from their bytes; prefill keeps XLA's GEMMs on the in-graph dequantised weights
+SHARED_KERNEL_MAX_ROWS = 1024
+
+
 class MLP(nnx.Module):
-    """The shared expert (same clamped SwiGLU, weight 1)."""
+    """The shared expert (same clamped SwiGLU, weight 1).
+
+    With its three projections on the FP8 kernels (cfg.dense_impl="pallas") it runs, up to SHARED_KERNEL_MAX_ROWS
+    rows, as one routed expert that every row picks with weight 1 (`pallas_kernels.moe.moe_experts`, bf16
+    activations on the tiling of `single_expert_tiling`): the SwiGLU fused between the two GEMMs (on the float32
+    products, which the reference path rounds to bf16 first), the FP8 weights dequantised in registers, none of them
+    copied into HBM as bf16.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype):
         d, i = cfg.hidden_size, cfg.moe_intermediate_size
@@ -153,7 +165,22 @@ class MLP(nnx.Module):
         self.w3 = Linear(d, i, rngs=rngs, dtype=dtype)
         self.limit = cfg.swiglu_limit
 
+    def on_expert_kernels(self, rows: int) -> bool:
+        """Whether `rows` rows run as one routed expert on the MoE kernels."""
+        return all(w.fp8_kernel for w in (self.w1, self.w2, self.w3)) and rows <= SHARED_KERNEL_MAX_ROWS
+
     def __call__(self, x: jax.Array) -> jax.Array:
+        rows = x.size // x.shape[-1]
+        if self.on_expert_kernels(rows):
+            flat = x.reshape(rows, x.shape[-1])
+            ids, weights = jnp.zeros((rows, 1), jnp.int32), jnp.ones((rows, 1), jnp.float32)
+            ws = [w.weight[...][None] for w in (self.w1, self.w2, self.w3)]
+            scales = tuple(w.scale[...][None] for w in (self.w1, self.w2, self.w3))
+            plain = not self.w1.act_block and jnp.dtype(self.w1.dtype) == jnp.dtype(jnp.bfloat16)
+            backend, config = pallas_moe.single_expert_tiling(rows) if plain else ("auto", None)
+            y = pallas_moe.moe_experts(flat, ids, weights, *ws, self.limit, scales=scales, backend=backend,
+                                       config=config, act_block=self.w1.act_block, compute_dtype=self.w1.dtype)
+            return y.astype(x.dtype).reshape(x.shape)
         z = ref.clamped_swiglu(self.w1(x), self.w3(x), self.limit)
         return self.w2(z.astype(x.dtype))
 

@@ -126,6 +126,32 @@ def test_auto_choice_on_a_hopper_gpu(monkeypatch):
 GPU = jax.default_backend() == "gpu"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [32, 256, 1024])
+def test_gpu_shared_expert_on_the_moe_kernels(rows):
+    """V4-Flash's shared expert (4096 -> 2048 -> 4096, FP8 128-blocks) as one routed expert on the MoE kernels, at
+    verify 8 / 64 / 256 x 4 rows, against the float32 SwiGLU of its dequantised weights."""
+    from flax import nnx
+
+    from model import ModelConfig
+    from model.moe import MLP
+
+    cfg = ModelConfig.preset("v4-flash")
+    mlp = MLP(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    for w in (mlp.w1, mlp.w2, mlp.w3):
+        w.quantise(128)
+        w.fp8_kernel = True
+    assert mlp.on_expert_kernels(rows)
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size)), jnp.bfloat16)
+    got = nnx.jit(lambda m, x: m(x))(mlp, x)
+    w1, w2, w3 = (ref.dequant_fp8_blocks(w.weight[...], w.scale[...]) for w in (mlp.w1, mlp.w2, mlp.w3))
+    hi = jax.lax.Precision.HIGHEST
+    xf = x.astype(jnp.float32)
+    z = ref.clamped_swiglu(jnp.dot(xf, w1.T, precision=hi), jnp.dot(xf, w3.T, precision=hi), cfg.swiglu_limit)
+    want = jnp.dot(z.astype(jnp.bfloat16).astype(jnp.float32), w2.T, precision=hi)
+    assert _rel(got, want) < 1e-2
+
+
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
 @pytest.mark.parametrize("g,n,k,m", [(1, 32768, 1024, 32), (1, 32768, 1024, 256), (1, 4096, 8192, 8),
                                      (8, 1024, 4096, 256), (1, 512, 4096, 100)])
@@ -150,19 +176,22 @@ def test_config_needs_fp8_weights_for_the_kernels():
 @pytest.mark.parametrize("preset,quant_sim", [("tiny-v41", False), ("tiny-v4", True)])
 def test_model_with_fp8_kernels_matches_the_reference_path(preset, quant_sim):
     """The float32 model with its FP8 projections multiplied from their bytes (grouped wo_a included; shapes that are
-    not whole scale blocks keep the reference path) gives the reference path's logits; under quant_sim the official
-    act_quant'd FP8 x FP8 GEMMs. The presets cut to one layer of each kind (tests/common.py: the same projections
+    not whole scale blocks keep the reference path; the shared expert as one routed expert on the MoE kernels) gives
+    the reference path's logits; under quant_sim the official act_quant'd FP8 x FP8 GEMMs. The presets cut to one layer of each kind (tests/common.py: the same projections
     on the kernels and off them as the full presets, in half the compile time)."""
     from flax import nnx
 
     from common import small_v4, small_v41
     from model import init_random
+    from model.moe import MLP
 
     cfg = {"tiny-v4": small_v4, "tiny-v41": small_v41}[preset]().replace(dense_weights="fp8", quant_sim=quant_sim)
     ref_model = init_random(cfg, seed=0, dtype="float32")
     kernel_model = init_random(cfg.replace(dense_impl="pallas"), seed=0, dtype="float32")
     on_kernels = [m for _, m in nnx.iter_modules(kernel_model) if getattr(m, "fp8_kernel", False)]
     assert len(on_kernels) > 10
+    shared = [m for _, m in nnx.iter_modules(kernel_model) if isinstance(m, MLP)]
+    assert shared and all(m.on_expert_kernels(6) for m in shared)   # one routed expert on the MoE kernels
     tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 6))
     assert _rel(kernel_model(tokens), ref_model(tokens)) < 1e-5
 

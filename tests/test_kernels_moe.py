@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import rel_err, seed_of_test
+from common import cuda_text, rel_err, seed_of_test
 from moe_tilings import FP8_ROWS, FP8_ROWS_3WG
 from pallas_kernels import common as C
 from pallas_kernels import moe as K
@@ -297,6 +297,24 @@ def test_triton_matches_reference(fmt, kind, m, d):
     assert rel_err(got, want) < 1e-2
     if kind == "skewed":
         assert int(np.sum(np.bincount(np.asarray(ids).ravel(), minlength=e) == 0)) >= 2
+
+
+@pytest.mark.parametrize("rows", [24, 200])
+def test_single_expert_tilings_match_reference(rows):
+    """The shared expert's Hopper tilings (`single_expert_tiling`): one FP8 expert every row picks, against the
+    reference (the Triton tiles in interpret mode; the Mosaic GPU swap tiles cross-lowered for CUDA)."""
+    x, ids, w, w1, w2, w3 = problem(fresh_rng(), rows, 1, 1, 256, 256, "uniform")
+    q1, q2, q3, sc = weights_in_fp8_128(w1, w2, w3)
+    backend, cfg = K.single_expert_tiling(rows, hopper=True)
+    assert K.single_expert_tiling(rows, hopper=False) == ("auto", None)
+    args = (x.astype(jnp.bfloat16), ids, w, q1, q2, q3)
+    if backend == "triton":
+        got = kernel(*args, sc, backend=backend, config=cfg, interpret=True)
+        assert rel_err(got, reference(x, ids, w, q1, q2, q3, sc)) < 1e-2
+    else:
+        text = cuda_text(lambda *a: K.moe_experts(*a, LIMIT, scales=sc, backend=backend, config=cfg,
+                                                  interpret=False), *args)
+        assert "mosaic_gpu" in text
 
 
 def test_act_quant_rule():

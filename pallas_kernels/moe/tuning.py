@@ -188,3 +188,21 @@ def choose_backend(fmt: str, compute_dtype, rows_per_expert: float = 0.0, *, fp8
         if key in b.formats and rows_per_expert <= b.max_rows:
             return b.backend
     raise AssertionError(f"moe tuning: no backend for {key} at {rows_per_expert} rows per expert")
+
+
+def single_expert_tiling(rows: int, hopper: bool | None = None) -> tuple[str, TritonConfig | MgpuConfig | None]:
+    """(backend, config) for one FP8 expert (bf16 activations) that all `rows` rows pick, as the shared expert runs
+    (model/moe.py `MLP`): the table's decode tiles spread one expert's GEMMs over few programs, so on Hopper
+    narrower column tiles take more SMs. V4-Flash's shared expert on an H200 (`python -m
+    experiments.probes.shared_expert`, probe_shared_expert_20261204_gpu_h200), us per call at 32 / 256 / 1024 rows:
+    XLA on the in-graph dequantised weights 57.7 / 81.1 / 126.8, the table's choice 66.7 / 91.0 / 126.8, Triton
+    32-column tiles 43.2 / 156.7 / 544.7, Mosaic GPU swap tiles of 64 tokens x 64 weight rows 53.9 / 69.6 / 230.6.
+    ("auto", None): the table's choice."""
+    if not (on_hopper() if hopper is None else hopper):
+        return "auto", None
+    if rows <= 64:
+        return "triton", TritonConfig(block_m=16, block_n=32, block_k=256, block_n_down=32, block_k_down=256)
+    if rows <= 256:
+        return "mgpu", MgpuConfig(block_m=64, block_n=64, block_k=128, block_n_down=64, block_k_down=128,
+                                  max_concurrent_steps=5, swap_ab=True, warp_specialized=False)
+    return "auto", None

@@ -146,16 +146,17 @@ class Experts(nnx.Module):
 # decode / verify loads (up to verify 256 x 4) of the shared expert run on the MoE kernels when its weights are held
 # FP8 and multiplied from their bytes; prefill keeps XLA's GEMMs on the in-graph dequantised weights
 SHARED_KERNEL_MAX_ROWS = 1024
+SHARED_KERNEL_BLOCK = 128
 
 
 class MLP(nnx.Module):
     """The shared expert (same clamped SwiGLU, weight 1).
 
-    With its three projections on the FP8 kernels (cfg.dense_impl="pallas") it runs, up to SHARED_KERNEL_MAX_ROWS
-    rows, as one routed expert that every row picks with weight 1 (`pallas_kernels.moe.moe_experts`, bf16
-    activations on the tiling of `single_expert_tiling`): the SwiGLU fused between the two GEMMs (on the float32
-    products, which the reference path rounds to bf16 first), the FP8 weights dequantised in registers, none of them
-    copied into HBM as bf16.
+    With its three projections on the FP8 kernels (cfg.dense_impl="pallas") in 128-blocks it runs, up to
+    SHARED_KERNEL_MAX_ROWS rows, as one routed expert that every row picks with weight 1
+    (`pallas_kernels.moe.moe_experts`, bf16 activations on the tiling of `single_expert_tiling`): the SwiGLU fused
+    between the two GEMMs (on the float32 products, which the reference path rounds to bf16 first), the FP8 weights
+    dequantised in registers, none of them copied into HBM as bf16.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype):
@@ -166,8 +167,13 @@ class MLP(nnx.Module):
         self.limit = cfg.swiglu_limit
 
     def on_expert_kernels(self, rows: int) -> bool:
-        """Whether `rows` rows run as one routed expert on the MoE kernels."""
-        return all(w.fp8_kernel for w in (self.w1, self.w2, self.w3)) and rows <= SHARED_KERNEL_MAX_ROWS
+        """Whether `rows` rows run as one routed expert on the MoE kernels: FP8 weights on the kernels in 128 x 128
+        scale blocks (V4's; the Mosaic GPU swap tiles take no smaller ones, so V4.1's 32 x 32 keep the in-graph
+        dequantisation), at most SHARED_KERNEL_MAX_ROWS rows."""
+        ws = (self.w1, self.w2, self.w3)
+        if not all(w.fp8_kernel for w in ws) or rows > SHARED_KERNEL_MAX_ROWS:
+            return False
+        return all(w.weight.shape[0] // w.scale.shape[0] == SHARED_KERNEL_BLOCK for w in ws)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         rows = x.size // x.shape[-1]

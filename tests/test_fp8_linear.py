@@ -176,7 +176,7 @@ def test_config_needs_fp8_weights_for_the_kernels():
 @pytest.mark.parametrize("preset,quant_sim", [("tiny-v41", False), ("tiny-v4", True)])
 def test_model_with_fp8_kernels_matches_the_reference_path(preset, quant_sim):
     """The float32 model with its FP8 projections multiplied from their bytes (grouped wo_a included; shapes that are
-    not whole scale blocks keep the reference path; the shared expert as one routed expert on the MoE kernels) gives
+    not whole scale blocks keep the reference path; V4's shared expert as one routed expert on the MoE kernels) gives
     the reference path's logits; under quant_sim the official act_quant'd FP8 x FP8 GEMMs. The presets cut to one layer of each kind (tests/common.py: the same projections
     on the kernels and off them as the full presets, in half the compile time)."""
     from flax import nnx
@@ -191,7 +191,8 @@ def test_model_with_fp8_kernels_matches_the_reference_path(preset, quant_sim):
     on_kernels = [m for _, m in nnx.iter_modules(kernel_model) if getattr(m, "fp8_kernel", False)]
     assert len(on_kernels) > 10
     shared = [m for _, m in nnx.iter_modules(kernel_model) if isinstance(m, MLP)]
-    assert shared and all(m.on_expert_kernels(6) for m in shared)   # one routed expert on the MoE kernels
+    # one routed expert on the MoE kernels where the scale blocks are 128 x 128 (V4; V4.1's 32 x 32: in-graph)
+    assert shared and all(m.on_expert_kernels(6) == (cfg.fp8_block == 128) for m in shared)
     tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 6))
     assert _rel(kernel_model(tokens), ref_model(tokens)) < 1e-5
 

@@ -191,9 +191,9 @@ def choose_backend(fmt: str, compute_dtype, rows_per_expert: float = 0.0, *, fp8
 
 
 def single_expert_tiling(rows: int, hopper: bool | None = None) -> tuple[str, TritonConfig | MgpuConfig | None]:
-    """(backend, config) for one FP8 expert (bf16 activations) that all `rows` rows pick, as the shared expert runs
-    (model/moe.py `MLP`): the table's decode tiles spread one expert's GEMMs over few programs, so on Hopper
-    narrower column tiles take more SMs. V4-Flash's shared expert on an H200 (`python -m
+    """(backend, config) for one FP8 expert in 128 x 128 blocks (bf16 activations) that all `rows` rows pick, as the
+    shared expert runs (model/moe.py `MLP`): the table's decode tiles spread one expert's GEMMs over few programs, so
+    on Hopper narrower column tiles take more SMs. V4-Flash's shared expert on an H200 (`python -m
     experiments.probes.shared_expert`, probe_shared_expert_20261204_gpu_h200), us per call at 32 / 256 / 1024 rows:
     XLA on the in-graph dequantised weights 57.7 / 81.1 / 126.8, the table's choice 66.7 / 91.0 / 126.8, Triton
     32-column tiles 43.2 / 156.7 / 544.7, Mosaic GPU swap tiles of 64 tokens x 64 weight rows 53.9 / 69.6 / 230.6.

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_report import command_line, environment
+from experiments.bench_report import command_line, environment, revision_label
 from experiments.records import save
 
 COLUMNS, LAYERS, HEAD_DIM = 24, 2, 256   # V4.1-Flash: 3 n-gram orders x 8 heads, layers 1 and 14, 256-wide rows
@@ -162,7 +162,7 @@ def run(args) -> list[dict]:
 def table(records: list[dict], env: dict, args) -> str:
     work_ms = records[0]["work_ms"] if records else float("nan")
     lines = [f"# Engram row fetch per step ({env['device']} x {env['device_count']}, jax {env['jax']})", "",
-             f"`{env['command']}` — git {env['git_revision']}{' (dirty)' if env['git_dirty'] else ''}, "
+             f"`{env['command']}` — {revision_label(env)}, "
              f"{env['date_utc']}. Tables of {args.rows} rows x (256 + 8) B, {LAYERS} layers x {COLUMNS} columns, "
              f"dequantised to bf16; work: {args.work_chain} x {args.work_size}^2 bf16 GEMMs ({work_ms:.2f} ms).", "",
              "| placement | tokens | rows | MB | alone ms | added to the work ms |",

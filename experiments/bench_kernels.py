@@ -31,7 +31,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -42,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench_report import revision, revision_label
 from pallas_kernels import attention as pk_attn
 from pallas_kernels import attention_mgpu as pk_attn_mgpu
 from pallas_kernels import indexer as pk_idx
@@ -587,16 +587,10 @@ def bench_indexer_prefill(opts: Opts) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 def environment() -> dict:
     dev = jax.devices()[0]
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception:  # noqa: BLE001
-            return None
+    rev, dirty = revision()
     return {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.executable), "-m", "experiments.bench_kernels", *sys.argv[1:]]),
-            "git_revision": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain")),
+            "git_revision": rev, "git_dirty": dirty,
             "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
             "compute_capability": getattr(dev, "compute_capability", None), "jax": jax.__version__,
             "ceilings": {"hbm_read_Bps": HBM_READ, "hbm_datasheet_Bps": HBM_DATASHEET, "bf16_peak_flops": BF16_PEAK,
@@ -605,7 +599,7 @@ def environment() -> dict:
 
 def markdown(env: dict, recs: list[dict]) -> str:
     out = [f"# bench_kernels {env['date_utc']}", "",
-           f"`{env['command']}` — git {env['git_revision']}{' (dirty)' if env['git_dirty'] else ''}, "
+           f"`{env['command']}` — {revision_label(env)}, "
            f"{env['device']} ({env['backend']}), jax {env['jax']}. Ceilings: HBM read {HBM_READ / 1e12:.2f} TB/s, "
            f"bf16 {BF16_PEAK / 1e12:.0f} TFLOP/s (measured, BENCHMARKS.md). Times: median per call "
            "(CUPTI kernel time where available, else wall clock).", ""]

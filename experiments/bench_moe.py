@@ -42,7 +42,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -391,14 +390,10 @@ def time_fn(f, args, iters: int):
 
 def _env():
     import jax
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-        rev += "+dirty" if dirty else ""
-    except Exception:  # noqa: BLE001
-        rev = "?"
+    from experiments.bench_report import revision
+
+    head, dirty = revision()
+    rev = (head or "?")[:7] + ("+dirty" if dirty else "")
     d = jax.devices()[0]
     return {"git": rev, "jax": jax.__version__, "backend": jax.default_backend(),
             "device": getattr(d, "device_kind", str(d)), "cc": str(getattr(d, "compute_capability", "")),

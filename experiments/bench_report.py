@@ -24,14 +24,30 @@ def git(*args) -> str | None:
         return None
 
 
+def revision() -> tuple[str | None, bool | None]:
+    """(the code's git revision, whether the files differ from it). JAXINFER_GIT_REVISION, where set, names the
+    revision and the difference is unknown (None): a copy of the tree whose .git is missing or older than its files
+    (the device machine's keeps the first call's) cannot tell its own (experiments/device/suites.sh sets it)."""
+    named = os.environ.get("JAXINFER_GIT_REVISION")
+    if named:
+        return named, None
+    head = git("rev-parse", "HEAD")
+    return head, (bool(git("status", "--porcelain")) if head else None)
+
+
+def revision_label(env: dict) -> str:
+    """A record's revision as its markdown header gives it: 'git REV', '(dirty)' where the files differed from it,
+    '(named)' where JAXINFER_GIT_REVISION named it."""
+    note = {True: " (dirty)", None: " (named)"}.get(env.get("git_dirty"), "")
+    return f"git {env.get('git_revision')}{note}"
+
+
 def environment(command: str) -> dict:
     import flax
     import jax
 
     dev = jax.devices()[0]
-    # a copy of the tree without .git (e.g. on the GPU machine): JAXINFER_GIT_REVISION names the revision
-    rev = git("rev-parse", "HEAD") or os.environ.get("JAXINFER_GIT_REVISION")
-    dirty = bool(git("status", "--porcelain")) if git("rev-parse", "HEAD") else None
+    rev, dirty = revision()
     return {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": command,
             "git_revision": rev, "git_dirty": dirty,
             "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
@@ -48,7 +64,7 @@ def command_line(argv, module: str = "experiments.bench") -> str:
 
 def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
     out = [f"# {title} {env['date_utc']}", "",
-           f"`{env['command']}` — git {env['git_revision']}{' (dirty)' if env['git_dirty'] else ''}, "
+           f"`{env['command']}` — {revision_label(env)}, "
            f"{env['device']} x{env['device_count']} ({env['backend']}), jax {env['jax']}, flax {env['flax']}.", "",
            "Step time: median of the timed steps (wall clock, `jax.block_until_ready` per step) after warm-up; "
            "compile excluded (compile s: (reused) = compiled for another point, (hit) = loaded from the "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from experiments.bench_report import command_line, environment
+from experiments.bench_report import command_line, environment, revision_label
 from experiments.hardware import H200_MEASURED
 from experiments.records import save
 
@@ -46,7 +46,7 @@ def rows(preset: str, devices: list[int], seqs: int, max_len: int, capacity: flo
 
 def table(records: list[dict], env: dict, args, capacity: float) -> str:
     lines = [f"# Memory per device of {args.preset} by Engram placement (abstract shapes)", "",
-             f"`{env['command']}` — git {env['git_revision']}{' (dirty)' if env['git_dirty'] else ''}, "
+             f"`{env['command']}` — {revision_label(env)}, "
              f"{env['date_utc']}. Release formats; mesh ep = devices; cache of {args.seqs} x {args.max_len} per "
              f"device; device memory {capacity / GIB:.0f} GiB.", "",
              f"| devices | Engram placement | weights (no Engram) GiB | Engram on device GiB | Engram in host memory "

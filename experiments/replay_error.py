@@ -51,7 +51,6 @@ import functools
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -423,14 +422,10 @@ def run_config(name: str, lengths, args, log, records: list | None = None, save=
 def env_info() -> dict:
     import jax
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        git = functools.partial(subprocess.run, capture_output=True, text=True, cwd=here)
-        rev = git(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
-        dirty = git(["git", "status", "--porcelain"]).stdout.strip()
-        rev += "+dirty" if dirty else ""
-    except Exception:  # noqa: BLE001
-        rev = "?"
+    from experiments.bench_report import revision
+
+    head, dirty = revision()
+    rev = (head or "?")[:7] + ("+dirty" if dirty else "")
     d = jax.devices()[0]
     return {"git": rev, "jax": jax.__version__, "backend": jax.default_backend(),
             "device": getattr(d, "device_kind", str(d)), "device_count": jax.device_count(),

@@ -608,14 +608,9 @@ def with_estimate(res: dict) -> dict:
 
 
 def _git_revision() -> str | None:
-    import subprocess
-    from pathlib import Path
+    from experiments.bench_report import revision
 
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return revision()[0]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -177,8 +177,9 @@ def test_config_needs_fp8_weights_for_the_kernels():
 def test_model_with_fp8_kernels_matches_the_reference_path(preset, quant_sim):
     """The float32 model with its FP8 projections multiplied from their bytes (grouped wo_a included; shapes that are
     not whole scale blocks keep the reference path; V4's shared expert as one routed expert on the MoE kernels) gives
-    the reference path's logits; under quant_sim the official act_quant'd FP8 x FP8 GEMMs. The presets cut to one layer of each kind (tests/common.py: the same projections
-    on the kernels and off them as the full presets, in half the compile time)."""
+    the reference path's logits; under quant_sim the official act_quant'd FP8 x FP8 GEMMs. The presets cut to one
+    layer of each kind (tests/common.py: the same projections on the kernels and off them as the full presets, in
+    half the compile time)."""
     from flax import nnx
 
     from common import small_v4, small_v41

@@ -73,7 +73,10 @@
 #   batch-invariance-cost the release-format steps with the switch off and on in the same call (--batch-invariant
 #                         both): V4 verify 8 / 64 x 4 and prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
-# Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound.
+# Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound;
+# JAXINFER_GIT_REVISION names the commit in every record (give the one the call runs: the device machine's copy of
+# the tree keeps the .git of its first call, so its own HEAD names older code), e.g.
+#   JAXINFER_GIT_REVISION=<git rev-parse HEAD> bash experiments/device/suites.sh step-release-targets
 set -u
 export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
 B="python -m experiments.bench --quiet --moe-impl pallas --attention-impl pallas ${BENCH_ARGS:-}"

@@ -280,12 +280,16 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype="float32", mesh: Mesh | N
         return _init_by_pieces(cfg, mesh, make_runtime(cfg, mesh), seed, dtype, token_map)
     check_fits(cfg, dtype)
     if cfg.scan_layers:
-        return _init_by_pieces(cfg, make_mesh(devices=jax.devices()[:1]), make_runtime(cfg), seed, dtype, token_map)
+        # on the CPU op by op, as the unrolled build below, so that both layouts hold the same values bitwise; on an
+        # accelerator compiled, where one layer's float32 temporaries (FP4 experts: 3 x 8.6 GB at V4-Flash widths)
+        # would not fit beside the stacks of the largest models
+        return _init_by_pieces(cfg, make_mesh(devices=jax.devices()[:1]), make_runtime(cfg), seed, dtype, token_map,
+                               compiled=jax.default_backend() != "cpu")
     return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, token_map=token_map, placeholder_map=True)
 
 
-def _init_by_pieces(cfg: ModelConfig, mesh: Mesh, runtime, seed: int, dtype, token_map: np.ndarray | None
-                    ) -> Transformer:
+def _init_by_pieces(cfg: ModelConfig, mesh: Mesh, runtime, seed: int, dtype, token_map: np.ndarray | None,
+                    compiled: bool = True) -> Transformer:
     """A random model born laid out on `mesh` and running with `runtime`, built piece by piece
     (`model.transformer.construction_plan`: embedding, each layer, draft stages, head) with one compiled program
     per distinct piece, whose out_shardings are the table's. No full copy on any device (in a multi-process job
@@ -294,7 +298,8 @@ def _init_by_pieces(cfg: ModelConfig, mesh: Mesh, runtime, seed: int, dtype, tok
     layer of a scanned group is built alone and written into its place in the group's stacks (born laid out,
     updated in place). The RNG state is threaded from piece to piece, so the values equal those of
     `Transformer(cfg, rngs=nnx.Rngs(params=seed))` to float32 rounding (a compiled piece may round an op
-    differently from the op-by-op build)."""
+    differently from the op-by-op build); `compiled=False` (one device) builds each piece op by op, as that
+    constructor does, and equals it bitwise."""
     devices = int(mesh.devices.size)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, token_map=token_map, runtime=runtime))
     state = pad_engram_tables(state, cfg, devices)
@@ -314,7 +319,8 @@ def _init_by_pieces(cfg: ModelConfig, mesh: Mesh, runtime, seed: int, dtype, tok
                 for k in where:
                     parent, layout = parent[k], layout[k]
                 one = jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), layout)   # axis 0: never split
-                value, rng_state = _piece_program(programs, piece, one, replicated, seed, cfg, devices)(rng_state)
+                value, rng_state = _piece_program(programs, piece, one, replicated, seed, cfg, devices,
+                                                  compiled)(rng_state)
                 if where not in stacks:
                     stacks[where] = jax.jit(lambda a=parent: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), a),
                                             out_shardings=layout)()
@@ -323,7 +329,7 @@ def _init_by_pieces(cfg: ModelConfig, mesh: Mesh, runtime, seed: int, dtype, tok
             # where the piece's state goes (and its layout): the top level, or one entry of a layer list
             parent, layout = (state, shardings) if piece.index is None else (state[piece.name], shardings[piece.name])
             key = piece.name if piece.index is None else (str(piece.index) if piece.name == "layers" else piece.index)
-            build = _piece_program(programs, piece, layout.get(key), replicated, seed, cfg, devices)
+            build = _piece_program(programs, piece, layout.get(key), replicated, seed, cfg, devices, compiled)
             value, rng_state = build(rng_state)
             if value is not None:
                 parent[key] = value
@@ -332,17 +338,20 @@ def _init_by_pieces(cfg: ModelConfig, mesh: Mesh, runtime, seed: int, dtype, tok
     return nnx.merge(graphdef, state)
 
 
-def _piece_program(programs: dict, piece, layout, replicated, seed: int, cfg: ModelConfig, devices: int):
-    """The compiled build of a piece (shared by pieces of equal keys: same shapes and layout): rng state ->
-    (the piece's state laid out by `layout`, split Engram tables padded to a multiple of `devices`, the advanced
-    rng state)."""
+def _piece_program(programs: dict, piece, layout, replicated, seed: int, cfg: ModelConfig, devices: int,
+                   compiled: bool = True):
+    """The build of a piece: rng state -> (the piece's state laid out by `layout`, split Engram tables padded to a
+    multiple of `devices`, the advanced rng state); compiled (one program shared by pieces of equal keys: same
+    shapes and layout), or op by op (`compiled=False`, one device)."""
+    def build(rng_state, piece=piece):
+        rngs = nnx.Rngs(params=seed)
+        nnx.update(rngs, rng_state)
+        module = piece.build(rngs)
+        out = None if module is None else pad_engram_tables(nnx.state(module), cfg, devices)
+        return out, nnx.state(rngs)
+    if not compiled:
+        return build
     if piece.key not in programs:
-        def build(rng_state, piece=piece):
-            rngs = nnx.Rngs(params=seed)
-            nnx.update(rngs, rng_state)
-            module = piece.build(rngs)
-            out = None if module is None else pad_engram_tables(nnx.state(module), cfg, devices)
-            return out, nnx.state(rngs)
         programs[piece.key] = jax.jit(build, out_shardings=(layout, replicated))
     return programs[piece.key]
 

@@ -390,12 +390,11 @@ def time_fn(f, args, iters: int):
 
 def _env():
     import jax
-    from experiments.bench_report import revision
 
-    head, dirty = revision()
-    rev = (head or "?")[:7] + ("+dirty" if dirty else "")
+    from experiments.bench_report import short_revision
+
     d = jax.devices()[0]
-    return {"git": rev, "jax": jax.__version__, "backend": jax.default_backend(),
+    return {"git": short_revision(), "jax": jax.__version__, "backend": jax.default_backend(),
             "device": getattr(d, "device_kind", str(d)), "cc": str(getattr(d, "compute_capability", "")),
             "python": platform.python_version(), "command": " ".join(sys.argv)}
 

@@ -27,12 +27,20 @@ def git(*args) -> str | None:
 def revision() -> tuple[str | None, bool | None]:
     """(the code's git revision, whether the files differ from it). JAXINFER_GIT_REVISION, where set, names the
     revision and the difference is unknown (None): a copy of the tree whose .git is missing or older than its files
-    (the device machine's keeps the first call's) cannot tell its own (experiments/device/suites.sh sets it)."""
+    (the device machine's keeps the first call's) cannot tell its own (experiments/device/suites.sh says how to
+    set it)."""
     named = os.environ.get("JAXINFER_GIT_REVISION")
     if named:
         return named, None
     head = git("rev-parse", "HEAD")
     return head, (bool(git("status", "--porcelain")) if head else None)
+
+
+def short_revision() -> str:
+    """`revision()` in one short word: 7 hex digits, '+dirty' where the files differ, '+named' where
+    JAXINFER_GIT_REVISION named it ('?' without either)."""
+    head, dirty = revision()
+    return (head or "?")[:7] + {True: "+dirty", None: "+named" if head else ""}.get(dirty, "")
 
 
 def revision_label(env: dict) -> str:

@@ -422,12 +422,10 @@ def run_config(name: str, lengths, args, log, records: list | None = None, save=
 def env_info() -> dict:
     import jax
 
-    from experiments.bench_report import revision
+    from experiments.bench_report import short_revision
 
-    head, dirty = revision()
-    rev = (head or "?")[:7] + ("+dirty" if dirty else "")
     d = jax.devices()[0]
-    return {"git": rev, "jax": jax.__version__, "backend": jax.default_backend(),
+    return {"git": short_revision(), "jax": jax.__version__, "backend": jax.default_backend(),
             "device": getattr(d, "device_kind", str(d)), "device_count": jax.device_count(),
             "cpu_count": os.cpu_count(), "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "python": platform.python_version(),

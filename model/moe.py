@@ -173,7 +173,7 @@ class MLP(nnx.Module):
         ws = (self.w1, self.w2, self.w3)
         if not all(w.fp8_kernel for w in ws) or rows > SHARED_KERNEL_MAX_ROWS:
             return False
-        return all(w.weight.shape[0] // w.scale.shape[0] == SHARED_KERNEL_BLOCK for w in ws)
+        return all(ref.fp8_block_size(w.weight.shape, w.scale.shape) == SHARED_KERNEL_BLOCK for w in ws)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         rows = x.size // x.shape[-1]

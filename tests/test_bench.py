@@ -239,12 +239,13 @@ def test_sweep_grid_from_spec(tmp_path):
 def test_a_named_revision_wins(monkeypatch):
     """JAXINFER_GIT_REVISION names a record's code where the tree's own .git is older than its files (the device
     machine's copy): it wins over HEAD, and the record says the files were not compared with it."""
-    from experiments.bench_report import revision, revision_label
+    from experiments.bench_report import revision, revision_label, short_revision
 
     monkeypatch.delenv("JAXINFER_GIT_REVISION", raising=False)
     head, dirty = revision()
     assert head and dirty in (True, False)
     monkeypatch.setenv("JAXINFER_GIT_REVISION", "0123abc")
     assert revision() == ("0123abc", None)
+    assert short_revision() == "0123abc+named"
     assert revision_label({"git_revision": "0123abc", "git_dirty": None}) == "git 0123abc (named)"
     assert revision_label({"git_revision": "0123abc", "git_dirty": True}) == "git 0123abc (dirty)"

@@ -91,12 +91,10 @@ def test_scanned_equals_unrolled(preset):
     scanned_model = init_random(cfg, seed=5, dtype="float32")
     unrolled_model = init_random(cfg.replace(scan_layers=False), seed=5, dtype="float32")
     if jax.default_backend() == "cpu":   # one seed, the same weights bitwise in both layouts (built op by op)
-        for i in range(cfg.num_layers):
-            mine = dict(nnx.to_flat_state(nnx.state(scanned_model.layers[i])))
-            theirs = dict(nnx.to_flat_state(nnx.state(unrolled_model.layers[i])))
-            assert mine.keys() == theirs.keys()
-            for k in theirs:
-                np.testing.assert_array_equal(np.asarray(mine[k][...]), np.asarray(theirs[k][...]), err_msg=str(k))
+        mine, theirs = official_tensors(scanned_model), official_tensors(unrolled_model)
+        assert sorted(mine) == sorted(theirs)
+        for name, arr in theirs.items():
+            np.testing.assert_array_equal(mine[name], arr, err_msg=name)
     got, want = _run(scanned_model, tokens), _run(unrolled_model, tokens)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.bench_kernels import cupti_ms
+from experiments.bench_kernels import cupti_ms, rel_err
 from model import ModelConfig
 from model.moe import MLP
 from pallas_kernels import moe as pallas_moe
@@ -34,11 +34,6 @@ TILINGS = {
     "mgpu swap 64 x 64": MgpuConfig(block_m=64, block_n=64, block_k=128, block_n_down=64, block_k_down=128,
                                     max_concurrent_steps=5, swap_ab=True, warp_specialized=False),
 }
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def main(argv=None) -> None:
@@ -77,7 +72,7 @@ def main(argv=None) -> None:
                 x, ids, wts, *h[1], cfg.swiglu_limit, scales=h[2], backend=backend, config=c))
         for name, f in paths.items():
             try:
-                err = _rel(f(x, held), want)
+                err = rel_err(f(x, held), want)
                 ts = cupti_ms(f, x, held, iterations=args.iterations) if gpu else None
             except Exception as e:   # a tiling a kernel refuses: report it and go on
                 print(f"| {rows} | {name} | failed: {type(e).__name__}: {str(e)[:80]} | |", flush=True)

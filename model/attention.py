@@ -65,11 +65,12 @@ class Attention(nnx.Module):
         # split a pallas_call; static), from the model's runtime (Transformer._bind); None: on the whole batch
         self.per_shard = None
 
-    def queries(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """h [B, T, D] -> (q [B, T, H, Dh] rotated, c_q [B, T, q_lora])."""
+    def queries(self, h: jax.Array, positions: jax.Array, normalize: bool = True) -> tuple[jax.Array, jax.Array]:
+        """h [B, T, D] -> (q [B, T, H, Dh] rotated, c_q [B, T, q_lora]). normalize=False leaves V4's per-head
+        normalisation to the attention kernel (`q_norm_eps`), which folds it into the scores."""
         c_q = self.q_norm(self.wq_a(h))
         q = self.wq_b(c_q).reshape(*h.shape[:-1], self.num_heads, self.head_dim)
-        if self.v4:
+        if self.v4 and normalize:
             q = rms_normalize(q, self.eps, self.batch_invariant).astype(h.dtype)
         return apply_rope(q, positions[..., None], self.freqs), c_q
 
@@ -151,7 +152,7 @@ class Attention(nnx.Module):
         arrays are views: `cache.read`).
         """
         pos = step.positions
-        q, c_q = self.queries(h, pos)
+        q, c_q = self.queries(h, pos, normalize=self.impl == "reference")
         kv = self.keys(h, pos)
         floor = step.floor[:, None]
         ring_pos = ring_positions(step.start, cache.kv.shape[1])
@@ -222,7 +223,7 @@ class Attention(nnx.Module):
             return pk_attention.sparse_attention(
                 q, q_pos, own_kv, own_pos, sink, scale=self.head_dim ** -0.5, window=self.window, ring_kv=ring_kv,
                 ring_pos=ring_pos, comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1),
-                impl=self.impl)
+                impl=self.impl, q_norm_eps=self.eps if self.v4 else None)
         return self._per_sequence(kernel, (q, step.positions, keys[1], own_pos, keys[0], ring_pos, comp, idx),
                                   (self.attn_sink[...],))
 

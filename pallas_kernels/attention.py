@@ -83,7 +83,7 @@ def default_config(mode: str, rows: int, heads: int, csa: bool, head_dim: int = 
 
 # ----------------------------------------------------------------------------- kernel
 def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k_sel,
-                 has_ring, has_comp, csa, num_splits, fold_sink):
+                 has_ring, has_comp, csa, num_splits, fold_sink, q_norm_eps, head_dim):
     """Refs (batch/row dims squeezed): q [bh, D]; qpos (); floor (); self_kv [S, D]; self_pos [S];
     [ring_kv [R, D]; ring_pos [R]; ring_hi ()]; [comp_kv [N, D]; [comp_idx [Kp]]]; sink [bh];
     outputs: o [bh, D] (fold_sink) or acc [bh, D] f32, m [bh], l [bh]."""
@@ -103,13 +103,17 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
     split = pl.program_id(3)
     q = q_ref[...]
     bh, d = q.shape
+    score_scale = scale
+    if q_norm_eps is not None:   # each head's RMS normalisation as a factor on its scores (padding adds zeros)
+        qf = q.astype(jnp.float32)
+        score_scale = (scale * lax.rsqrt(jnp.sum(qf * qf, axis=1) / head_dim + q_norm_eps))[:, None]
     qp = qpos_ref[...]
     lo = jnp.maximum(jnp.maximum(qp - (window - 1), floor_ref[...]), 0)  # window: lo <= k <= qp
     iota = lax.broadcasted_iota(jnp.int32, (block_n,), 0)
 
     def update(carry, k, ok):
         m, l, acc = carry
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * score_scale
         s = jnp.where(ok[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
@@ -232,12 +236,13 @@ def _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, com
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "window", "ratio", "mode", "block_h", "block_n", "num_warps", "num_stages", "num_splits",
-    "interpret", "impl"))
+    "interpret", "impl", "q_norm_eps"))
 def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window: int,
                      ring_kv=None, ring_pos=None, comp_kv=None, comp_idx=None, ratio: int = 0,
                      window_floor=None, mode: str = "auto", block_h: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     num_splits: int | None = None, interpret: bool | None = None, impl: str = "pallas"):
+                     num_splits: int | None = None, interpret: bool | None = None, impl: str = "pallas",
+                     q_norm_eps: float | None = None):
     """Window + compressed sparse MQA with sink. Shapes in the module docstring.
 
     mode: "decode", "prefill" or "auto" (decode when S <= DECODE_MAX_ROWS) picks the default tiling
@@ -248,14 +253,17 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     Mosaic GPU kernel (`attention_mgpu`: 64 heads x 512, bf16, Hopper; tilings ignored, num_splits honoured),
     impl="pallas" the faster of the two for the call (`pallas_backend`), impl="reference"
     `reference.window_sparse_attention`.
+    q_norm_eps: each query head RMS-normalised (no weight) before its scores, folded into them as a factor
+    (`reference.query_norm`): V4 passes its rotated, unnormalised queries, so no pass over q precedes the kernel.
     Returns o [B, S, H, Dh] in q's dtype (fp32 accumulation).
     """
     _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, comp_idx, ratio, window_floor,
               window)
+    _check(q_norm_eps is None or q_norm_eps > 0, f"q_norm_eps must be positive or None, got {q_norm_eps}")
     if impl == "reference":
         return ref.window_sparse_attention(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window,
                                            ring_kv=ring_kv, ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx,
-                                           ratio=ratio, window_floor=window_floor)
+                                           ratio=ratio, window_floor=window_floor, q_norm_eps=q_norm_eps)
     if impl not in IMPLS:
         raise ValueError(f"sparse_attention: impl must be one of {IMPLS}, got {impl!r}")
     interpret = interpret_flag("triton", interpret)   # None -> a bool: the backend choice below reads it
@@ -265,7 +273,8 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     if impl == "mgpu":
         return sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window, ring_kv=ring_kv,
                                      ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx, ratio=ratio,
-                                     window_floor=window_floor, num_splits=num_splits, interpret=interpret)
+                                     window_floor=window_floor, num_splits=num_splits, interpret=interpret,
+                                     q_norm_eps=q_norm_eps)
     if mode not in ("auto", "decode", "prefill"):
         raise ValueError(f"sparse_attention: mode must be auto|decode|prefill, got {mode!r}")
     b, s, h, d = q.shape
@@ -324,7 +333,7 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     kern = functools.partial(
         _attn_kernel, scale=float(scale), window=int(window), ratio=int(ratio), block_n=bn, n_ring=n_ring,
         n_self=s, n_comp=n_comp, k_sel=k_sel, has_ring=ring_kv is not None, has_comp=comp_kv is not None,
-        csa=csa, num_splits=num_splits, fold_sink=fold)
+        csa=csa, num_splits=num_splits, fold_sink=fold, q_norm_eps=q_norm_eps, head_dim=d)
     params = plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if fold:
         o = pl.pallas_call(

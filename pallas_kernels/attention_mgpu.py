@@ -203,16 +203,20 @@ def _inline_issue(plgpu, sources: tuple[int, ...]):
     return issue
 
 
-def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, splits: int, interpret):
+def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, splits: int, interpret,
+            q_norm_eps: float | None = None):
     """f(q [rows, 64, 512] bf16, codes [rows, width] int32, count [rows] int32, sink [64] f32,
     *source_kv [n_i, 512] bf16) -> o [rows, 64, 512] bf16 (splits == 1: the sink folded in), or with key splits
     (program (r, p) takes the p-th share of row r's key blocks) the partials: o_p [rows, splits, 64, 512] bf16
     normalised by their own l_p, and lse_p = m_p + log2 l_p [rows, splits, 64, 64] f32 (column-broadcast: one
-    [64, 64] tile is the smallest dense SMEM -> GMEM copy of a register vector), combined by `_combine`."""
+    [64, 64] tile is the smallest dense SMEM -> GMEM copy of a register vector), combined by `_combine`.
+    q_norm_eps: each head's RMS normalisation folded into its scores: the two warpgroups add their halves' sums
+    of squares through the exchange buffer before the first block."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     compiled = interpret is None
     dt = jnp.bfloat16
     c2 = scale * LOG2E   # scores in log2 units
+    exchanged_before = q_norm_eps is not None   # the exchange buffer's first use precedes the key blocks
 
     def body(q_g, codes_g, count_g, sink_g, *refs):
         src_g = refs[:len(sources)]
@@ -284,6 +288,17 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, split
                 m0, l0 = m0 * LOG2E, cast(jnp.ones((HEADS,), jnp.float32), vec)
             acc0 = cast(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
             count = count_g[prog]
+            head_scale = None
+            if q_norm_eps is not None:   # per head: c2 * rsqrt(mean(q^2) + eps), both halves' squares summed
+                chunks = (qh.at[:, pl.ds(c * CHUNK, CHUNK)][...].astype(jnp.float32) for c in range(HALF // CHUNK))
+                ss_h = functools.reduce(jnp.add, ((x * x).sum(axis=1) for x in chunks))
+                exch[h] = lax.broadcast_in_dim(ss_h, (HEADS, BLOCK), [0])
+                plgpu.barrier_arrive(xfull_bar)
+                plgpu.barrier_wait(xfull_bar)
+                ss_o = cast(exch[1 - h], plgpu.Layout.WGMMA).max(axis=1)
+                plgpu.barrier_arrive(xfree_bar)
+                ss = (ss_h + ss_o) if h == 0 else (ss_o + ss_h)                  # the same sum in both
+                head_scale = c2 * lax.rsqrt(ss * (1 / DIM) + q_norm_eps)
 
             def step(blk, carry):
                 acc, m_i, l_i = carry
@@ -299,7 +314,7 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, split
                     s_h = lax.dot_general(qh[...], kh[...], (((1,), (1,)), ((), ())),
                                           preferred_element_type=jnp.float32)
 
-                @pl.when(blk > 0)
+                @pl.when((blk > 0) | exchanged_before)
                 def _():
                     plgpu.barrier_wait(xfree_bar)   # the other warpgroup has read exch[h]
                 exch[h] = s_h
@@ -308,7 +323,8 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, split
                 s_o = exch[1 - h]
                 plgpu.barrier_arrive(xfree_bar)
                 s = (s_h + s_o) if h == 0 else (s_o + s_h)                       # the same sum in both
-                s = jnp.where((first + blk) * BLOCK + cols < count, s * c2, -jnp.inf)
+                s = s * (c2 if head_scale is None else lax.broadcast_in_dim(head_scale, s.shape, [0]))
+                s = jnp.where((first + blk) * BLOCK + cols < count, s, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -326,7 +342,7 @@ def _kernel(rows: int, width: int, sources: tuple[int, ...], scale: float, split
 
             acc, m_i, l_i = lax.fori_loop(0, nblk, step, (acc0, m0, l0))
 
-            @pl.when(nblk > 0)
+            @pl.when((nblk > 0) | exchanged_before)
             def _():
                 plgpu.barrier_wait(xfree_bar)       # the last exchange's release (the interpreter insists)
             l_safe = jnp.maximum(l_i, 1e-30)        # an empty split: acc = 0 -> o_p = 0, lse_p = -inf
@@ -385,10 +401,11 @@ def _combine(o_p: jax.Array, lse_p: jax.Array, sink: jax.Array) -> jax.Array:
     return ((w[..., None] * o_p.astype(jnp.float32)).sum(axis=1) / den[..., None]).astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "ratio", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "ratio", "num_splits", "interpret", "q_norm_eps"))
 def sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, *, scale: float, window: int, ring_kv=None,
                           ring_pos=None, comp_kv=None, comp_idx=None, ratio: int = 0, window_floor=None,
-                          num_splits: int | None = None, interpret: bool | None = None):
+                          num_splits: int | None = None, interpret: bool | None = None,
+                          q_norm_eps: float | None = None):
     """`attention.sparse_attention`'s contract at V4 widths (q [B, S, 64, 512] bf16, keys bf16), one program per
     query row and key split (also `sparse_attention(..., impl="mgpu")`). num_splits: each row's key blocks
     over that many programs, combined in XLA (None: `attention.auto_splits`, about one program per SM).
@@ -414,7 +431,8 @@ def sparse_attention_mgpu(q, q_pos, self_kv, self_pos, sink, *, scale: float, wi
     interpret = interpret_flag("mgpu", bool(interpret))
     splits = auto_splits(b * s, h, HEADS) if num_splits is None else int(num_splits)
     _check(splits >= 1, f"num_splits must be >= 1, got {splits}")
-    kern = _kernel(b * s, codes.shape[1], tuple(sid for sid, _ in sources), float(scale), splits, interpret)
+    kern = _kernel(b * s, codes.shape[1], tuple(sid for sid, _ in sources), float(scale), splits, interpret,
+                   q_norm_eps)
     o = kern(q.reshape(b * s, h, d), codes, count, sink.astype(jnp.float32), *(x for _, x in sources))
     if splits > 1:
         o = _combine(*o, sink)

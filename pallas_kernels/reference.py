@@ -336,10 +336,18 @@ def window_sparse_dense(q_pos, self_kv, self_pos, *, window: int, ring_kv=None, 
     return jnp.concatenate([kv, comp_kv.astype(kv.dtype)], 1), jnp.concatenate([mask, cmask], 2)
 
 
+def query_norm(q: jax.Array, eps: float) -> jax.Array:
+    """rsqrt(mean(q^2) + eps) over each query head's channels, float32: q [..., H, Dh] -> [..., H]. RoPE rotates
+    channel pairs, so a head's norm is the same before and after it."""
+    q = q.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(q * q, axis=-1) + eps)
+
+
 def window_sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window: int, ring_kv=None,
                             ring_pos=None, comp_kv=None, comp_idx=None, ratio: int = 0,
-                            window_floor=None) -> jax.Array:
+                            window_floor=None, q_norm_eps: float | None = None) -> jax.Array:
     """Reference for `pallas_kernels.attention.sparse_attention` (same arguments; shapes there).
+    q_norm_eps: each head's scores are those of its RMS-normalised query, scale * query_norm(q) * (q . k).
 
     CSA (comp_idx [B, S, K], -1 = empty, no duplicates per row): the K selected entries are gathered
     per row ([B, S, K, Dh]) and masked by visibility; HCA (comp_idx None): every visible entry.
@@ -366,6 +374,8 @@ def window_sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, 
             z.append(jnp.einsum("bshd,bskd->bhsk", q, comp, preferred_element_type=jnp.float32))
             m.append((idx >= 0) & (idx < visible_count[..., None]))
     z = jnp.concatenate(z, -1) * scale
+    if q_norm_eps is not None:
+        z = z * jnp.moveaxis(query_norm(q, q_norm_eps), -1, 1)[..., None]
     z = jnp.where(jnp.concatenate(m, -1)[:, None], z, NEG_INF)
     sink = sink.astype(jnp.float32)[None, :, None, None]
     mx = jnp.maximum(jnp.max(z, axis=-1, keepdims=True), sink)

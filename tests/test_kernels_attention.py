@@ -74,7 +74,7 @@ def f32(args, kw):
     return tuple(up(a) for a in args), {k: (up(v) if isinstance(v, jax.Array) else v) for k, v in kw.items()}
 
 
-reference_attention = jax.jit(ref.window_sparse_attention, static_argnames=("scale", "window", "ratio"))
+reference_attention = jax.jit(ref.window_sparse_attention, static_argnames=("scale", "window", "ratio", "q_norm_eps"))
 
 
 def expected(args, kw):
@@ -140,6 +140,37 @@ def test_sparse_attention_interpret_bf16(name):
     assert err < 1e-2, f"{name} seed {seed}: rel err {err}"
     for r in shape.get("dead_rows", ()):  # every key masked: all weight on the sink -> exact zeros
         assert float(jnp.abs(out[r].astype(jnp.float32)).max()) == 0.0, f"{name} seed {seed}"
+
+
+def scaled_heads(args, seed):
+    """q with each (row, head) scaled by a random factor in [0.1, 30]: the query normalisation has work to do."""
+    q = args[0]
+    f = np.exp(np.random.default_rng(seed + 1).uniform(np.log(0.1), np.log(30.0), q.shape[:3] + (1,)))
+    return (jnp.asarray(np.asarray(q, np.float32) * f, q.dtype),) + tuple(args[1:])
+
+
+def test_reference_query_norm_is_the_normalised_query():
+    """Folding the per-head RMS normalisation into the scores == attending with the normalised query."""
+    seed = seed_of_test()
+    args, kw = f32(*attention_inputs(seed, b=2, s=5, h=4, d=32, ring=11, n=20, k=4, window=6, ratio=4,
+                                     starts=[9, 40]))
+    args = scaled_heads(args, seed)
+    qn = args[0] * ref.query_norm(args[0], 1e-6)[..., None]
+    folded = reference_attention(*args, **kw, q_norm_eps=1e-6)
+    assert rel_err(folded, reference_attention(qn, *args[1:], **kw)) < 1e-6, f"seed {seed}"
+    assert rel_err(folded, reference_attention(*args, **kw)) > 1e-2, f"seed {seed}: the normalisation did nothing"
+
+
+@pytest.mark.parametrize("name", ["verify_csa_split", "prefill_hca"])
+def test_sparse_attention_q_norm_interpret(name):
+    """The kernel's folded query normalisation (q_norm_eps) against the reference's, bf16, split and unsplit."""
+    shape, kern = ATTN_CASES[name]
+    seed = seed_of_test()
+    args, kw = attention_inputs(seed, **shape)
+    args = scaled_heads(args, seed)
+    out = sparse_attention(*args, **kw, **kern, q_norm_eps=1e-6)
+    err = rel_err(out, expected(args, dict(kw, q_norm_eps=1e-6)))
+    assert err < 1e-2, f"{name} seed {seed}: rel err {err}"
 
 
 def test_sparse_attention_interpret_f32_exact():
@@ -491,6 +522,7 @@ def test_lower_for_cuda_real_shapes():
     _lower_attention(64, 1, 64, 512, 136, 1024, 0, False)                    # decode, HCA
     _lower_attention(1, 4096, 64, 512, 136, 32768, 512, True)                # prefill, CSA
     _lower_attention(1, 4096, 64, 512, 136, 1024, 0, False)                  # prefill, HCA
+    _lower_attention(8, 4, 64, 512, 136, 32768, 512, True, q_norm_eps=1e-6)  # V4's query normalisation folded in
     _lower_attention(2, 40, 4, 96, 16, 10, 4, True, dtype=jnp.float32)      # tiny-v4 (padded dims)
     for t, n, quant, tiles in ((1, 32768, None, None), (4, 32768, "fp8", 4), (4096, 32768, None, None),
                                (3, 1000, None, None), (1, 32768, "fp4", 8), (4096, 32768, "fp4", None),
@@ -508,11 +540,11 @@ def test_lower_for_cuda_real_shapes():
 
 
 # ----------------------------------------------------------------------------- Mosaic GPU kernel (impl="mgpu")
-MGPU_CASES = {  # (shape, key splits): 64 heads x 512 only; small caches keep the interpreter at ~10-30 s a case
+MGPU_CASES = {  # (shape, key splits, q_norm_eps): 64 heads x 512 only; small caches keep the interpreter at ~10-30 s
     "csa_verify_dead_row": (dict(b=2, s=3, ring=20, n=40, k=16, window=16, ratio=4, starts=[60, 150], csa=True,
-                                 floors=[0, 149], dead_rows=(0,)), 1),
-    "hca_two_blocks_three_splits": (dict(b=2, s=3, ring=20, n=50, k=0, window=16, ratio=4, starts=[100, 190],
-                                         csa=False), 3),   # some splits get no block
+                                 floors=[0, 149], dead_rows=(0,)), 1, None),
+    "hca_two_blocks_three_splits_q_norm": (dict(b=2, s=3, ring=20, n=50, k=0, window=16, ratio=4, starts=[100, 190],
+                                                csa=False), 3, 1e-6),   # some splits get no block
 }
 
 
@@ -521,10 +553,12 @@ def test_mgpu_attention_interpret(name):
     """The Mosaic GPU kernel in the CPU interpreter (Pallas copies into the tiled stage, plain dots: the key
     list, barriers, score exchange, masks and softmax; the compiled gather / wgmma forms are lowered below)."""
     seed = seed_of_test()
-    shape, splits = MGPU_CASES[name]
+    shape, splits, q_norm_eps = MGPU_CASES[name]
     args, kw = attention_inputs(seed, h=64, d=512, **shape)
-    out = sparse_attention(*args, **kw, impl="mgpu", num_splits=splits, interpret=True)
-    err = rel_err(out, expected(args, kw))
+    if q_norm_eps is not None:
+        args = scaled_heads(args, seed)
+    out = sparse_attention(*args, **kw, impl="mgpu", num_splits=splits, interpret=True, q_norm_eps=q_norm_eps)
+    err = rel_err(out, expected(args, dict(kw, q_norm_eps=q_norm_eps)))
     assert out.dtype == jnp.bfloat16 and err < 1e-2, f"{name} seed {seed}: rel err {err}"
     for r in shape.get("dead_rows", ()):
         assert float(jnp.abs(out[r].astype(jnp.float32)).max()) == 0.0, f"{name} seed {seed}"
@@ -563,6 +597,7 @@ def test_mgpu_attention_lower_for_cuda():
     for b, s, n, k, csa in ((64, 1, 32768, 512, True), (8, 4, 32768, 512, True), (64, 1, 1024, 0, False),
                             (1, 4096, 32768, 512, True)):
         _lower_attention(b, s, 64, 512, 136, n, k, csa, impl="mgpu", expect="mosaic_gpu")
+    _lower_attention(1, 4096, 64, 512, 136, 32768, 512, True, impl="mgpu", expect="mosaic_gpu", q_norm_eps=1e-6)
 
 
 def test_mgpu_attention_rejects_other_widths():
@@ -577,32 +612,38 @@ def test_mgpu_attention_rejects_other_widths():
 # ----------------------------------------------------------------------------- GPU (compiled)
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("s,csa,splits", [(1, True, 1), (4, True, 2), (1, False, 1), (256, True, 1), (256, False, 1)])
-def test_gpu_sparse_attention_real_width(s, csa, splits):
+@pytest.mark.parametrize("s,csa,splits,q_norm_eps", [(1, True, 1, None), (4, True, 2, None), (4, True, 2, 1e-6),
+                                                     (1, False, 1, None), (256, True, 1, None), (256, False, 1, 1e-6)])
+def test_gpu_sparse_attention_real_width(s, csa, splits, q_norm_eps):
     seed = seed_of_test()
     b = 8 if s < 16 else 1
     args, kw = attention_inputs(seed, b=b, s=s, h=64, d=512, ring=136, n=2048 if csa else 256, k=512,
                                 window=128, ratio=4 if csa else 128, starts=[8000 + 97 * i for i in range(b)],
                                 csa=csa)
-    out = jax.block_until_ready(sparse_attention(*args, **kw, num_splits=splits, impl="triton"))
+    if q_norm_eps is not None:
+        args = scaled_heads(args, seed)
+    out = jax.block_until_ready(sparse_attention(*args, **kw, num_splits=splits, impl="triton", q_norm_eps=q_norm_eps))
     with jax.default_matmul_precision("highest"):
-        err = rel_err(out, expected(args, kw))
+        err = rel_err(out, expected(args, dict(kw, q_norm_eps=q_norm_eps)))
     assert err < 1e-2, f"seed {seed}: rel err {err}"
 
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("s,csa", [(1, True), (4, True), (1, False), (256, True), (256, False)])
-def test_gpu_mgpu_attention_real_width(s, csa):
+@pytest.mark.parametrize("s,csa,q_norm_eps", [(1, True, None), (4, True, None), (4, True, 1e-6), (1, False, None),
+                                               (256, True, None), (256, True, 1e-6), (256, False, None)])
+def test_gpu_mgpu_attention_real_width(s, csa, q_norm_eps):
     """The compiled Mosaic GPU kernel (inline-TMA gather) against the float32 reference at V4 widths."""
     seed = seed_of_test()
     b = 8 if s < 16 else 1
     args, kw = attention_inputs(seed, b=b, s=s, h=64, d=512, ring=136, n=2048 if csa else 256, k=512,
                                 window=128, ratio=4 if csa else 128, starts=[8000 + 97 * i for i in range(b)],
                                 csa=csa, floors=[0] * (b - 1) + [8000 + 97 * (b - 1) - 5], dead_rows=())
-    out = jax.block_until_ready(sparse_attention(*args, **kw, impl="mgpu"))
+    if q_norm_eps is not None:
+        args = scaled_heads(args, seed)
+    out = jax.block_until_ready(sparse_attention(*args, **kw, impl="mgpu", q_norm_eps=q_norm_eps))
     with jax.default_matmul_precision("highest"):
-        err = rel_err(out, expected(args, kw))
+        err = rel_err(out, expected(args, dict(kw, q_norm_eps=q_norm_eps)))
     assert err < 1e-2, f"seed {seed}: rel err {err}"
 
 

@@ -50,6 +50,10 @@ from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
 # `python -m experiments.probes.fp8_linear` on an H200.
 SWAP_MAX_ROWS = 256
 SWAP_MIN_WEIGHTS = 16 * 2 ** 20
+# the swap tiles split K while a weight's tiles would not fill the GPU's SMs (one CTA an SM at these tiles' SMEM),
+# keeping at least SPLIT_MIN_STEPS K steps a split: V4-Flash's wo_b (32 row blocks of 128) runs 4 splits at decode
+SMS = 132
+SPLIT_MIN_STEPS = 8
 
 
 def swap_config(m: int) -> MgpuConfig:
@@ -61,6 +65,15 @@ def swap_config(m: int) -> MgpuConfig:
                           block_k_down=128, max_concurrent_steps=5, swap_ab=True, warp_specialized=False)
     return MgpuConfig(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
                       max_concurrent_steps=4, swap_ab=True, compute_wgs=2, persistent=True)
+
+
+def swap_k_split(ctas: int, k: int, bk: int) -> int:
+    """K splits for swap tiles over `ctas` (tiles x row blocks) of a K-column weight, `bk` columns a step: doubled
+    while the CTAs stay within SMS and every split keeps whole steps, at least SPLIT_MIN_STEPS of them."""
+    splits = 1
+    while ctas * splits * 2 <= SMS and k % (2 * splits * bk) == 0 and k // (2 * splits * bk) >= SPLIT_MIN_STEPS:
+        splits *= 2
+    return splits
 
 
 def choose_backend(g: int, m: int, n: int, k: int, block: int, act_block: int, x_dtype, kn: bool = False) -> str:
@@ -148,19 +161,29 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     tiles_per_group = -(-m // bm)
     rows = tiles_per_group * bm
     xp = jnp.pad(x, ((0, 0), (0, rows - m), (0, 0))).reshape(g * rows, k) if rows != m else x.reshape(g * m, k)
-    tile_expert = jnp.repeat(jnp.arange(g, dtype=jnp.int32), tiles_per_group)
+    splits = 1
+    if backend == "swap":
+        splits = swap_k_split(g * tiles_per_group * (n // min(config.block_n_down, n)), k,
+                              min(config.block_k_down, k))
+    if splits > 1:   # split s of group i is group i * splits + s, over the inputs' columns s k / splits ..
+        xp = jnp.swapaxes(xp.reshape(g, rows, splits, k // splits), 1, 2).reshape(g * splits * rows, k // splits)
+    groups = g * splits
+    tile_expert = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), tiles_per_group)
     fp8_mma = act_block > 0 and (backend == "mgpu" or m <= TRITON_FP8_MMA_MAX_ROWS)
     if fp8_mma:
         xq, xs = ref.act_quant(xp, act_block)
     else:
         xq, xs = (ref.fp8_fake_quant(xp, act_block) if act_block else xp), None
     last = m - (tiles_per_group - 1) * bm
-    tile_rows = jnp.tile(jnp.array([bm] * (tiles_per_group - 1) + [last], jnp.int32), g)
-    plan = (tile_expert, tile_rows, jnp.full((1,), g * tiles_per_group, jnp.int32))
+    tile_rows = jnp.tile(jnp.array([bm] * (tiles_per_group - 1) + [last], jnp.int32), groups)
+    plan = (tile_expert, tile_rows, jnp.full((1,), groups * tiles_per_group, jnp.int32))
     if backend == "swap":
         y = swap_gemm("fp8 linear", transpose(xq, interpret=interp is not None), plan, (w,), (scale,), fmt="fp8",
                       names=("block_n_down", "block_k_down"), cfg=config, epilogue=lambda accs: accs[0],
-                      out_dtype=out_dtype, interpret=interp, out_rows=True)
+                      out_dtype=out_dtype if splits == 1 else jnp.float32, interpret=interp, out_rows=True,
+                      k_split=splits)
+        if splits > 1:   # the splits' float32 products added in split order
+            y = y.reshape(g, splits, rows, n).sum(axis=1).astype(out_dtype)
     elif backend == "triton":
         y = triton_gemm.down((xq,), tile_expert, w, scale, fmt="fp8", cfg=config, out_dtype=out_dtype,
                              interpret=interp, z_scale=xs)

@@ -219,6 +219,26 @@ def test_gpu_fp8_linear_v4_shapes(m, act_block, backend):
     assert _rel(got, fp8_linear_reference(x, w, s, act_block=act_block)) < 1e-5
 
 
+def test_swap_tiles_split_k_to_fill_the_gpu():
+    """The swap tiles split K while a weight's tiles leave SMs idle, keeping whole steps (>= SPLIT_MIN_STEPS a split):
+    at V4-Flash's decode loads wo_b (32 row blocks) 4 ways, the grouped wo_a (8 x 8) 2 ways, wq_b (256) not."""
+    from pallas_kernels.fp8_linear import swap_k_split
+    assert swap_k_split(32, 8192, 128) == 4 and swap_k_split(64, 8192, 128) == 2
+    assert swap_k_split(64, 4096, 128) == 2 and swap_k_split(256, 1024, 128) == 1
+    assert swap_k_split(8, 1024, 128) == 1 and swap_k_split(8, 2048, 128) == 2 and swap_k_split(8, 1536, 128) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g,n,k,m", [(1, 4096, 8192, 32), (1, 4096, 8192, 256), (8, 1024, 4096, 32)])
+def test_gpu_swap_tiles_split_k(g, n, k, m):
+    """wo_b and the grouped wo_a at decode / verify loads, whose swap tiles split K (4, 2 and 2 ways), compiled."""
+    rng = np.random.default_rng(11 + m)
+    w, s = _weights(rng, g, n, k, 128)
+    x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
+    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", out_dtype=jnp.float32))(x, w, s)
+    assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5
+
+
 @pytest.mark.gpu
 def test_gpu_grouped_fp8_linear():
     """The grouped output projection's shape (8 groups of 1024 x 4096), compiled."""

@@ -97,12 +97,15 @@ def _swap_tiles(what, fmt, cfg: MgpuConfig, names, out_dim, in_dim, p, w, s) -> 
 
 
 def swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epilogue, out_dtype, interpret,
-              rows=None, out_rows=False):
+              rows=None, out_rows=False, k_split: int = 1):
     """swap_ab: outT [N, P] = epilogue([W_e xT_t for W in ws]) (* routing weights) for each tile t of block_m
     token columns of xT [K, P] (wgmma's N) -- x is xT, or with rows = (row_token [P], live rows) the token rows
     [M, K] that `transpose` gathers into it (one pass; the tiles past the live rows are left unwritten);
     out_rows: out [P, N] instead of outT (the epilogue stores through a transposed SMEM view);
     ws: weights [E, N, K] in storage format (FP4 either layout), ss their scales (None).
+    k_split > 1 (dense / FP8): the weights are [E, N, k_split * K] and the plan's group e is weight e // k_split's
+    K slice e % k_split (columns (e % k_split) K ..), whose products the caller adds: a split-K GEMM whose
+    splits are groups, for weights with too few row blocks to fill the GPU.
 
     Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: the held [bn, 8G]
     uint16 tile of its G scale groups (fp4_kernel_weights; one TMA copy of 16G-byte rows, not one per group) and
@@ -113,6 +116,9 @@ def swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epil
     from jax.experimental.pallas import mosaic_gpu as plgpu
     k, p = (x.shape[1], rows[0].shape[0]) if rows else x.shape
     n = logical_shape(ws[0], fmt)[1]
+    if k_split < 1 or (k_split > 1 and (fmt == "fp4" or rows or ws[0].shape[2] != k_split * k)):
+        raise ValueError(f"moe {what} (mgpu swap): k_split={k_split} takes dense / FP8 weights of k_split x "
+                         f"{k} input columns and the activations' xT, got {fmt} {ws[0].shape}")
     bm, bn, bk, fp8_block = _swap_tiles(what, fmt, cfg, names, n, k, p, ws[0], ss[0])
     xt = transpose(x, *rows, interpret=interpret is not None) if rows else x
     wgs, nk, nw = cfg.compute_wgs, k // bk, len(ws)
@@ -130,12 +136,16 @@ def swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epil
         w_specs = [spec((bn, bk), lambda kk: (0, kk))]
     specs = [spec((bk, bm), lambda kk: (kk, 0))] + w_specs * nw
 
+    def weight_of(e):   # group e -> (its weight, the first of its K columns)
+        return (lax.div(e, k_split), lax.rem(e, k_split) * k) if k_split > 1 else (e, 0)
+
     def cta_refs(refs, t, j, e):
         rows = pl.ds(j * bn, bn)
         streamed = []
         for i in range(nw):
             w_g = refs[1 + i * per_w]
-            streamed.append(w_g.at[e, rows])
+            we, k0 = weight_of(e)
+            streamed.append(w_g.at[we, rows, pl.ds(k0, k)] if k_split > 1 else w_g.at[e, rows])
             if fmt == "fp4":
                 streamed.append(refs[2 + i * per_w].at[e, :, rows])
         return (refs[0].at[:, pl.ds(t * bm, bm)], *streamed)
@@ -148,8 +158,9 @@ def swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epil
             if fmt == "dense":
                 a = w_t[0].at[rows]
             elif fmt == "fp8":
-                sc = scale_scalar(cta.operands[2 + i * per_w], cta.e, (cta.j * bn) // fp8_block,
-                                   (kk * bk) // fp8_block)
+                we, k0 = weight_of(cta.e)
+                sc = scale_scalar(cta.operands[2 + i * per_w], we, (cta.j * bn) // fp8_block,
+                                  (k0 + kk * bk) // fp8_block)
                 a = (w_t[0].at[rows][...].astype(jnp.float32) * sc).astype(jnp.bfloat16)
             else:
                 a = _fp4_operand(plgpu, w_t[0].at[rows][...], [w_t[1][q, rows] for q in range(g)])

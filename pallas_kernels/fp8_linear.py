@@ -44,34 +44,41 @@ from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
 
 # "auto" takes the swap_ab tiles (bf16 activations, 128-blocks, on Hopper) up to SWAP_MAX_ROWS rows per group for
 # weights of at least SWAP_MIN_WEIGHTS elements per call: V4-Flash's wq_b, grouped wo_a and wo_b (33.5M each),
-# which XLA dequantises into HBM before its GEMM (at 32 / 256 rows: 18 / 45, 27 / 43, 46 / 63 us against XLA's
-# 62 / 71, 66 / 72, 65 / 73). XLA fuses the dequantisation of the smaller ones into its GEMM and wins there (wq_a,
-# 4.2M: 11 / 16 us against 24 / 33; wkv 2.1M), as it does at 1024 rows (wq_b: 126 against 157 us).
+# which XLA dequantises into HBM before its GEMM (at 32 / 256 rows: 13.4 / 45.1, 19.2 / 42.9, 18.8 / 44.5 us against
+# XLA's 62 / 71, 66 / 72, 65 / 73). XLA fuses the dequantisation of the smaller ones into its GEMM and wins there
+# (wq_a, 4.2M: 11 / 16 us against 24 / 33; wkv 2.1M), as it does at 1024 rows (wq_b: 126 against 157 us).
 # `python -m experiments.probes.fp8_linear` on an H200.
 SWAP_MAX_ROWS = 256
 SWAP_MIN_WEIGHTS = 16 * 2 ** 20
-# the swap tiles split K while a weight's tiles would not fill the GPU's SMs (one CTA an SM at these tiles' SMEM),
-# keeping at least SPLIT_MIN_STEPS K steps a split: V4-Flash's wo_b (32 row blocks of 128) runs 4 splits at decode
+# the swap tiles split K while a weight's tiles would not fill the GPU's SMs (`swap_k_split`), keeping at least
+# SPLIT_MIN_STEPS K steps a split: wo_b (32 blocks of 128 rows) 8 ways at 32 rows, 2 at 256 (unsplit 46 / 63 us)
 SMS = 132
 SPLIT_MIN_STEPS = 8
+SHARED_SM_ROWS = 32   # swap tiles of up to this many rows run three slots: two CTAs share an SM
 
 
 def swap_config(m: int) -> MgpuConfig:
     """The swap_ab tiling for m rows per group: one tile of the rows rounded up to a power of two from 16 (one
-    warpgroup issuing its own copies, the MoE's FP8 decode tiling) up to 64 rows; above, tiles of 128 tokens over
-    two compute warpgroups in persistent CTAs (the MoE's FP8 prefill swap tiling)."""
-    if m <= 64:
+    warpgroup issuing its own copies, the MoE's FP8 decode tiling) up to 64 rows, with three slots up to
+    SHARED_SM_ROWS so that two CTAs share an SM (wq_b at 32 rows: 13.4 against 18.3 us with five); above, tiles of
+    128 tokens over two compute warpgroups in persistent CTAs (the MoE's FP8 prefill swap tiling)."""
+    if m <= SHARED_SM_ROWS:
         return MgpuConfig(block_m=max(16, next_pow2(m)), block_n=128, block_k=128, block_n_down=128,
+                          block_k_down=128, max_concurrent_steps=3, swap_ab=True, warp_specialized=False)
+    if m <= 64:
+        return MgpuConfig(block_m=64, block_n=128, block_k=128, block_n_down=128,
                           block_k_down=128, max_concurrent_steps=5, swap_ab=True, warp_specialized=False)
     return MgpuConfig(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
                       max_concurrent_steps=4, swap_ab=True, compute_wgs=2, persistent=True)
 
 
-def swap_k_split(ctas: int, k: int, bk: int) -> int:
-    """K splits for swap tiles over `ctas` (tiles x row blocks) of a K-column weight, `bk` columns a step: doubled
-    while the CTAs stay within SMS and every split keeps whole steps, at least SPLIT_MIN_STEPS of them."""
+def swap_k_split(ctas: int, k: int, bk: int, per_sm: int = 1) -> int:
+    """K splits for swap tiles over `ctas` (tiles x row blocks) of a K-column weight, `bk` columns a step, `per_sm`
+    CTAs sharing an SM: doubled while the CTAs stay within per_sm x SMS and every split keeps whole steps, at least
+    SPLIT_MIN_STEPS of them."""
     splits = 1
-    while ctas * splits * 2 <= SMS and k % (2 * splits * bk) == 0 and k // (2 * splits * bk) >= SPLIT_MIN_STEPS:
+    while (ctas * splits * 2 <= per_sm * SMS and k % (2 * splits * bk) == 0
+           and k // (2 * splits * bk) >= SPLIT_MIN_STEPS):
         splits *= 2
     return splits
 
@@ -164,7 +171,7 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     splits = 1
     if backend == "swap":
         splits = swap_k_split(g * tiles_per_group * (n // min(config.block_n_down, n)), k,
-                              min(config.block_k_down, k))
+                              min(config.block_k_down, k), per_sm=2 if m <= SHARED_SM_ROWS else 1)
     if splits > 1:   # split s of group i is group i * splits + s, over the inputs' columns s k / splits ..
         xp = jnp.swapaxes(xp.reshape(g, rows, splits, k // splits), 1, 2).reshape(g * splits * rows, k // splits)
     groups = g * splits

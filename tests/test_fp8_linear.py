@@ -221,11 +221,13 @@ def test_gpu_fp8_linear_v4_shapes(m, act_block, backend):
 
 def test_swap_tiles_split_k_to_fill_the_gpu():
     """The swap tiles split K while a weight's tiles leave SMs idle, keeping whole steps (>= SPLIT_MIN_STEPS a split):
-    at V4-Flash's decode loads wo_b (32 row blocks) 4 ways, the grouped wo_a (8 x 8) 2 ways, wq_b (256) not."""
+    at V4-Flash's decode loads wo_b (32 row blocks) 4 ways, the grouped wo_a (8 x 8) 2 ways, wq_b (256) not; twice
+    as many CTAs where two share an SM."""
     from pallas_kernels.fp8_linear import swap_k_split
     assert swap_k_split(32, 8192, 128) == 4 and swap_k_split(64, 8192, 128) == 2
     assert swap_k_split(64, 4096, 128) == 2 and swap_k_split(256, 1024, 128) == 1
     assert swap_k_split(8, 1024, 128) == 1 and swap_k_split(8, 2048, 128) == 2 and swap_k_split(8, 1536, 128) == 1
+    assert swap_k_split(32, 8192, 128, per_sm=2) == 8 and swap_k_split(64, 4096, 128, per_sm=2) == 4
 
 
 @pytest.mark.gpu

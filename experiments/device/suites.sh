@@ -70,8 +70,7 @@
 # Batch invariance (docs/batch_invariance.md):
 #   batch-invariance      its GPU tests (tests/test_batch_invariance.py -m gpu: both presets, float32 then bfloat16;
 #                         the four take more than 255 s, so they have a call of their own)
-#   batch-invariance-bf16 the bfloat16 two alone (the float32 two passed on one H200; the bfloat16 ones were cut by
-#                         the call's bound)
+#   batch-invariance-bf16 the bfloat16 two alone (about 215 s on one H200)
 #   batch-invariance-cost the release-format steps with the switch off and on in the same call (--batch-invariant
 #                         both): V4 verify 8 / 64 x 4 and prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).

@@ -37,6 +37,7 @@ from .common import interpret_flag, next_pow2, on_gpu, on_hopper
 from .moe import triton_gemm
 from .moe.configs import MgpuConfig, TritonConfig
 from .moe.layouts import as_e8m0_bytes
+from .moe.mgpu_pipeline import num_sms
 from .moe.mgpu_rows import row_gemm
 from .moe.mgpu_swap import swap_gemm
 from .moe.row_kernels import transpose
@@ -52,7 +53,6 @@ SWAP_MAX_ROWS = 256
 SWAP_MIN_WEIGHTS = 16 * 2 ** 20
 # the swap tiles split K while a weight's tiles would not fill the GPU's SMs (`swap_k_split`), keeping at least
 # SPLIT_MIN_STEPS K steps a split: wo_b (32 blocks of 128 rows) 8 ways at 32 rows, 2 at 256 (unsplit 46 / 63 us)
-SMS = 132
 SPLIT_MIN_STEPS = 8
 SHARED_SM_ROWS = 32   # swap tiles of up to this many rows run three slots: two CTAs share an SM
 
@@ -74,10 +74,10 @@ def swap_config(m: int) -> MgpuConfig:
 
 def swap_k_split(ctas: int, k: int, bk: int, per_sm: int = 1) -> int:
     """K splits for swap tiles over `ctas` (tiles x row blocks) of a K-column weight, `bk` columns a step, `per_sm`
-    CTAs sharing an SM: doubled while the CTAs stay within per_sm x SMS and every split keeps whole steps, at least
-    SPLIT_MIN_STEPS of them."""
-    splits = 1
-    while (ctas * splits * 2 <= per_sm * SMS and k % (2 * splits * bk) == 0
+    CTAs sharing an SM: doubled while the CTAs stay within per_sm CTAs an SM of the GPU and every split keeps whole
+    steps, at least SPLIT_MIN_STEPS of them."""
+    splits, sms = 1, num_sms(None)
+    while (ctas * splits * 2 <= per_sm * sms and k % (2 * splits * bk) == 0
            and k // (2 * splits * bk) >= SPLIT_MIN_STEPS):
         splits *= 2
     return splits

@@ -7,6 +7,7 @@ the bf16 MMA at 790 TFLOP/s, whichever is longer), and each kernel's error again
 
     python -m experiments.probes.fp8_linear                          # GPU: rows 32, 256, 1024
     python -m experiments.probes.fp8_linear --rows 4096 --ways dequantised,triton
+    python -m experiments.probes.fp8_linear --rows 32 --ways swap --projections wq_b,wo_b
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_reference
 HBM, BF16 = 4.4e12, 790e12
 # name: (groups, out, in) at V4-Flash widths
 PROJECTIONS = {"wq_a": (1, 1024, 4096), "wq_b": (1, 32768, 1024), "wkv": (1, 512, 4096),
-               "wo_a (8 groups)": (8, 1024, 4096), "wo_b": (1, 4096, 8192)}
+               "wo_a": (8, 1024, 4096), "wo_b": (1, 4096, 8192)}
 WAYS = ("dequantised", "triton", "swap")   # fp8_linear's backends
 
 
@@ -38,17 +39,22 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="32,256,1024", help="token rows per group (comma list)")
     p.add_argument("--ways", default=",".join(WAYS), help=f"comma list of {', '.join(WAYS)}")
+    p.add_argument("--projections", default=",".join(PROJECTIONS), help="comma list of "
+                   + ", ".join(PROJECTIONS))
     p.add_argument("--iterations", type=int, default=20)
     args = p.parse_args(argv)
-    ways = args.ways.split(",")
+    ways, names = args.ways.split(","), args.projections.split(",")
     if unknown := set(ways) - set(WAYS):
         raise SystemExit(f"--ways: unknown {sorted(unknown)}; choose from {list(WAYS)}")
+    if unknown := set(names) - set(PROJECTIONS):
+        raise SystemExit(f"--projections: unknown {sorted(unknown)}; choose from {list(PROJECTIONS)}")
     if jax.default_backend() != "gpu":
         raise SystemExit("experiments.probes.fp8_linear times CUDA kernels: it needs a GPU")
     rng = np.random.default_rng(0)
     print("| projection | rows | " + " | ".join(f"{w} us" for w in ways) + " | floor us | best / floor | rel. errors |")
     print("|---|---:|" + "---:|" * len(ways) + "---:|---:|---|")
-    for name, (g, n, k) in PROJECTIONS.items():
+    for name in names:
+        g, n, k = PROJECTIONS[name]
         w32 = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32) * k ** -0.5
         w, s = jax.vmap(lambda a: ref.quantize_fp8_blocks(a, 128))(w32)
         for m in (int(r) for r in args.rows.split(",")):
@@ -62,7 +68,7 @@ def main(argv=None) -> None:
                 t = cupti_ms(f, x, w, s, iterations=args.iterations)
                 times.append(float(np.median(t)) * 1e3)
             fl = floor_us(g, n, k, m)
-            print(f"| {name} | {m} | " + " | ".join(f"{t:.1f}" for t in times) + f" | {fl:.1f} | "
+            print(f"| {name}{f' ({g} groups)' if g > 1 else ''} | {m} | " + " | ".join(f"{t:.1f}" for t in times) + f" | {fl:.1f} | "
                   f"{min(times) / fl:.2f} | {', '.join(errors)} |", flush=True)
 
 

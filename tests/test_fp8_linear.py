@@ -221,8 +221,8 @@ def test_gpu_fp8_linear_v4_shapes(m, act_block, backend):
 
 def test_swap_tiles_split_k_to_fill_the_gpu():
     """The swap tiles split K while a weight's tiles leave SMs idle, keeping whole steps (>= SPLIT_MIN_STEPS a split):
-    at V4-Flash's decode loads wo_b (32 row blocks) 4 ways, the grouped wo_a (8 x 8) 2 ways, wq_b (256) not; twice
-    as many CTAs where two share an SM."""
+    one CTA an SM, wo_b (32 row blocks) 4 ways, the grouped wo_a (8 x 8) 2 ways, wq_b (256) not; twice as many CTAs
+    where two share an SM (the tiles of up to 32 rows: wo_b 8 ways, wo_a 4 at V4-Flash's 32-row verify)."""
     from pallas_kernels.fp8_linear import swap_k_split
     assert swap_k_split(32, 8192, 128) == 4 and swap_k_split(64, 8192, 128) == 2
     assert swap_k_split(64, 4096, 128) == 2 and swap_k_split(256, 1024, 128) == 1
@@ -233,7 +233,7 @@ def test_swap_tiles_split_k_to_fill_the_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("g,n,k,m", [(1, 4096, 8192, 32), (1, 4096, 8192, 256), (8, 1024, 4096, 32)])
 def test_gpu_swap_tiles_split_k(g, n, k, m):
-    """wo_b and the grouped wo_a at decode / verify loads, whose swap tiles split K (4, 2 and 2 ways), compiled."""
+    """wo_b and the grouped wo_a at decode / verify loads, whose swap tiles split K (8, 2 and 4 ways), compiled."""
     rng = np.random.default_rng(11 + m)
     w, s = _weights(rng, g, n, k, 128)
     x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)

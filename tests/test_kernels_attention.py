@@ -150,12 +150,14 @@ def scaled_heads(args, seed):
 
 
 def test_reference_query_norm_is_the_normalised_query():
-    """Folding the per-head RMS normalisation into the scores == attending with the normalised query."""
+    """Folding the per-head RMS normalisation into the scores == attending with the query the model normalises
+    (model.layers.rms_normalize, the path the kernels replace)."""
+    from model.layers import rms_normalize
     seed = seed_of_test()
     args, kw = f32(*attention_inputs(seed, b=2, s=5, h=4, d=32, ring=11, n=20, k=4, window=6, ratio=4,
                                      starts=[9, 40]))
     args = scaled_heads(args, seed)
-    qn = args[0] * ref.query_norm(args[0], 1e-6)[..., None]
+    qn = rms_normalize(args[0], 1e-6)
     folded = reference_attention(*args, **kw, q_norm_eps=1e-6)
     assert rel_err(folded, reference_attention(qn, *args[1:], **kw)) < 1e-6, f"seed {seed}"
     assert rel_err(folded, reference_attention(*args, **kw)) > 1e-2, f"seed {seed}: the normalisation did nothing"

@@ -91,10 +91,7 @@ def test_scanned_equals_unrolled(preset):
     scanned_model = init_random(cfg, seed=5, dtype="float32")
     unrolled_model = init_random(cfg.replace(scan_layers=False), seed=5, dtype="float32")
     if jax.default_backend() == "cpu":   # one seed, the same weights bitwise in both layouts (built op by op)
-        mine, theirs = official_tensors(scanned_model), official_tensors(unrolled_model)
-        assert sorted(mine) == sorted(theirs)
-        for name, arr in theirs.items():
-            np.testing.assert_array_equal(mine[name], arr, err_msg=name)
+        assert_same_tensors(official_tensors(scanned_model), official_tensors(unrolled_model))
     got, want = _run(scanned_model, tokens), _run(unrolled_model, tokens)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
@@ -141,6 +138,14 @@ def test_random_scanned_model_is_written_into_its_stacks(monkeypatch):
 
 # ------------------------------------------------------------------------------------ checkpoints
 
+def assert_same_tensors(got: dict, want: dict) -> None:
+    """Two name -> array maps (`official_tensors`) hold the same names, dtypes and values, bitwise."""
+    assert sorted(got) == sorted(want)
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype, name
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+
+
 @pytest.mark.parametrize("expert_weights", ["dense", pytest.param("fp4", marks=pytest.mark.slow)])
 def test_checkpoints_round_trip_bitwise_in_both_layouts(expert_weights, tmp_path):
     cfg = scanned("tiny-v4", expert_weights=expert_weights)
@@ -148,16 +153,10 @@ def test_checkpoints_round_trip_bitwise_in_both_layouts(expert_weights, tmp_path
     want = official_tensors(stacked)
     unrolled = official_tensors(init_random(cfg.replace(scan_layers=False), seed=2, dtype="float32"))
 
-    def same(tensors: dict):
-        assert sorted(tensors) == sorted(want)
-        for name, arr in want.items():
-            assert tensors[name].dtype == arr.dtype, name
-            np.testing.assert_array_equal(tensors[name], arr, err_msg=name)
-
     # the same random weights by name in either layout: bitwise on the CPU, where both are built op by op; to
     # float32 rounding on an accelerator, where the scanned model is built by compiled pieces (model.sharded)
     if jax.default_backend() == "cpu":
-        same(unrolled)
+        assert_same_tensors(unrolled, want)
     else:
         assert sorted(unrolled) == sorted(want)
         for name, arr in unrolled.items():
@@ -167,9 +166,9 @@ def test_checkpoints_round_trip_bitwise_in_both_layouts(expert_weights, tmp_path
     for scan in (True, False):
         loaded = load_checkpoint(tmp_path / "st", "float32", scan_layers=scan, expert_weights=expert_weights)
         assert loaded.config.scan_layers is scan
-        same(official_tensors(loaded))
+        assert_same_tensors(official_tensors(loaded), want)
     save_orbax(stacked, tmp_path / "orbax")
-    same(official_tensors(restore_orbax(tmp_path / "orbax", cfg, dtype="float32")))
+    assert_same_tensors(official_tensors(restore_orbax(tmp_path / "orbax", cfg, dtype="float32")), want)
     with pytest.raises(ValueError, match=r"saved with scan_layers=True, the config asks for scan_layers=False"):
         restore_orbax(tmp_path / "orbax", cfg.replace(scan_layers=False), dtype="float32")
 

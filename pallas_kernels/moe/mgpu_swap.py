@@ -142,9 +142,9 @@ def swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epil
     def cta_refs(refs, t, j, e):
         rows = pl.ds(j * bn, bn)
         streamed = []
+        we, k0 = weight_of(e)
         for i in range(nw):
             w_g = refs[1 + i * per_w]
-            we, k0 = weight_of(e)
             streamed.append(w_g.at[we, rows, pl.ds(k0, k)] if k_split > 1 else w_g.at[e, rows])
             if fmt == "fp4":
                 streamed.append(refs[2 + i * per_w].at[e, :, rows])
@@ -153,12 +153,12 @@ def swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epil
     def mma(cta, kk, tiles, accs):
         x_s, per_acc = tiles[0], len(w_specs)
         rows = pl.ds(cta.wg * wb, wb)
+        we, k0 = weight_of(cta.e)
         for i, acc in enumerate(accs):
             w_t = tiles[1 + i * per_acc:1 + (i + 1) * per_acc]
             if fmt == "dense":
                 a = w_t[0].at[rows]
             elif fmt == "fp8":
-                we, k0 = weight_of(cta.e)
                 sc = scale_scalar(cta.operands[2 + i * per_w], we, (cta.j * bn) // fp8_block,
                                   (k0 + kk * bk) // fp8_block)
                 a = (w_t[0].at[rows][...].astype(jnp.float32) * sc).astype(jnp.bfloat16)

@@ -39,7 +39,7 @@ from .moe.configs import MgpuConfig, TritonConfig
 from .moe.layouts import as_e8m0_bytes
 from .moe.mgpu_pipeline import num_sms
 from .moe.mgpu_rows import row_gemm
-from .moe.mgpu_swap import swap_gemm
+from .moe.mgpu_swap import ROW_SCALE_BLOCK, swap_gemm
 from .moe.row_kernels import transpose
 from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
 
@@ -55,6 +55,8 @@ SWAP_MIN_WEIGHTS = 16 * 2 ** 20
 # SPLIT_MIN_STEPS K steps a split: wo_b (32 blocks of 128 rows) 8 ways at 32 rows, 2 at 256 (unsplit 46 / 63 us)
 SPLIT_MIN_STEPS = 8
 SHARED_SM_ROWS = 32   # swap tiles of up to this many rows run three slots: two CTAs share an SM
+# the scale blocks the swap tiles take: V4's 128 x 128 (one scale a tile), V4.1's 32 x 32 (scale rows)
+SWAP_BLOCKS = (128, ROW_SCALE_BLOCK)
 
 
 def swap_config(m: int) -> MgpuConfig:
@@ -89,7 +91,7 @@ def choose_backend(g: int, m: int, n: int, k: int, block: int, act_block: int, x
     (act_block) and the CPU interpreter "triton"."""
     if not act_block and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16) and not kn and on_gpu():
         big = g * n * k >= SWAP_MIN_WEIGHTS
-        return "swap" if block == 128 and big and m <= SWAP_MAX_ROWS and on_hopper() else "dequantised"
+        return "swap" if block in SWAP_BLOCKS and big and m <= SWAP_MAX_ROWS and on_hopper() else "dequantised"
     return "triton"
 
 
@@ -135,7 +137,7 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     if act_block not in (0, block):
         raise ValueError(f"fp8_linear: act_block must be 0 or the weights' scale block {block}, got {act_block}")
     bf16_acts = not act_block and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
-    swap_ok = bf16_acts and block == 128
+    swap_ok = bf16_acts and block in SWAP_BLOCKS
     if backend == "auto":
         backend = choose_backend(g, m, n, k, block, act_block, x.dtype, kn)
     if backend not in ("triton", "mgpu", "swap", "dequantised"):
@@ -152,7 +154,7 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
         raise ValueError("fp8_linear: the mgpu row tiles multiply FP8 x FP8: give act_block (the scale block)")
     if backend == "swap" and not swap_ok:
         raise ValueError(f"fp8_linear: the swap tiles take bf16 activations (got {x.dtype}, act_block {act_block}) "
-                         f"and 128 x 128 scale blocks (got {block})")
+                         f"and scale blocks of {' or '.join(map(str, SWAP_BLOCKS))} (got {block})")
     if kn and backend != "mgpu":
         raise ValueError("fp8_linear: weight_layout 'in_out' runs on the mgpu row tiles only")
     if config is None:

@@ -93,9 +93,9 @@ def test_bad_inputs_raise():
         fp8_linear(x.astype(jnp.float32), w, s, backend="swap")
     with pytest.raises(ValueError, match="swap tiles take bf16 activations"):
         fp8_linear(x, w, s, act_block=128, backend="swap")
-    w32, s32 = _weights(rng, 1, 64, 64, 32)
-    with pytest.raises(ValueError, match=r"128 x 128 scale blocks \(got 32\)"):
-        fp8_linear(jnp.ones((1, 4, 64), jnp.bfloat16), w32, s32, backend="swap")
+    w64, s64 = _weights(rng, 1, 128, 128, 64)
+    with pytest.raises(ValueError, match=r"scale blocks of 128 or 32 \(got 64\)"):
+        fp8_linear(jnp.ones((1, 4, 128), jnp.bfloat16), w64, s64, backend="swap")
     with pytest.raises(ValueError, match="swap_ab=True"):
         fp8_linear(x, w, s, backend="swap", config=MgpuConfig())
 
@@ -113,7 +113,7 @@ def test_auto_choice_on_a_hopper_gpu(monkeypatch):
     assert F.choose_backend(8, 32, 1024, 4096, 128, 0, bf16) == "swap"             # grouped wo_a, verify 8 x 4
     assert F.choose_backend(1, 257, 32768, 1024, 128, 0, bf16) == "dequantised"    # past the swap tiles' loads
     assert F.choose_backend(1, 32, 1024, 4096, 128, 0, bf16) == "dequantised"      # wq_a: XLA fuses the dequant
-    assert F.choose_backend(1, 32, 32768, 1024, 32, 0, bf16) == "dequantised"      # V4.1's 32-blocks
+    assert F.choose_backend(1, 32, 32768, 1280, 32, 0, bf16) == "swap"             # V4.1's wq_b: scale rows
     assert F.choose_backend(1, 32, 32768, 1024, 128, 128, bf16) == "triton"        # FP8 x FP8 (quant_sim)
     assert F.choose_backend(1, 32, 32768, 1024, 128, 0, jnp.float32) == "triton"   # float32 activations
     w = jax.ShapeDtypeStruct((1, 32768, 1024), jnp.float8_e4m3fn)
@@ -153,13 +153,16 @@ def test_gpu_shared_expert_on_the_moe_kernels(rows):
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
-@pytest.mark.parametrize("g,n,k,m", [(1, 32768, 1024, 32), (1, 32768, 1024, 256), (1, 4096, 8192, 8),
-                                     (8, 1024, 4096, 256), (1, 512, 4096, 100)])
-def test_swap_tiles_lower_for_cuda(g, n, k, m):
+@pytest.mark.parametrize("g,n,k,m,block", [(1, 32768, 1024, 32, 128), (1, 32768, 1024, 256, 128),
+                                           (1, 4096, 8192, 8, 128), (8, 1024, 4096, 256, 128),
+                                           (1, 512, 4096, 100, 128), (1, 32768, 1280, 32, 32),
+                                           (1, 32768, 1280, 256, 32), (1, 5120, 8192, 8, 32)])
+def test_swap_tiles_lower_for_cuda(g, n, k, m, block):
     """The swap_ab tiles (FP8 dequantised into a register wgmma operand, which the Mosaic GPU interpreter lacks)
-    lower for CUDA at V4-Flash's projection shapes (wq_b, wo_b, the grouped wo_a, wkv) and decode / verify loads."""
+    lower for CUDA at V4-Flash's projection shapes (wq_b, wo_b, the grouped wo_a, wkv) and V4.1-Flash's (wq_b, wo_b:
+    32 x 32 blocks, scale rows) at decode / verify loads."""
     sd = jax.ShapeDtypeStruct
-    args = (sd((g, m, k), jnp.bfloat16), sd((g, n, k), jnp.float8_e4m3fn), sd((g, n // 128, k // 128), jnp.uint8))
+    args = (sd((g, m, k), jnp.bfloat16), sd((g, n, k), jnp.float8_e4m3fn), sd((g, n // block, k // block), jnp.uint8))
     text = cuda_text(lambda x, w, s: fp8_linear(x, w, s, backend="swap", interpret=False), *args)
     assert text.count("mosaic_gpu") >= 1, "no Mosaic GPU kernel in the lowered module"
 
@@ -219,6 +222,22 @@ def test_gpu_fp8_linear_v4_shapes(m, act_block, backend):
     assert _rel(got, fp8_linear_reference(x, w, s, act_block=act_block)) < 1e-5
 
 
+def test_fp8_row_scales_repeat_each_block_over_its_rows():
+    """The swap tiles' scale rows of 32 x 32 blocks: row n, group c holds 2^(S[n // 32, c] - 127) (NaN for byte
+    255), so that each 32-column group of a weight row times its scale row is the dequantised weight."""
+    from pallas_kernels.moe.mgpu_swap import fp8_row_scales
+    rng = np.random.default_rng(12)
+    w, s = _weights(rng, 2, 64, 96, 32)
+    s = s.at[1, 0, 2].set(255)
+    rows = np.asarray(fp8_row_scales(s), np.float32)            # [G, K/32, N]
+    assert rows.shape == (2, 3, 64)
+    want = np.array(jax.vmap(ref.dequant_fp8_blocks)(w, s))
+    got = np.asarray(w, np.float32) * np.repeat(np.swapaxes(rows, 1, 2), 32, axis=2)
+    assert np.isnan(got[1, :32, 64:]).all() and np.isnan(want[1, :32, 64:]).all()
+    got[1, :32, 64:] = want[1, :32, 64:] = 0
+    np.testing.assert_array_equal(got, want)
+
+
 def test_swap_tiles_split_k_to_fill_the_gpu():
     """The swap tiles split K while a weight's tiles leave SMs idle, keeping whole steps (>= SPLIT_MIN_STEPS a split):
     one CTA an SM, wo_b (32 row blocks) 4 ways, the grouped wo_a (8 x 8) 2 ways, wq_b (256) not; twice as many CTAs
@@ -236,6 +255,19 @@ def test_gpu_swap_tiles_split_k(g, n, k, m):
     """wo_b and the grouped wo_a at decode / verify loads, whose swap tiles split K (8, 2 and 4 ways), compiled."""
     rng = np.random.default_rng(11 + m)
     w, s = _weights(rng, g, n, k, 128)
+    x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
+    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", out_dtype=jnp.float32))(x, w, s)
+    assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g,n,k,m", [(1, 32768, 1280, 5), (1, 32768, 1280, 32), (1, 32768, 1280, 256),
+                                     (1, 5120, 8192, 32), (1, 5120, 8192, 256), (8, 1024, 4096, 64)])
+def test_gpu_swap_tiles_row_scales(g, n, k, m):
+    """V4.1-Flash's wq_b, wo_b (split over K) and grouped wo_a with 32 x 32 scale blocks on the swap tiles (scale
+    rows) at decode / verify loads, compiled."""
+    rng = np.random.default_rng(13 + m)
+    w, s = _weights(rng, g, n, k, 32)
     x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
     got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", out_dtype=jnp.float32))(x, w, s)
     assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5

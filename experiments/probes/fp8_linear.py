@@ -1,4 +1,5 @@
-"""Tool: V4-Flash's FP8 projections at decode / verify / prefill loads, three ways of multiplying the stored FP8
+"""Tool: V4-Flash's (or V4.1-Flash's, `--generation v41`: 32 x 32 scale blocks) FP8 projections at decode / verify /
+prefill loads, three ways of multiplying the stored FP8
 bytes, all through `pallas_kernels.fp8_linear`: "dequantised" (the model's in-graph path: the weight dequantised to
 bf16 in HBM, then XLA's GEMM), the Triton tiles and the Mosaic GPU swap_ab tiles (dequantised in
 registers). For each projection and row count it prints the CUPTI kernel time of each (all kernels it launches;
@@ -8,6 +9,7 @@ the bf16 MMA at 790 TFLOP/s, whichever is longer), and each kernel's error again
     python -m experiments.probes.fp8_linear                          # GPU: rows 32, 256, 1024
     python -m experiments.probes.fp8_linear --rows 4096 --ways dequantised,triton
     python -m experiments.probes.fp8_linear --rows 32 --ways swap --projections wq_b,wo_b
+    python -m experiments.probes.fp8_linear --generation v41 --rows 32,256 --ways dequantised,swap
 """
 
 from __future__ import annotations
@@ -24,14 +26,18 @@ from pallas_kernels import reference as ref
 from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_reference
 
 HBM, BF16 = 4.4e12, 790e12
-# name: (groups, out, in) at V4-Flash widths
-PROJECTIONS = {"wq_a": (1, 1024, 4096), "wq_b": (1, 32768, 1024), "wkv": (1, 512, 4096),
-               "wo_a": (8, 1024, 4096), "wo_b": (1, 4096, 8192)}
+# generation: (scale block, {name: (groups, out, in)}) at the Flash models' widths
+GENERATIONS = {
+    "v4": (128, {"wq_a": (1, 1024, 4096), "wq_b": (1, 32768, 1024), "wkv": (1, 512, 4096),
+                 "wo_a": (8, 1024, 4096), "wo_b": (1, 4096, 8192)}),
+    "v41": (32, {"wq_a": (1, 1280, 5120), "wq_b": (1, 32768, 1280), "wkv": (1, 512, 5120),
+                 "wo_a": (8, 1024, 4096), "wo_b": (1, 5120, 8192)}),
+}
 WAYS = ("dequantised", "triton", "swap")   # fp8_linear's backends
 
 
-def floor_us(g: int, n: int, k: int, m: int) -> float:
-    bytes_ = g * (n * k + (n // 128) * (k // 128) + 2 * m * (k + n))
+def floor_us(g: int, n: int, k: int, m: int, block: int) -> float:
+    bytes_ = g * (n * k + (n // block) * (k // block) + 2 * m * (k + n))
     return max(bytes_ / HBM, 2 * g * m * n * k / BF16) * 1e6
 
 
@@ -39,24 +45,26 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="32,256,1024", help="token rows per group (comma list)")
     p.add_argument("--ways", default=",".join(WAYS), help=f"comma list of {', '.join(WAYS)}")
-    p.add_argument("--projections", default=",".join(PROJECTIONS), help="comma list of "
-                   + ", ".join(PROJECTIONS))
+    p.add_argument("--generation", default="v4", choices=sorted(GENERATIONS))
+    p.add_argument("--projections", default=None, help="comma list of wq_a, wq_b, wkv, wo_a, wo_b (default: all)")
     p.add_argument("--iterations", type=int, default=20)
     args = p.parse_args(argv)
-    ways, names = args.ways.split(","), args.projections.split(",")
+    block, projections = GENERATIONS[args.generation]
+    ways = args.ways.split(",")
+    names = args.projections.split(",") if args.projections else list(projections)
     if unknown := set(ways) - set(WAYS):
         raise SystemExit(f"--ways: unknown {sorted(unknown)}; choose from {list(WAYS)}")
-    if unknown := set(names) - set(PROJECTIONS):
-        raise SystemExit(f"--projections: unknown {sorted(unknown)}; choose from {list(PROJECTIONS)}")
+    if unknown := set(names) - set(projections):
+        raise SystemExit(f"--projections: unknown {sorted(unknown)}; choose from {list(projections)}")
     if jax.default_backend() != "gpu":
         raise SystemExit("experiments.probes.fp8_linear times CUDA kernels: it needs a GPU")
     rng = np.random.default_rng(0)
     print("| projection | rows | " + " | ".join(f"{w} us" for w in ways) + " | floor us | best / floor | rel. errors |")
     print("|---|---:|" + "---:|" * len(ways) + "---:|---:|---|")
     for name in names:
-        g, n, k = PROJECTIONS[name]
+        g, n, k = projections[name]
         w32 = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32) * k ** -0.5
-        w, s = jax.vmap(lambda a: ref.quantize_fp8_blocks(a, 128))(w32)
+        w, s = jax.vmap(lambda a: ref.quantize_fp8_blocks(a, block))(w32)
         for m in (int(r) for r in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
             want = np.asarray(fp8_linear_reference(x, w, s), np.float64)
@@ -67,7 +75,7 @@ def main(argv=None) -> None:
                 errors.append(f"{way} {np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want):.1e}")
                 t = cupti_ms(f, x, w, s, iterations=args.iterations)
                 times.append(float(np.median(t)) * 1e3)
-            fl = floor_us(g, n, k, m)
+            fl = floor_us(g, n, k, m, block)
             print(f"| {name}{f' ({g} groups)' if g > 1 else ''} | {m} | " + " | ".join(f"{t:.1f}" for t in times) + f" | {fl:.1f} | "
                   f"{min(times) / fl:.2f} | {', '.join(errors)} |", flush=True)
 

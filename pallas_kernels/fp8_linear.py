@@ -50,13 +50,15 @@ from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
 # (wq_a, 4.2M: 11 / 16 us against 24 / 33; wkv 2.1M), as it does at 1024 rows (wq_b: 126 against 157 us).
 # `python -m experiments.probes.fp8_linear` on an H200.
 SWAP_MAX_ROWS = 256
-SWAP_MIN_WEIGHTS = 16 * 2 ** 20
+# V4.1's 32 x 32 blocks: XLA dequantises into HBM down to smaller weights (wq_a, 6.5M: 16.3 against the swap tiles'
+# 16.1 us at 32 rows, 20.7 against 23.4 at 256), so its shared expert (11.8M a weight) takes the tiles too
+SWAP_MIN_WEIGHTS = {128: 16 * 2 ** 20, ROW_SCALE_BLOCK: 8 * 2 ** 20}
 # the swap tiles split K while a weight's tiles would not fill the GPU's SMs (`swap_k_split`), keeping at least
 # SPLIT_MIN_STEPS K steps a split: wo_b (32 blocks of 128 rows) 8 ways at 32 rows, 2 at 256 (unsplit 46 / 63 us)
 SPLIT_MIN_STEPS = 8
 SHARED_SM_ROWS = 32   # swap tiles of up to this many rows run three slots: two CTAs share an SM
 # the scale blocks the swap tiles take: V4's 128 x 128 (one scale a tile), V4.1's 32 x 32 (scale rows)
-SWAP_BLOCKS = (128, ROW_SCALE_BLOCK)
+SWAP_BLOCKS = tuple(SWAP_MIN_WEIGHTS)
 
 
 def swap_config(m: int) -> MgpuConfig:
@@ -90,8 +92,8 @@ def choose_backend(g: int, m: int, n: int, k: int, block: int, act_block: int, x
     activations "swap" (the largest weights at decode / verify loads, Hopper) or "dequantised"; FP8 x FP8
     (act_block) and the CPU interpreter "triton"."""
     if not act_block and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16) and not kn and on_gpu():
-        big = g * n * k >= SWAP_MIN_WEIGHTS
-        return "swap" if block in SWAP_BLOCKS and big and m <= SWAP_MAX_ROWS and on_hopper() else "dequantised"
+        big = block in SWAP_MIN_WEIGHTS and g * n * k >= SWAP_MIN_WEIGHTS[block]
+        return "swap" if big and m <= SWAP_MAX_ROWS and on_hopper() else "dequantised"
     return "triton"
 
 

@@ -114,6 +114,8 @@ def test_auto_choice_on_a_hopper_gpu(monkeypatch):
     assert F.choose_backend(1, 257, 32768, 1024, 128, 0, bf16) == "dequantised"    # past the swap tiles' loads
     assert F.choose_backend(1, 32, 1024, 4096, 128, 0, bf16) == "dequantised"      # wq_a: XLA fuses the dequant
     assert F.choose_backend(1, 32, 32768, 1280, 32, 0, bf16) == "swap"             # V4.1's wq_b: scale rows
+    assert F.choose_backend(1, 256, 2304, 5120, 32, 0, bf16) == "swap"             # V4.1's shared expert
+    assert F.choose_backend(1, 32, 1280, 5120, 32, 0, bf16) == "dequantised"       # V4.1's wq_a
     assert F.choose_backend(1, 32, 32768, 1024, 128, 128, bf16) == "triton"        # FP8 x FP8 (quant_sim)
     assert F.choose_backend(1, 32, 32768, 1024, 128, 0, jnp.float32) == "triton"   # float32 activations
     w = jax.ShapeDtypeStruct((1, 32768, 1024), jnp.float8_e4m3fn)

@@ -31,7 +31,8 @@ GENERATIONS = {
     "v4": (128, {"wq_a": (1, 1024, 4096), "wq_b": (1, 32768, 1024), "wkv": (1, 512, 4096),
                  "wo_a": (8, 1024, 4096), "wo_b": (1, 4096, 8192)}),
     "v41": (32, {"wq_a": (1, 1280, 5120), "wq_b": (1, 32768, 1280), "wkv": (1, 512, 5120),
-                 "wo_a": (8, 1024, 4096), "wo_b": (1, 5120, 8192)}),
+                 "wo_a": (8, 1024, 4096), "wo_b": (1, 5120, 8192), "shared_w1": (1, 2304, 5120),
+                 "shared_w2": (1, 5120, 2304), "engram_wkv": (1, 25600, 6144)}),
 }
 WAYS = ("dequantised", "triton", "swap")   # fp8_linear's backends
 
@@ -46,7 +47,8 @@ def main(argv=None) -> None:
     p.add_argument("--rows", default="32,256,1024", help="token rows per group (comma list)")
     p.add_argument("--ways", default=",".join(WAYS), help=f"comma list of {', '.join(WAYS)}")
     p.add_argument("--generation", default="v4", choices=sorted(GENERATIONS))
-    p.add_argument("--projections", default=None, help="comma list of wq_a, wq_b, wkv, wo_a, wo_b (default: all)")
+    p.add_argument("--projections", default=None, help="comma list of wq_a, wq_b, wkv, wo_a, wo_b (V4.1 also "
+                   "shared_w1, shared_w2, engram_wkv; default: all)")
     p.add_argument("--iterations", type=int, default=20)
     args = p.parse_args(argv)
     block, projections = GENERATIONS[args.generation]

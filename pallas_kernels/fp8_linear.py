@@ -5,9 +5,9 @@ A dense linear is the MoE block's down GEMM with one expert, and a grouped one (
 projection: G groups, each its own [N, K] weight over its own inputs) with G experts; so the kernels are the MoE
 package's single-weight grouped GEMMs over a plan whose tiles are the groups' rows in order (no routing, no
 gather). Backends:
-  "swap"         bf16 activations, 128-blocks: the Mosaic GPU swap_ab tiles; the weights are wgmma's M operand,
-                 dequantised in registers, the tokens its N (one pass over the weights per tile of up to 128
-                 tokens).
+  "swap"         bf16 activations, 128- or 32-blocks: the Mosaic GPU swap_ab tiles; the weights are wgmma's M
+                 operand, dequantised in registers (32-blocks by scale rows), the tokens its N (one pass over the
+                 weights per tile of up to 128 tokens).
   "triton"       Triton dequantises each FP8 tile in registers by its block scale on the partial product (one pass
                  over the weights per tile of rows); with act_block == B the official FP8 GEMM: activations
                  act_quant'd per B values (reference.act_quant), FP8 x FP8 MMA with both scales on each block's
@@ -17,8 +17,8 @@ gather). Backends:
   "dequantised"  bf16 activations: the weight dequantised to bf16 in HBM, then XLA's GEMM (which fuses the
                  dequantisation into the GEMM for small weights).
   "auto"         on a GPU with bf16 activations: "swap" for the largest weights at decode / verify loads (see
-                 SWAP_MAX_ROWS), "dequantised" elsewhere (it beat the Triton tiles at prefill: V4 prefill 2 x 4096
-                 56.80 against 81.77 ms a step); FP8 x FP8 and the CPU interpreter: "triton".
+                 SWAP_MAX_ROWS, SWAP_MIN_WEIGHTS), "dequantised" elsewhere (it beat the Triton tiles at prefill:
+                 V4 prefill 2 x 4096 56.80 against 81.77 ms a step); FP8 x FP8 and the CPU interpreter: "triton".
 Triton and mgpu tilings are the MoE tuning table's (moe/tuning.py) at rows per group = M.
 
 The reference (`fp8_linear_reference`) dequantises the weight and multiplies in float32: the kernels match it to
@@ -43,7 +43,7 @@ from .moe.mgpu_swap import ROW_SCALE_BLOCK, swap_gemm
 from .moe.row_kernels import transpose
 from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
 
-# "auto" takes the swap_ab tiles (bf16 activations, 128-blocks, on Hopper) up to SWAP_MAX_ROWS rows per group for
+# "auto" takes the swap_ab tiles (bf16 activations, on Hopper) up to SWAP_MAX_ROWS rows per group for
 # weights of at least SWAP_MIN_WEIGHTS elements per call: V4-Flash's wq_b, grouped wo_a and wo_b (33.5M each),
 # which XLA dequantises into HBM before its GEMM (at 32 / 256 rows: 13.4 / 45.1, 19.2 / 42.9, 18.8 / 44.5 us against
 # XLA's 62 / 71, 66 / 72, 65 / 73). XLA fuses the dequantisation of the smaller ones into its GEMM and wins there
@@ -116,7 +116,7 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     """y [G, M, N] = x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] (weight_layout "in_out": [G, K, N], which the
     Mosaic GPU CPU interpreter needs) with UE8M0 block scales [G, N/B, K/B] (uint8 exponent bytes or
     float8_e8m0fnu). act_block: 0 (bf16 activations) or the weights' block B (act_quant, FP8 x FP8).
-    backend: "auto" | "triton" | "mgpu" (FP8 x FP8 only) | "swap" (bf16 activations and 128-blocks only) |
+    backend: "auto" | "triton" | "mgpu" (FP8 x FP8 only) | "swap" (bf16 activations, 128- or 32-blocks) |
     "dequantised" (bf16 activations only). Output in out_dtype, accumulated in float32."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise ValueError(f"fp8_linear: x must be bf16, f16 or float32, got {x.dtype}")

@@ -57,21 +57,28 @@ SWAP_MIN_WEIGHTS = {128: 16 * 2 ** 20, ROW_SCALE_BLOCK: 8 * 2 ** 20}
 # SPLIT_MIN_STEPS K steps a split: wo_b (32 blocks of 128 rows) 8 ways at 32 rows, 2 at 256 (unsplit 46 / 63 us)
 SPLIT_MIN_STEPS = 8
 SHARED_SM_ROWS = 32   # swap tiles of up to this many rows run three slots: two CTAs share an SM
+SWAP_TILE_TOKENS = 128   # tokens per swap tile above 128 rows (swap_config)
 # the scale blocks the swap tiles take: V4's 128 x 128 (one scale a tile), V4.1's 32 x 32 (scale rows)
 SWAP_BLOCKS = tuple(SWAP_MIN_WEIGHTS)
 
 
-def swap_config(m: int) -> MgpuConfig:
+def swap_config(m: int, tile_tokens: int = SWAP_TILE_TOKENS) -> MgpuConfig:
     """The swap_ab tiling for m rows per group: one tile of the rows rounded up to a power of two from 16 (one
     warpgroup issuing its own copies, the MoE's FP8 decode tiling) up to 64 rows, with three slots up to
     SHARED_SM_ROWS so that two CTAs share an SM (wq_b at 32 rows: 13.4 against 18.3 us with five); above, tiles of
-    128 tokens over two compute warpgroups in persistent CTAs (the MoE's FP8 prefill swap tiling)."""
+    128 tokens (or tile_tokens = 256 above 128 rows: one pass over the weights per 256 tokens, K steps of 64 so
+    that the slots fit) over two compute warpgroups in persistent CTAs (the MoE's FP8 prefill swap tiling)."""
+    if tile_tokens not in (128, 256):
+        raise ValueError(f"swap_config: tile_tokens must be 128 or 256, got {tile_tokens}")
     if m <= SHARED_SM_ROWS:
         return MgpuConfig(block_m=max(16, next_pow2(m)), block_n=128, block_k=128, block_n_down=128,
                           block_k_down=128, max_concurrent_steps=3, swap_ab=True, warp_specialized=False)
     if m <= 64:
         return MgpuConfig(block_m=64, block_n=128, block_k=128, block_n_down=128,
                           block_k_down=128, max_concurrent_steps=5, swap_ab=True, warp_specialized=False)
+    if m > 128 and tile_tokens == 256:
+        return MgpuConfig(block_m=256, block_n=128, block_k=64, block_n_down=128, block_k_down=64,
+                          max_concurrent_steps=4, swap_ab=True, compute_wgs=2, persistent=True)
     return MgpuConfig(block_m=128, block_n=128, block_k=128, block_n_down=128, block_k_down=128,
                       max_concurrent_steps=4, swap_ab=True, compute_wgs=2, persistent=True)
 

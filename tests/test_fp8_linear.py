@@ -240,6 +240,15 @@ def test_fp8_row_scales_repeat_each_block_over_its_rows():
     np.testing.assert_array_equal(got, want)
 
 
+def test_swap_config_tile_tokens():
+    """Above 128 rows the swap tiles hold 128 or (tile_tokens=256) 256 tokens; other sizes are refused."""
+    from pallas_kernels.fp8_linear import swap_config
+    assert swap_config(1024, 256).block_m == 256 and swap_config(1024, 128).block_m == 128
+    assert swap_config(100, 256).block_m == 128 and swap_config(32, 256).block_m == 32
+    with pytest.raises(ValueError, match="tile_tokens must be 128 or 256"):
+        swap_config(1024, 64)
+
+
 def test_swap_tiles_split_k_to_fill_the_gpu():
     """The swap tiles split K while a weight's tiles leave SMs idle, keeping whole steps (>= SPLIT_MIN_STEPS a split):
     one CTA an SM, wo_b (32 row blocks) 4 ways, the grouped wo_a (8 x 8) 2 ways, wq_b (256) not; twice as many CTAs
@@ -272,6 +281,21 @@ def test_gpu_swap_tiles_row_scales(g, n, k, m):
     w, s = _weights(rng, g, n, k, 32)
     x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
     got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", out_dtype=jnp.float32))(x, w, s)
+    assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g,n,k,m,block", [(1, 32768, 1024, 256, 128), (1, 32768, 1024, 1000, 128),
+                                           (8, 1024, 4096, 1024, 128), (1, 32768, 1280, 1024, 32)])
+def test_gpu_swap_tiles_of_256_tokens(g, n, k, m, block):
+    """Swap tiles of 256 tokens (swap_config(m, 256): one pass over the weights per 256 rows) at verify loads of
+    V4-Flash's wq_b and grouped wo_a and V4.1-Flash's wq_b, a ragged last tile among them, compiled."""
+    from pallas_kernels.fp8_linear import swap_config
+    rng = np.random.default_rng(14 + m)
+    w, s = _weights(rng, g, n, k, block)
+    x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
+    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", config=swap_config(m, 256),
+                                             out_dtype=jnp.float32))(x, w, s)
     assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5
 
 

@@ -10,6 +10,7 @@ the bf16 MMA at 790 TFLOP/s, whichever is longer), and each kernel's error again
     python -m experiments.probes.fp8_linear --rows 4096 --ways dequantised,triton
     python -m experiments.probes.fp8_linear --rows 32 --ways swap --projections wq_b,wo_b
     python -m experiments.probes.fp8_linear --generation v41 --rows 32,256 --ways dequantised,swap
+    python -m experiments.probes.fp8_linear --rows 256,1024 --ways dequantised,swap --swap-tile-tokens 128,256
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from experiments.bench_kernels import cupti_ms
 from pallas_kernels import reference as ref
-from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_reference
+from pallas_kernels.fp8_linear import SWAP_TILE_TOKENS, fp8_linear, fp8_linear_reference, swap_config
 
 HBM, BF16 = 4.4e12, 790e12
 # generation: (scale block, {name: (groups, out, in)}) at the Flash models' widths
@@ -49,9 +50,12 @@ def main(argv=None) -> None:
     p.add_argument("--generation", default="v4", choices=sorted(GENERATIONS))
     p.add_argument("--projections", default=None, help="comma list of wq_a, wq_b, wkv, wo_a, wo_b (V4.1 also "
                    "shared_w1, shared_w2, engram_wkv; default: all)")
+    p.add_argument("--swap-tile-tokens", default=str(SWAP_TILE_TOKENS),
+                   help="comma list of the swap tiles' tokens per tile above 128 rows (128, 256): one column each")
     p.add_argument("--iterations", type=int, default=20)
     args = p.parse_args(argv)
     block, projections = GENERATIONS[args.generation]
+    tile_tokens = [int(t) for t in args.swap_tile_tokens.split(",")]
     ways = args.ways.split(",")
     names = args.projections.split(",") if args.projections else list(projections)
     if unknown := set(ways) - set(WAYS):
@@ -61,8 +65,12 @@ def main(argv=None) -> None:
     if jax.default_backend() != "gpu":
         raise SystemExit("experiments.probes.fp8_linear times CUDA kernels: it needs a GPU")
     rng = np.random.default_rng(0)
-    print("| projection | rows | " + " | ".join(f"{w} us" for w in ways) + " | floor us | best / floor | rel. errors |")
-    print("|---|---:|" + "---:|" * len(ways) + "---:|---:|---|")
+    # (label, backend, swap tile tokens)
+    columns = [(f"swap/{t}" if way == "swap" and len(tile_tokens) > 1 else way, way, t)
+               for way in ways for t in (tile_tokens if way == "swap" else [None])]
+    print("| projection | rows | " + " | ".join(f"{c[0]} us" for c in columns) + " | floor us | best / floor | "
+          "rel. errors |")
+    print("|---|---:|" + "---:|" * len(columns) + "---:|---:|---|")
     for name in names:
         g, n, k = projections[name]
         w32 = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32) * k ** -0.5
@@ -71,10 +79,11 @@ def main(argv=None) -> None:
             x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
             want = np.asarray(fp8_linear_reference(x, w, s), np.float64)
             times, errors = [], []
-            for way in ways:
-                f = jax.jit(functools.partial(fp8_linear, backend=way))
+            for label, way, tokens in columns:
+                config = swap_config(m, tokens) if way == "swap" else None
+                f = jax.jit(functools.partial(fp8_linear, backend=way, config=config))
                 got = f(x, w, s)
-                errors.append(f"{way} {np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want):.1e}")
+                errors.append(f"{label} {np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want):.1e}")
                 t = cupti_ms(f, x, w, s, iterations=args.iterations)
                 times.append(float(np.median(t)) * 1e3)
             fl = floor_us(g, n, k, m, block)

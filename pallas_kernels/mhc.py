@@ -38,7 +38,7 @@ F32 = jnp.float32
 
 def packed_width(n: int) -> int:
     """Columns of a packed coefficient row for n streams (a power of two >= 16: Triton tiles are powers of two, and
-    the skinny GEMM's N stays a multiple of 16)."""
+    the projection's dot needs N >= 16)."""
     return max(16, next_pow2((2 + n) * n))
 
 

@@ -116,10 +116,11 @@ def test_bad_shapes_raise():
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
-@pytest.mark.parametrize("rows", [256, 8192])
-def test_lower_for_cuda_at_v4_flash_widths(rows):
-    """Both kernels lower for CUDA (Triton) at V4-Flash widths (n = 4, D = 4096) without a GPU."""
-    n, d = 4, 4096
+@pytest.mark.parametrize("rows,d", [(32, 4096), (256, 4096), (8192, 4096), (256, 5120)])
+def test_lower_for_cuda_at_flash_widths(rows, d):
+    """The four kernels lower for CUDA (Triton) at V4-Flash and V4.1-Flash widths (n = 4, D = 4096 / 5120) and
+    decode / verify / prefill row counts, without a GPU."""
+    n = 4
     sds = jax.ShapeDtypeStruct
     args = (sds((rows, n, d), jnp.bfloat16), sds((24, n * d), jnp.float32), sds((24,), jnp.float32),
             sds((3,), jnp.float32))
@@ -128,7 +129,7 @@ def test_lower_for_cuda_at_v4_flash_widths(rows):
         y, coef = K.mix_in(x, fn, base, scale, iters=20, interpret=False, **EPS)
         return K.mix_out(x, fout, coef, interpret=False), y
     text = cuda_text(f, *args, sds((rows, d), jnp.bfloat16))
-    assert text.count("__gpu$xla.gpu.triton") >= 3
+    assert text.count("__gpu$xla.gpu.triton") >= 4
 
 
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
@@ -144,7 +145,10 @@ def test_model_logits_match_reference(preset):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
-@pytest.mark.parametrize("rows,dtype", [(256, jnp.bfloat16), (8192, jnp.bfloat16), (96, jnp.float32)])
-def test_compiled_kernels_match_reference_on_gpu(rows, dtype):
-    _check_against_reference(rows, 4, 4096, dtype, iters=20, seed=seed_of_test(), carry=False, interpret=False)
-    _check_against_reference(rows, 4, 4096, dtype, iters=20, seed=seed_of_test() + 1, carry=True, interpret=False)
+@pytest.mark.parametrize("rows,d,dtype", [(32, 4096, jnp.bfloat16), (256, 4096, jnp.bfloat16),
+                                          (8192, 4096, jnp.bfloat16), (96, 4096, jnp.float32),
+                                          (256, 5120, jnp.bfloat16)])
+def test_compiled_kernels_match_reference_on_gpu(rows, d, dtype):
+    """Compiled at V4-Flash and V4.1-Flash widths, decode to prefill row counts, against float64 on the host."""
+    _check_against_reference(rows, 4, d, dtype, iters=20, seed=seed_of_test(), carry=False, interpret=False)
+    _check_against_reference(rows, 4, d, dtype, iters=20, seed=seed_of_test() + 1, carry=True, interpret=False)

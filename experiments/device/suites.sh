@@ -20,8 +20,8 @@
 #                         graphs): XLA's default, every command kind at every graph size, none
 #   fp8-dense             the FP8 projections multiplied from their bytes (--dense-impl pallas: the swap_ab tiles at
 #                         decode / verify loads) against the in-graph dequantisation: the kernels' GPU tests, each
-#                         projection alone (experiments.probes.fp8_linear), then release-format V4 verify 8 / 64 /
-#                         256 x 4 both ways
+#                         projection alone (experiments.probes.fp8_linear: V4's, with the 256-token swap tiles at
+#                         256 / 1,024 rows, and V4.1's), then release-format V4 verify 8 / 64 / 256 x 4 both ways
 #   attention-glue        the indexer's top-k by the selection kernel (pallas_kernels/topk.py) and RoPE written in
 #                         place: their GPU tests, each alone at the step shapes (experiments.probes.topk_select,
 #                         experiments.probes.rope_in_place), then the release-format V4 verify 256 x 4 and prefill 2 x
@@ -148,6 +148,10 @@ for suite in "${suites[@]}"; do
     fp8-dense)
         limit 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_linear.py 2>&1 | tail -4
         limit 120 python -m experiments.probes.fp8_linear 2>&1 | grep -E "^\||rror"
+        limit 90 python -m experiments.probes.fp8_linear --rows 256,1024 --ways dequantised,swap \
+            --swap-tile-tokens 128,256 --projections wq_b,wo_a,wo_b 2>&1 | grep -E "^\||rror"
+        limit 90 python -m experiments.probes.fp8_linear --generation v41 --rows 32,256 --ways dequantised,swap \
+            2>&1 | grep -E "^\||rror"
         for impl in reference pallas; do
             bench 120 "v4_release_dense_$impl" $V4 $FORMATS --dense-impl $impl --phase decode --batch 8,64,256 \
                 --context 32768 --kernel-times 2

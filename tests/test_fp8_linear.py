@@ -261,40 +261,23 @@ def test_swap_tiles_split_k_to_fill_the_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("g,n,k,m", [(1, 4096, 8192, 32), (1, 4096, 8192, 256), (8, 1024, 4096, 32)])
-def test_gpu_swap_tiles_split_k(g, n, k, m):
-    """wo_b and the grouped wo_a at decode / verify loads, whose swap tiles split K (8, 2 and 4 ways), compiled."""
-    rng = np.random.default_rng(11 + m)
-    w, s = _weights(rng, g, n, k, 128)
-    x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
-    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", out_dtype=jnp.float32))(x, w, s)
-    assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("g,n,k,m", [(1, 32768, 1280, 5), (1, 32768, 1280, 32), (1, 32768, 1280, 256),
-                                     (1, 5120, 8192, 32), (1, 5120, 8192, 256), (8, 1024, 4096, 64)])
-def test_gpu_swap_tiles_row_scales(g, n, k, m):
-    """V4.1-Flash's wq_b, wo_b (split over K) and grouped wo_a with 32 x 32 scale blocks on the swap tiles (scale
-    rows) at decode / verify loads, compiled."""
-    rng = np.random.default_rng(13 + m)
-    w, s = _weights(rng, g, n, k, 32)
-    x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
-    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", out_dtype=jnp.float32))(x, w, s)
-    assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("g,n,k,m,block", [(1, 32768, 1024, 256, 128), (1, 32768, 1024, 1000, 128),
-                                           (8, 1024, 4096, 1024, 128), (1, 32768, 1280, 1024, 32)])
-def test_gpu_swap_tiles_of_256_tokens(g, n, k, m, block):
-    """Swap tiles of 256 tokens (swap_config(m, 256): one pass over the weights per 256 rows) at verify loads of
-    V4-Flash's wq_b and grouped wo_a and V4.1-Flash's wq_b, a ragged last tile among them, compiled."""
+@pytest.mark.parametrize("g,n,k,m,block,tile_tokens", [
+    # V4-Flash's wo_b and grouped wo_a at decode / verify loads, whose swap tiles split K (8, 2 and 4 ways)
+    (1, 4096, 8192, 32, 128, 128), (1, 4096, 8192, 256, 128, 128), (8, 1024, 4096, 32, 128, 128),
+    # V4.1-Flash's wq_b, wo_b (split over K) and grouped wo_a: 32 x 32 blocks as scale rows
+    (1, 32768, 1280, 5, 32, 128), (1, 32768, 1280, 32, 32, 128), (1, 32768, 1280, 256, 32, 128),
+    (1, 5120, 8192, 32, 32, 128), (1, 5120, 8192, 256, 32, 128), (8, 1024, 4096, 64, 32, 128),
+    # tiles of 256 tokens (one pass over the weights per 256 rows), a ragged last tile among them
+    (1, 32768, 1024, 256, 128, 256), (1, 32768, 1024, 1000, 128, 256), (8, 1024, 4096, 1024, 128, 256),
+    (1, 32768, 1280, 1024, 32, 256)])
+def test_gpu_swap_tiles(g, n, k, m, block, tile_tokens):
+    """The swap tiles at the projections' shapes (swap_config(m, tile_tokens)), compiled, against the float32
+    reference."""
     from pallas_kernels.fp8_linear import swap_config
-    rng = np.random.default_rng(14 + m)
+    rng = np.random.default_rng(g + n + k + m + block + tile_tokens)
     w, s = _weights(rng, g, n, k, block)
     x = jnp.asarray(rng.standard_normal((g, m, k)), jnp.bfloat16)
-    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", config=swap_config(m, 256),
+    got = jax.jit(lambda x, w, s: fp8_linear(x, w, s, backend="swap", config=swap_config(m, tile_tokens),
                                              out_dtype=jnp.float32))(x, w, s)
     assert _rel(got, fp8_linear_reference(x, w, s)) < 1e-5
 

@@ -267,15 +267,34 @@ class Attention(nnx.Module):
 
     def draft_block(self, h: jax.Array, positions: jax.Array, ctx_kv: jax.Array, ctx_visible: jax.Array) -> jax.Array:
         """[DSpark] non-causal attention of a draft block: h [B, beta, D] at positions [B, beta] attends to
-        the context keys ctx_kv [B, R, Dh] where ctx_visible [B, R], and to all beta block rows."""
+        the context keys ctx_kv [B, R, Dh] where ctx_visible [B, R], and to all beta block rows. Under
+        cfg.batch_invariant each query row attends on fixed blocks of rows (`_rows_draft_attention`)."""
         q, _ = self.queries(h, positions)
         kv = self.keys(h, positions)
+        if self.batch_invariant:
+            return self.output(self._rows_draft_attention(q, kv, ctx_kv, ctx_visible), positions)
         beta = h.shape[1]
         mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (h.shape[0], beta, ctx_kv.shape[1])),
                                 jnp.ones((h.shape[0], beta, beta), bool)], axis=2)
         o = ref.sink_attention(q, jnp.concatenate([ctx_kv, kv], axis=1), mask, self.attn_sink[...],
                                self.head_dim ** -0.5)
         return self.output(o, positions)
+
+    def _rows_draft_attention(self, q: jax.Array, kv: jax.Array, ctx_kv: jax.Array, ctx_visible: jax.Array
+                              ) -> jax.Array:
+        """`draft_block`'s attention with every query row's sums in a fixed order (cfg.batch_invariant): q [B, beta,
+        H, Dh], the block's keys kv [B, beta, Dh]; each query row against its own sequence's R context keys (in the
+        caller's order: fixed by the sequence's positions and the ring size) then its block's beta keys, on blocks
+        of `invariant.ROWS` query rows. -> [B, beta, H, Dh]."""
+        b, beta = q.shape[:2]
+        keys = jnp.concatenate([ctx_kv, kv.astype(ctx_kv.dtype)], axis=1)  # [B, R + beta, Dh]
+        ok = jnp.concatenate([ctx_visible, jnp.ones((b, beta), bool)], axis=1)
+        seq_of_row = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, beta))
+
+        def block(q, seq):
+            return inv.sink_attention(q, keys[seq], ok[seq], self.attn_sink[...], self.head_dim ** -0.5)
+
+        return inv.row_blocks(block, q, seq_of_row, lead=2)
 
     def _window(self, q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
         """[B, S] query positions x [B, N] key positions -> [B, S, N]: 0 <= q - k < W and key valid."""

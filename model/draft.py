@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .cache import LayerCache, Step, allocate_layer, ring_positions, ring_write
+from .mhc import collapse
 from .transformer import Transformer
 
 
@@ -112,7 +113,7 @@ def dspark_propose(model: Transformer, dc: DraftCache, anchor: jax.Array, choose
 
         x, pre = stage.sublayers(x, pre, attend, block)
     last = model.mtp[-1]
-    y = jnp.einsum("...n,...nd->...d", pre, x.astype(jnp.float32)).astype(x.dtype)  # single-pass collapse
+    y = collapse(x, pre, cfg.batch_invariant)  # single-pass collapse
     base = model.logits(last.norm(y))  # [B, beta, V]
     tok = anchor
     tokens, dists, embeds = [], [], []

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.invariant import row_blocks
+
 from .attention import Shared
 from .cache import LayerCache, LayerSlice, PendingRing, Step, StackCache, write_ring_rows
 from .groups import LayerGroup, SharedRoles
@@ -39,9 +41,12 @@ def _slice(a, repeat: int):
     return a[repeat]
 
 
-def stream_mean(x: jax.Array) -> jax.Array:
-    """[V4.1 DSpark] a tap: the streams entering a layer averaged, [B, S, n, D] -> [B, S, D] (model dtype)."""
-    return jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
+def stream_mean(x: jax.Array, batch_invariant: bool = False) -> jax.Array:
+    """[V4.1 DSpark] a tap: the streams entering a layer averaged, [B, S, n, D] -> [B, S, D] (model dtype; on
+    fixed blocks of rows if batch_invariant)."""
+    if batch_invariant:
+        return row_blocks(stream_mean, x, lead=2)
+    return jnp.mean(x.astype(jnp.float32), axis=-2).astype(x.dtype)
 
 
 class LayerStack(nnx.Module):
@@ -84,7 +89,7 @@ class LayerStack(nnx.Module):
             for p, (graphdef, state) in enumerate(zip(graphdefs, layer_states)):
                 block = nnx.merge(graphdef, state)
                 if self.taps[p]:
-                    taps.append(stream_mean(x))
+                    taps.append(stream_mean(x, block.batch_invariant))
                 view = layouts[p].view(rings[p], stores[p], repeat)
                 x, view, shared, pre = block(x, step, tokens, view, shared, pre)
                 rows, store = layouts[p].written(view)

@@ -407,7 +407,7 @@ class Transformer(nnx.Module):
                         j = self.hasher.layer_index(i)
                         x = block.engram(x, ids[:, :, j], rows=rows[j])
                 if i in cfg.dspark_target_layer_ids:
-                    taps[i] = stream_mean(x)
+                    taps[i] = stream_mean(x, cfg.batch_invariant)
                 x, layer_cache, shared, pre = block(x, step, tokens, layer_cache, shared, pre)
                 if block.spec.indexer:
                     topk[i] = shared.topk

@@ -49,20 +49,21 @@ def sequence_keys(seed: int, sequence_ids: jax.Array) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(sequence_ids, jnp.uint32))
 
 
-def _per_sequence(key: jax.Array) -> bool:
+def is_per_sequence(key: jax.Array) -> bool:
+    """Whether `key` holds one key per sequence ([B, 2], `sequence_keys`) rather than one for the batch."""
     return key.ndim == 2
 
 
 def fold_in(key: jax.Array, data) -> jax.Array:
     """jax.random.fold_in of a batch key or of every sequence's key."""
-    if _per_sequence(key):
+    if is_per_sequence(key):
         return jax.vmap(jax.random.fold_in, (0, None))(key, data)
     return jax.random.fold_in(key, data)
 
 
 def split(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Two independent keys (of the same form) from one."""
-    if _per_sequence(key):
+    if is_per_sequence(key):
         pair = jax.vmap(jax.random.split)(key)
         return pair[:, 0], pair[:, 1]
     first, second = jax.random.split(key)
@@ -71,14 +72,14 @@ def split(key: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """U[0, 1) float32 of `shape` [B, ...]; per-sequence keys draw row b's values from key b."""
-    if _per_sequence(key):
+    if is_per_sequence(key):
         return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(key)
     return jax.random.uniform(key, shape)
 
 
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """One draw per row of logits [B, V] -> [B] int32; per-sequence keys: row b from key b."""
-    if _per_sequence(key):
+    if is_per_sequence(key):
         return jax.vmap(jax.random.categorical)(key, logits).astype(jnp.int32)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
@@ -110,4 +111,4 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_k=0, top_p=1.
 
     def draw(logits, key):
         return jax.lax.cond(jnp.asarray(temperature) > 0, drawn, greedy, logits, key)
-    return row_blocks(draw, logits, key) if _per_sequence(key) else draw(logits, key)
+    return row_blocks(draw, logits, key) if is_per_sequence(key) else draw(logits, key)

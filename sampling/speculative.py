@@ -28,9 +28,10 @@ from model import draft as D
 from model.cache import Cache
 from model.config import ModelConfig
 from model.transformer import Transformer
+from pallas_kernels.invariant import row_blocks
 
 from .replay import prefill_with_store
-from .sampler import categorical, filter_logits, fold_in, sample, split, uniform
+from .sampler import categorical, filter_logits, fold_in, is_per_sequence, sample, split, uniform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,29 +146,47 @@ def accept(target_logits: jax.Array, proposal: D.Proposal, n_verify: jax.Array, 
 
 
 def _accept_sampled(target_logits, proposal, drafts, n_verify, key, sp: SpecParams):
-    """Rejection sampling of `accept` (temperature > 0)."""
+    """Rejection sampling of `accept` (temperature > 0). Per-sequence keys [B, 2] keep every sequence on its own:
+    the filtering, the residual and its draw on fixed blocks of rows (`row_blocks`), the uniforms drawn for all
+    num_draft drafts whatever the verified width."""
     w = drafts.shape[1]
     j = jnp.arange(w)[None, :]
-    b, _, v = target_logits.shape
-    p_t = jax.nn.softmax(filter_logits(target_logits.reshape(-1, v), sp.temperature, sp.top_k, sp.top_p),
-                         -1).reshape(b, w + 1, v)
-    p_d = jax.nn.softmax(filter_logits(proposal.logits[:, :w].reshape(-1, v), sp.temperature, sp.top_k, sp.top_p),
-                         -1).reshape(b, w, v)  # the distributions the drafts were sampled from
+    b = target_logits.shape[0]
+    per_sequence = is_per_sequence(key)
+    p_t = _filtered_probs(target_logits, sp, per_sequence)  # [B, w+1, V]
+    p_d = _filtered_probs(proposal.logits[:, :w], sp, per_sequence)  # the distributions the drafts were sampled from
     pt_d = jnp.take_along_axis(p_t[:, :w], drafts[..., None], -1)[..., 0]
     pd_d = jnp.take_along_axis(p_d, drafts[..., None], -1)[..., 0]
     k_u, k_s = split(key)
-    u = uniform(k_u, (b, w))
+    u = uniform(k_u, proposal.tokens.shape)[:, :w] if per_sequence else uniform(k_u, (b, w))
     ok = (u * pd_d < pt_d) & (j < n_verify[:, None])
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_a = jnp.take_along_axis(p_t, a[:, None, None], 1)[:, 0]  # target distribution at row a
     q_a = jnp.take_along_axis(jnp.pad(p_d, ((0, 0), (0, 1), (0, 0))), a[:, None, None], 1)[:, 0]
     rejected = a < n_verify
+    args = (p_a, q_a, rejected, k_s)
+    return a, row_blocks(_residual_draw, *args) if per_sequence else _residual_draw(*args)
+
+
+def _filtered_probs(logits: jax.Array, sp: SpecParams, per_sequence: bool) -> jax.Array:
+    """softmax(filter_logits) of logits [B, R, V] -> [B, R, V]; per_sequence: on fixed blocks of rows."""
+    def probs(logits):
+        return jax.nn.softmax(filter_logits(logits, sp.temperature, sp.top_k, sp.top_p), -1)
+
+    if per_sequence:
+        return row_blocks(probs, logits, lead=2)
+    b, r, v = logits.shape
+    return probs(logits.reshape(-1, v)).reshape(b, r, v)
+
+
+def _residual_draw(p_a: jax.Array, q_a: jax.Array, rejected: jax.Array, key: jax.Array) -> jax.Array:
+    """The token after the accepted drafts [B]: drawn from normalise(max(0, p_a - q_a)) where the draft was
+    rejected, else from p_a (the bonus); p_a, q_a [B, V] the target's and the drafter's distributions there."""
     residual = jnp.maximum(p_a - jnp.where(rejected[:, None], q_a, 0.0), 0.0)
     mass = jnp.sum(residual, -1, keepdims=True)
     residual = jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), p_a)  # empty residual: fall back
-    nxt = categorical(k_s, jnp.log(jnp.maximum(residual, 1e-38)))
-    nxt = jnp.where(residual.max(-1) > 0, nxt, jnp.argmax(p_a, -1).astype(jnp.int32))
-    return a, nxt
+    nxt = categorical(key, jnp.log(jnp.maximum(residual, 1e-38)))
+    return jnp.where(residual.max(-1) > 0, nxt, jnp.argmax(p_a, -1).astype(jnp.int32))
 
 
 def choose_width(proposal: D.Proposal, sp: SpecParams) -> jax.Array:

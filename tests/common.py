@@ -74,6 +74,15 @@ def small_v41():
         dspark_target_layer_ids=(1, 2, 3), name="v41-small")
 
 
+def small_vocab(cfg, vocab: int):
+    """`cfg` with a vocabulary of `vocab` tokens (V4.1: its Engram compressed vocabulary too, the DSpark noise token
+    its last id): a random drafter's and target's distributions then overlap, so sampled drafts are accepted and
+    rejected."""
+    if cfg.generation == "v4":
+        return cfg.replace(vocab_size=vocab)
+    return cfg.replace(vocab_size=vocab, engram_compressed_vocab_size=vocab, dspark_noise_token_id=vocab - 1)
+
+
 def load_golden(golden_dir: Path, name: str):
     """(model float32, prompts [B, S], continuation [B, D+1], outputs) of ../shared/golden/<name>."""
     from safetensors.numpy import load_file

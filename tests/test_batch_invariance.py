@@ -1,6 +1,7 @@
 """Batch invariance (ModelConfig.batch_invariant, docs/batch_invariance.md): a sequence's numbers are bitwise the
 same alone and at any row of any batch, in a ragged batch, under any chunking of its prefill, in a speculative
-verify step and on any (dp, ep) mesh; sampling draws from the seed and the sequence's id.
+verify step, in sampled speculative decoding (with bounded replay and a prefix store too) and on any (dp, ep) mesh;
+sampling draws from the seed and the sequence's id.
 
 Every check compares with `np.array_equal` (bitwise); the batch-invariant path is also compared with the default
 path within float tolerance (the same products, summed in another order). The default suite runs the primitives
@@ -32,7 +33,7 @@ from pallas_kernels import invariant as inv
 from pallas_kernels import reference as ref
 from sampling import generate
 
-from common import rel_err, small_config, small_v4, small_v41
+from common import rel_err, small_config, small_v4, small_v41, small_vocab
 
 WORKER = Path(__file__).with_name("invariance_worker.py")
 RNG = np.random.default_rng(5)
@@ -132,6 +133,36 @@ def test_expert_slots_match_reference():
     np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(slots[4]))
     dropped = run(x[:3], np.full((3, k), e), wts[:3])
     assert not np.any(np.asarray(dropped))
+
+
+def test_sampled_acceptance_rows():
+    """The rejection test of sampled speculative decoding with per-sequence keys: a sequence's accepted count and
+    next token alone equal its own at any row of any batch (other rows arbitrary), whatever the verified width."""
+    from model.draft import Proposal
+    from sampling.sampler import sequence_keys
+    from sampling.speculative import SpecParams, accept
+
+    k, v = 3, 64
+    sp = SpecParams("dspark", k, temperature=0.8, top_k=40, top_p=0.9)
+    run = jax.jit(accept, static_argnums=4)
+
+    def batch(m):
+        target = RNG.standard_normal((m, k + 1, v)).astype(np.float32)
+        drafted = RNG.standard_normal((m, k, v)).astype(np.float32)
+        return target, drafted, RNG.integers(0, v, (m, k)), RNG.integers(1, k + 1, m), RNG.integers(0, 1000, m)
+
+    for width in (k, 2):
+        mine = batch(1)
+        alone = run(jnp.asarray(mine[0][:, :width + 1]), Proposal(jnp.asarray(mine[2]), jnp.asarray(mine[1])),
+                    jnp.minimum(jnp.asarray(mine[3]), width), sequence_keys(7, mine[4]), sp)
+        for m, r in ((2, 1), (9, 8), (40, 17)):
+            target, drafted, tokens, n_verify, ids = batch(m)
+            for x, y in zip((target, drafted, tokens, n_verify, ids), mine):
+                x[r] = y[0]
+            got = run(jnp.asarray(target[:, :width + 1]), Proposal(jnp.asarray(tokens), jnp.asarray(drafted)),
+                      jnp.minimum(jnp.asarray(n_verify), width), sequence_keys(7, ids), sp)
+            for a, b in zip(got, alone):
+                np.testing.assert_array_equal(np.asarray(a)[r], np.asarray(b)[0], err_msg=f"row {r} of {m}")
 
 
 # ----------------------------------------------------------------------------- the switch
@@ -291,6 +322,92 @@ def test_greedy_speculative_equals_plain(build, kind):
     for num_draft in (1, 3):
         spec = generate(model, prompts, max_new_tokens=8, speculative=kind, num_draft=num_draft).tokens
         np.testing.assert_array_equal(spec, plain, err_msg=f"num_draft={num_draft}")
+
+
+SAMPLED = dict(temperature=0.8, top_k=12, top_p=0.95, seed=3)  # a 16-token vocabulary (`small_vocab`)
+
+
+def _alone_and_in_batch(model, prompt: list[int], others: list[list[int]], **options):
+    """generate(**options) of `prompt` alone (sequence id 41) and at row 1 of a ragged batch with `others` (ids 7, 9,
+    ...): -> (alone, in the batch) as (tokens [max_new], length) each. Stores (`prefix_store`: a callable making a
+    fresh one) are made anew for each run."""
+    runs = []
+    for prompts in ([prompt], [others[0], prompt, *others[1:]]):
+        ids = [41] if len(prompts) == 1 else [7, 41, *range(9, 8 + len(others))]
+        opts = dict(options)
+        if "prefix_store" in opts:
+            opts["prefix_store"] = opts["prefix_store"]()
+        out = generate(model, prompts, sequence_ids=ids, **opts)
+        row = 0 if len(prompts) == 1 else 1
+        runs.append((out.tokens[row], out.lengths[row], out.stats))
+    return runs
+
+
+def _check_alone_equals_batch(model, prompt, others, **options) -> dict:
+    """Tokens and length of `prompt` alone equal its own in the batch, bitwise. -> the run alone's stats."""
+    (tokens, length, stats), (in_batch, length_in_batch, _) = _alone_and_in_batch(model, prompt, others, **options)
+    np.testing.assert_array_equal(in_batch, tokens, err_msg=str(options))
+    assert length_in_batch == length, options
+    return stats
+
+
+SPEC_CASES = [pytest.param(small_v4, "mtp", "float32", id="mtp-f32"),
+              pytest.param(small_v4, "mtp", "bfloat16", id="mtp-bf16"),
+              pytest.param(small_v41, "dspark", "float32", id="dspark-f32"),
+              pytest.param(small_v41, "dspark", "bfloat16", id="dspark-bf16")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build,kind,dtype", SPEC_CASES)
+def test_sampled_speculative_alone_and_in_ragged_batch(build, kind, dtype):
+    """Sampled speculative generation (temperature, top-k and top-p; num_draft 1 and 3, DSpark also with the
+    confidence policy): a prompt's tokens and length alone equal its own at row 1 of a ragged batch of prompts of
+    other lengths under the same sequence id; drafts are accepted and rejected along the way."""
+    model = init_random(invariant(small_vocab(build(), 16)), seed=2, dtype=dtype)
+    rng = np.random.default_rng(11)
+    prompt, others = rng.integers(3, 15, 11).tolist(), [rng.integers(3, 15, n).tolist() for n in (17, 3, 30)]
+    runs = [(1, "fixed"), (3, "fixed")] + ([(3, "confidence")] if kind == "dspark" else [])
+    for num_draft, policy in runs:
+        stats = _check_alone_equals_batch(model, prompt, others, max_new_tokens=12, speculative=kind,
+                                          num_draft=num_draft, policy=policy, **SAMPLED)
+        assert 0 < stats["acceptance_per_position"][0] < 1, (num_draft, policy, stats["acceptance_per_position"])
+
+
+@pytest.mark.slow
+def test_sampled_bounded_replay_alone_and_in_ragged_batch():
+    """[V4.1] decoder-side bounded replay (the window's tail after the last KV source): sampled tokens, plain and
+    DSpark-speculative, of a prompt alone equal its own in a ragged batch (the replayed rows are each sequence's
+    own)."""
+    model = init_random(invariant(small_vocab(small_v41(), 16)), seed=2, dtype="bfloat16")
+    rng = np.random.default_rng(12)
+    prompt, others = rng.integers(3, 15, 21).tolist(), [rng.integers(3, 15, n).tolist() for n in (5, 34)]
+    for spec in ({}, dict(speculative="dspark", num_draft=3)):
+        _check_alone_equals_batch(model, prompt, others, max_new_tokens=10, bounded_replay=True, **spec, **SAMPLED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build,kind", [pytest.param(small_v4, "mtp", id="mtp"),
+                                        pytest.param(small_v41, "dspark", id="dspark")])
+def test_sampled_prefix_store_alone_and_in_ragged_batch(build, kind):
+    """With a prefix store holding the same prefixes (a hit of two pages for the prompt, misses for its
+    batch-mates): sampled tokens, plain and speculative, alone equal its own in a ragged batch."""
+    from sampling.replay import PrefixStore
+
+    model = init_random(invariant(small_vocab(build(), 16)), seed=2, dtype="bfloat16")
+    rng = np.random.default_rng(13)
+    base = rng.integers(3, 15, 40).tolist()
+    prompt = base[:37] + [9, 9, 9, 9, 9]  # shares 32 tokens (two pages of 16) with base
+    others = [rng.integers(3, 15, n).tolist() for n in (21, 6)]
+
+    def warm_store():
+        store = PrefixStore(page_size=16)
+        generate(model, [base + [5, 6, 7]], max_new_tokens=2, prefix_store=store)
+        return store
+
+    for spec in ({}, dict(speculative=kind, num_draft=3)):
+        stats = _check_alone_equals_batch(model, prompt, others, max_new_tokens=10, prefix_store=warm_store, **spec,
+                                          **SAMPLED)
+        assert stats["prefix_hits"] == [32], stats["prefix_hits"]
 
 
 # ----------------------------------------------------------------------------- full presets and the golden models

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from common import small_v4, small_v41
+from common import small_v4, small_v41, small_vocab
 from model import init_random
 from sampling import generate
 from sampling.generate import _TRACES
@@ -103,11 +103,11 @@ def check_case(cfg, kind, policy, n: int, seed: int):
 
 
 def v4():
-    return small_v4().replace(vocab_size=VOCAB)
+    return small_vocab(small_v4(), VOCAB)
 
 
 def v41():
-    return small_v41().replace(vocab_size=VOCAB, engram_compressed_vocab_size=VOCAB, dspark_noise_token_id=VOCAB - 1)
+    return small_vocab(small_v41(), VOCAB)
 
 
 CASES = {"plain": (v4, None, "fixed"), "mtp-fixed": (v4, "mtp", "fixed"), "dspark-fixed": (v41, "dspark", "fixed"),

@@ -116,9 +116,9 @@ def _project_kernel(x_ref, fn_ref, part_ref, sq_ref, *, steps, bk):
     sq_ref[...] = sq
 
 
-def _coefficients_kernel(part_ref, sq_ref, colscale_ref, base_ref, coef_ref, *, n, iters, hc_eps, norm_eps, width):
+def _coefficients_kernel(part_ref, sq_ref, affine_ref, coef_ref, *, n, iters, hc_eps, norm_eps, width):
     """The chunks' partial products part [C, br, P] and sums of squares sq [C, br] of a block of rows (flattened
-    width `width`), the pre-activations' column scales and biases [1, P] (zero-padded columns) -> packed
+    width `width`), the pre-activations' column scales and biases affine [2, P] (zero-padded columns) -> packed
     coefficients [br, P]: z = rho (fn x) scale + base, rho = rsqrt(mean(x^2) + norm_eps), the chunks added in
     order. Each column is read and written on its own ([br] vectors, one layout throughout)."""
     m = (2 + n) * n
@@ -126,7 +126,7 @@ def _coefficients_kernel(part_ref, sq_ref, colscale_ref, base_ref, coef_ref, *, 
     for c in range(1, part_ref.shape[0]):
         total, sq = total + part_ref[c], sq + sq_ref[c]
     rho = lax.rsqrt(sq / width + norm_eps)
-    z = rho[:, None] * total * colscale_ref[...] + base_ref[...]
+    z = rho[:, None] * total * affine_ref[0][None, :] + affine_ref[1][None, :]
     zs = [_column(z, c) for c in range(m)]
     pre = [_sigmoid(zs[i]) + hc_eps for i in range(n)]
     post = [2.0 * _sigmoid(zs[n + i]) for i in range(n)]
@@ -210,12 +210,13 @@ def _project_chunks(row_blocks: int, steps: int) -> int:
 
 def project(x: jax.Array, fn: jax.Array, *, block_rows: int = PROJECT_ROWS, interpret=None
             ) -> tuple[jax.Array, jax.Array]:
-    """x [R, nD] (bf16 / f32, R a multiple of the row block), fn [P, nD] float32 -> (partial products [C, R, P],
-    partial sums of squares [C, R]) over C column chunks, float32: x read once for both."""
+    """x [R, nD] (bf16 / f32), fn [P, nD] float32 -> (partial products [C, R', P], partial sums of squares [C, R'])
+    over C column chunks, float32, for the rows padded to R' (a whole number of row blocks): x read once for
+    both."""
+    br, bk = _rows_block(x.shape[0], block_rows), _block(x.shape[1], PROJECT_STEP)
+    x = _pad_rows(x, -(-x.shape[0] // br) * br)
     r, k = x.shape
     p = fn.shape[0]
-    br, bk = _rows_block(r, block_rows), _block(k, PROJECT_STEP)
-    _check(r % br == 0, f"rows {r} must be a multiple of the row block {br}")
     chunks = _project_chunks(r // br, k // bk)
     cols = k // chunks
     return pl.pallas_call(
@@ -243,23 +244,22 @@ def coefficients(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
     p = packed_width(n)
     br = _rows_block(r, block_rows)
     rp = -(-r // br) * br
-    block = _rows_block(rp, PROJECT_ROWS)
-    parts, squares = project(_pad_rows(x.reshape(r, n * d), -(-rp // block) * block),
-                             jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))), interpret=interpret)
+    parts, squares = project(_pad_rows(x.reshape(r, n * d), rp), jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))),
+                             interpret=interpret)
     scale = scale.astype(F32)
-    colscale = jnp.concatenate([jnp.broadcast_to(scale[k], (w,)) for k, w in enumerate((n, n, n * n))]
-                               + [jnp.zeros((p - m,), F32)])
+    colscale = jnp.concatenate([jnp.broadcast_to(scale[k], (w,)) for k, w in enumerate((n, n, n * n))])
+    affine = jnp.pad(jnp.stack([colscale, base.astype(F32)]), ((0, 0), (0, p - m)))   # one operand, one XLA op
     chunks = parts.shape[0]
     coef = pl.pallas_call(
         functools.partial(_coefficients_kernel, n=n, iters=int(iters), hc_eps=float(hc_eps),
                           norm_eps=float(norm_eps), width=n * d), grid=(rp // br,),
         in_specs=[pl.BlockSpec((chunks, br, p), lambda i: (0, i, 0)), pl.BlockSpec((chunks, br), lambda i: (0, i)),
-                  pl.BlockSpec((1, p), lambda i: (0, 0)), pl.BlockSpec((1, p), lambda i: (0, 0))],
+                  pl.BlockSpec((2, p), lambda i: (0, 0))],
         out_specs=pl.BlockSpec((br, p), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((rp, p), F32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret_flag("triton", interpret), name="mhc_coefficients",
-    )(parts, squares, colscale[None], jnp.pad(base.astype(F32), (0, p - m))[None])
+    )(parts, squares, affine)
     return coef[:r]
 
 

@@ -4,9 +4,12 @@ fixed when jax is imported, so the pytest process launches this).
     python tests/invariance_worker.py mesh OUT.json          # dp=2 x ep=4, default strategies (V4, bf16)
     python tests/invariance_worker.py mesh-matrix OUT.json   # dp=8, ep=8, dp=2 x ep=4; every EP variant,
                                                              # redundant experts; both generations and dtypes
+    python tests/invariance_worker.py mesh-speculative OUT.json  # dp=2 x ep=4: MTP (V4) and DSpark (V4.1),
+                                                                 # greedy and sampled, num_draft 1 and 3
 
 Each case compares a batch-invariant model on a mesh with the same model on one device (in this process):
-logits of a forward, greedy tokens and sampled tokens of a ragged `generate`; OUT gets {"cases": [{..., "equal":
+logits of a forward, greedy tokens and sampled tokens of a ragged `generate` (speculative: the tokens and lengths of
+greedy and sampled speculative generation, and the greedy ones against plain greedy decoding); OUT gets {"cases": [{..., "equal":
 bool}]}. This file asserts nothing.
 """
 
@@ -21,6 +24,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+
+def run_speculative(out_path: str) -> None:
+    import jax
+    import numpy as np
+
+    from common import small_v4, small_v41, small_vocab
+    from model import init_random, shard_model
+    from sampling import generate
+    from sharding import ParallelConfig
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh = ParallelConfig(2, 4).make_mesh()
+    cases = []
+    sampled = dict(temperature=0.8, top_k=12, top_p=0.95, seed=3, sequence_ids=[11, 3, 29, 7, 0, 18, 2, 40])
+    for build, kind, dtype in ((small_v4, "mtp", "bfloat16"), (small_v41, "dspark", "float32")):
+        cfg = small_vocab(build(), 16).replace(batch_invariant=True)
+        preset = cfg.name
+        model = init_random(cfg, seed=2, dtype=dtype)
+        sharded = shard_model(model, mesh)
+        rng = np.random.default_rng(11)
+        prompts = [rng.integers(3, 15, n).tolist() for n in (11, 17, 3, 30, 9, 5, 14, 7)]
+        plain = generate(model, prompts, max_new_tokens=8).tokens
+        for num_draft in (1, 3):
+            for name, options in (("greedy", {}), ("sampled", sampled)):
+                t0 = time.perf_counter()
+                run_options = dict(max_new_tokens=8, speculative=kind, num_draft=num_draft, **options)
+                alone = generate(model, prompts, **run_options)
+                meshed = generate(sharded, prompts, mesh=mesh, **run_options)
+                equal = {"tokens": bool(np.array_equal(meshed.tokens, alone.tokens)),
+                         "lengths": bool(np.array_equal(meshed.lengths, alone.lengths))}
+                if name == "greedy":
+                    equal["plain"] = bool(np.array_equal(alone.tokens, plain))
+                rates = alone.stats["acceptance_per_position"]
+                cases.append({"preset": preset, "dtype": dtype, "case": f"{kind}/{name}/num_draft={num_draft}",
+                              "mesh": dict(mesh.shape), **equal, "equal": all(equal.values()),
+                              "acceptance_per_position": [round(float(r), 3) for r in rates],
+                              "seconds": round(time.perf_counter() - t0, 1)})
+                print(cases[-1], flush=True)
+    Path(out_path).write_text(json.dumps({"cases": cases}, indent=1))
 
 
 def run(out_path: str, mode: str) -> None:
@@ -85,4 +128,7 @@ if __name__ == "__main__":
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
     os.environ["JAX_PLATFORMS"] = "cpu"
-    run(sys.argv[2], sys.argv[1])
+    if sys.argv[1] == "mesh-speculative":
+        run_speculative(sys.argv[2])
+    else:
+        run(sys.argv[2], sys.argv[1])

@@ -478,3 +478,10 @@ def test_mesh_matrix(tmp_path):
     """dp=8, ep=8 and dp=2 x ep=4 with every EP transport and strategy, redundant + rebalanced experts, both
     generations and dtypes, greedy and sampled generation."""
     _check_cases(_worker(tmp_path, "mesh-matrix", 5400))
+
+
+@pytest.mark.slow
+def test_mesh_speculative(tmp_path):
+    """dp=2 x ep=4 against one device: greedy and sampled speculative generation (MTP on V4 in bf16, DSpark on V4.1
+    in float32; num_draft 1 and 3) give the same tokens and lengths, and greedy speculative equals plain greedy."""
+    _check_cases(_worker(tmp_path, "mesh-speculative", 1500))

@@ -66,11 +66,10 @@ def collectives(hlo_text: str) -> list[dict]:
     return sorted(out.values(), key=lambda r: -r["bytes"] * r["count"])
 
 
-def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, num_draft: int = 3,
-                 mesh_shape: tuple = (1, 1, 1), list_collectives: bool = False, lower_for: str | None = None) -> dict:
-    """Lower and compile one step (kind "prefill" or "verify") on abstract inputs -> timings (and, on a
-    (dp, ep, tp) mesh of visible devices, the collectives of the partitioned program). lower_for "cuda": lowered
-    for CUDA with the Hopper kernels, not compiled (compile_s None)."""
+def abstract_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, num_draft: int = 3,
+                  mesh_shape: tuple = (1, 1, 1)):
+    """bench.py's step function of `kind` ("prefill" or "verify") and its abstract inputs: -> (setup, jitted
+    function, (state, cache, tokens) as shapes; on a mesh, with the sharding tables' placements)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -80,7 +79,6 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
     from model.runtime import make_runtime
     from model.transformer import abstract_model
 
-    t0 = time.perf_counter()
     mesh = make_mesh(mesh_shape)
     model = abstract_model(cfg, dtype, runtime=make_runtime(cfg, mesh))
     setup = Setup(cfg=cfg, preset=cfg.name, dtype=dtype, mesh_shape=tuple(mesh_shape), mesh=mesh, model=model,
@@ -101,10 +99,20 @@ def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int
         state = jax.tree.leaves(placed(tree, param_shardings(tree, mesh)))
         cache = placed(cache, cache_shardings(cache, mesh))
         tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=batch_sharding(mesh, 2))
+    return setup, fns[kind], (state, cache, tokens)
+
+
+def compile_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, num_draft: int = 3,
+                 mesh_shape: tuple = (1, 1, 1), list_collectives: bool = False, lower_for: str | None = None) -> dict:
+    """Lower and compile one step (kind "prefill" or "verify") on abstract inputs -> timings (and, on a
+    (dp, ep, tp) mesh of visible devices, the collectives of the partitioned program). lower_for "cuda": lowered
+    for CUDA with the Hopper kernels, not compiled (compile_s None)."""
+    t0 = time.perf_counter()
+    setup, fn, (state, cache, tokens) = abstract_step(cfg, dtype, kind, batch, context, rows, num_draft, mesh_shape)
     t1 = time.perf_counter()
     with setup.context():
         platforms = {} if lower_for is None else {"lowering_platforms": (lower_for,)}
-        lowered = fns[kind].trace(state, cache, tokens).lower(**platforms)
+        lowered = fn.trace(state, cache, tokens).lower(**platforms)
         t2 = time.perf_counter()
         rec = {"step": kind, "batch": batch, "context": context, "rows": rows, "mesh": list(mesh_shape),
                "abstract_model_s": round(t1 - t0, 3), "trace_lower_s": round(t2 - t1, 3)}

@@ -90,7 +90,7 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="LM head GEMM inputs: float32 (the official model, default) or bfloat16 (f32 accumulation)")
     p.add_argument("--batch-invariant", choices=INVARIANCE, default="off",
                    help="the fast mode (off), the batch-invariant mode (on: ModelConfig.batch_invariant on the "
-                        "reference paths) or both in one call, each configuration fast mode first")
+                        "reference paths and the MoE kernels) or both in one call, each configuration fast mode first")
     p.add_argument("--index-keys", choices=("model", "fp4"),
                    help="indexer key cache: model dtype (default) or MXFP4 rows as the release stores them")
     p.add_argument("--kernel-times", type=int, default=0, metavar="STEPS",

@@ -7,7 +7,8 @@ Expert: z = silu(min(W1 x, L)) * clip(W3 x, -L, L); routed z is scaled by its we
 The routed experts run as the layer's expert function (`MoE(experts=...)`, from the model's runtime:
 model/runtime.py): `LocalExperts` on one device by default, an expert-parallel dispatch on a mesh.
 cfg.batch_invariant: the router on fixed blocks of tokens, each token's choices sorted by expert id, the experts
-on fixed tiles returning each choice's output (`per_slot`), added in expert-id order here (`invariant.add_slots`).
+on fixed tiles (the reference's, or the kernels' one tiling per weight format) returning each choice's output
+(`per_slot`), added in expert-id order here (`invariant.add_slots`).
 """
 
 from __future__ import annotations
@@ -196,13 +197,12 @@ def routed_experts(impl: str, x, ids, weights, w1, w2, w3, limit: float, scales=
     """The routed-expert block on one device: "pallas" (grouped-GEMM kernel, quantised weights dequantised
     inside) or "reference" (jnp; quantised weights dequantised in-graph). act_block > 0: both GEMMs' inputs
     rounded by act_quant (cfg.quant_sim). balanced: ids are forced_balance's (the kernels' tiles may fit the
-    equal row counts). x [M, D] -> [M, D] float32; per_slot (the reference on fixed tiles,
-    `invariant.expert_slots`): each choice's output unsummed, [M, k, D] float32."""
-    if per_slot and impl != "reference":
-        raise ValueError(f"per-choice expert outputs (batch_invariant) run on the reference tiles, not {impl!r}")
+    equal row counts). x [M, D] -> [M, D] float32; per_slot (cfg.batch_invariant: the reference on fixed tiles,
+    `invariant.expert_slots`, or the kernels on one tiling per weight format, `tuning.invariant_tiling`): each
+    choice's output unsummed, [M, k, D] float32."""
     if impl == "pallas":
         return pallas_moe.moe_experts(x, ids, weights, w1, w2, w3, limit, scales=scales, act_block=act_block,
-                                      balanced=balanced)
+                                      balanced=balanced, per_slot=per_slot)
     if scales is not None:
         w1, w2, w3 = ref.dense_experts(*(pallas_moe.fp4_weight_bytes(w) for w in (w1, w2, w3)),
                                        tuple(pallas_moe.fp4_scale_bytes(s) for s in scales), x.dtype)

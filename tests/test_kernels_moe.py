@@ -707,3 +707,25 @@ def test_gpu_model_pallas_moe_matches_reference():
         logits = {impl: init_random(cfg.replace(moe_impl=impl), seed=0, dtype="float32")(tok)
                   for impl in ("reference", "pallas")}
     assert rel_err(logits["pallas"], logits["reference"]) < 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_per_slot_rows_do_not_depend_on_the_load(fmt):
+    """moe_experts(per_slot=True) (batch invariance): one tiling per format (invariant_tiling) whatever the load, so
+    a row's per-choice outputs alone equal its own inside a heavier batch, where its experts' other rows put it in
+    another tile at another place, bitwise; the outputs added in order match the reference."""
+    e, d, i, k = 8, 128, 128, 2
+    x, ids, w, w1, w2, w3 = problem(fresh_rng(), 70, k, e, d, i, "skewed")
+    q1, q2, q3, sc = weights_in(fmt, w1, w2, w3)
+    xb = x.astype(jnp.bfloat16)
+    backend, config = K.invariant_tiling("fp4" if fmt == "fp4" else "dense", jnp.bfloat16)
+    assert (backend, config) == K.invariant_tiling("fp4" if fmt == "fp4" else "dense", jnp.bfloat16)
+    slots = kernel(xb, ids, w, q1, q2, q3, sc, per_slot=True)
+    assert slots.shape == (70, k, d) and slots.dtype == jnp.float32
+    want = reference(x.astype(jnp.bfloat16).astype(jnp.float32), ids, w, q1, q2, q3, sc)
+    assert rel_err(slots[:, 0] + slots[:, 1], want) < 1e-2
+    for row in (0, 37, 69):
+        alone = kernel(xb[row:row + 1], ids[row:row + 1], w[row:row + 1], q1, q2, q3, sc, per_slot=True)
+        np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(slots[row]))
+    with pytest.raises(ValueError, match="per_slot takes both backend and config"):
+        kernel(xb, ids, w, q1, q2, q3, sc, per_slot=True, backend="triton")

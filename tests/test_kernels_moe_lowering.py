@@ -207,6 +207,24 @@ def test_lower_for_cuda_v4_flash(backend, fmt, tokens, layout, cfg):
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
+@pytest.mark.parametrize("fmt,layout", [("fp4", "held"), ("bf16", "out_in")])
+@pytest.mark.parametrize("tokens", [8, 8192])
+def test_lower_per_slot_for_cuda_v4_flash(fmt, layout, tokens):
+    """Batch invariance's expert tiling (invariant_tiling, per-choice outputs): one tiling per format on Hopper at
+    any load (FP4: the 32-token swap tiles; bf16: Triton's 32-row tiles), lowered at V4-Flash shapes."""
+    name = "dense" if fmt == "bf16" else fmt
+    backend, cfg = K.invariant_tiling(name, jnp.bfloat16, hopper=True)
+    assert (backend, cfg.block_m) == (("mgpu", 32) if fmt == "fp4" else ("triton", 32))
+    args, sc = v4_flash_args(fmt, tokens, layout=layout)
+    f = lambda *a: K.moe_experts(*a[:6], 10.0, scales=a[6], backend=backend, config=cfg,  # noqa: E731
+                                 interpret=False, per_slot=True)
+    out = jax.eval_shape(f, *args, sc)
+    assert out.shape == (tokens, 6, D4) and out.dtype == jnp.float32
+    text = cuda_text(f, *args, sc)
+    assert text.count("mosaic_gpu" if backend == "mgpu" else "__gpu$xla.gpu.triton") >= 2
+
+
+@pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
 @pytest.mark.parametrize("fmt,act", [("bf16", 0), ("fp4", 0), ("fp8", 128)])
 def test_lower_balanced_192_row_tiles(fmt, act):
     """Forced-balance routing at 8K tokens (192 rows per expert): 192-row tiles, three compute warpgroups for

@@ -68,9 +68,10 @@
 #                         device, host and host-callback tables on one GPU; on [x2] also split tables (sharded and
 #                         host, each exchange)
 # Batch invariance (docs/batch_invariance.md):
-#   batch-invariance      its GPU tests (tests/test_batch_invariance.py -m gpu: both presets, float32 then bfloat16;
-#                         the four take more than 255 s, so they have a call of their own)
+#   batch-invariance      its GPU tests on the reference paths (tests/test_batch_invariance.py -m gpu: both presets,
+#                         float32 then bfloat16; the four take more than 255 s, so they have a call of their own)
 #   batch-invariance-bf16 the bfloat16 two alone (about 215 s on one H200)
+#   batch-invariance-kernels  the two with FP4 experts on the MoE kernels (bfloat16)
 #   batch-invariance-cost the release-format steps with the switch off and on in the same call (--batch-invariant
 #                         both): V4 verify 8 / 64 x 4 and prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
@@ -261,9 +262,13 @@ for suite in "${suites[@]}"; do
             --out "$OUTDIR" 2>&1 | grep -E "^\| |rror" ;;
     gpu-tests)
         limit 560 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -15 ;;
-    batch-invariance|batch-invariance-bf16)
+    batch-invariance|batch-invariance-bf16|batch-invariance-kernels)
         # unpiped: a test run cut at its bound still shows the tests it finished
-        only=""; [ "$suite" = batch-invariance-bf16 ] && only="bfloat16"
+        case $suite in
+            batch-invariance) only="reference" ;;
+            batch-invariance-bf16) only="reference and bfloat16" ;;
+            *) only="fp4-kernels" ;;
+        esac
         limit 560 python -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance.py -k "$only" 2>&1 ;;
     batch-invariance-cost)
         bench 250 v4_release_batch_invariant $V4 $RELEASE --batch-invariant both --phase decode,prefill --batch 8,64 \

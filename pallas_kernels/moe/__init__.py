@@ -4,7 +4,8 @@
     routing.py        the routing plan (route_plan, RoutePlan, max_tiles) and forced_balance
     layouts.py        the weight storage formats, the FP4 held-word and kernel-scale layouts and their conversions
     configs.py        TritonConfig, MgpuConfig
-    tuning.py         the tuning table as data: default_config, choose_backend, single_expert_tiling
+    tuning.py         the tuning table as data: default_config, choose_backend, single_expert_tiling,
+                      invariant_tiling
     triton_gemm.py    the Triton grouped GEMMs (every format)
     mgpu_pipeline.py  the warp-specialised Mosaic GPU skeleton both orientations run
     mgpu_rows.py      Mosaic GPU row tiles (prefill: dense, FP8 x FP8)
@@ -26,14 +27,14 @@ from .layouts import (E2M1_WORDS_PTX, FP4_FIELD_BITS, FP4_GROUP, FP4_KERNEL_FOLD
                       logical_shape, quantize_experts_fp4, quantize_experts_fp8, swap_operands, weight_format)
 from .routing import RoutePlan, forced_balance, max_tiles, route_plan
 from .row_kernels import act_quant_rows, take_rows, transpose
-from .tuning import BACKENDS, TILINGS, choose_backend, default_config, single_expert_tiling
+from .tuning import BACKENDS, TILINGS, choose_backend, default_config, invariant_tiling, single_expert_tiling
 
 __all__ = [
     "BACKENDS", "E2M1_WORDS_PTX", "FP4_FIELD_BITS", "FP4_GROUP", "FP4_KERNEL_FOLD", "FP4_KERNEL_MAX_BYTE",
     "FP4_WORD_SHIFTS", "MgpuConfig", "RoutePlan", "TILINGS", "TritonConfig", "act_quant_rows", "choose_backend",
     "default_config", "e2m1_word_decode", "e8m0_bf16", "expert_bytes", "forced_balance", "fp4_held_bit",
     "fp4_kernel_scales", "fp4_kernel_weights", "fp4_logical_shape", "fp4_scale_bytes", "fp4_weight_bytes",
-    "is_fp4_kernel_layout", "logical_shape", "max_tiles", "moe_experts", "quantize_experts_fp4",
+    "invariant_tiling", "is_fp4_kernel_layout", "logical_shape", "max_tiles", "moe_experts", "quantize_experts_fp4",
     "quantize_experts_fp8", "route_plan", "single_expert_tiling", "swap_operands", "take_rows", "transpose",
     "weight_format",
 ]

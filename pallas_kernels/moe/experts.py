@@ -32,16 +32,16 @@ from .mgpu_rows import row_gemm
 from .mgpu_swap import swap_gemm
 from .routing import route_plan
 from .row_kernels import act_quant_rows, take_rows
-from .tuning import TRITON_FP8_MMA_MAX_ROWS, choose_backend, default_config
+from .tuning import TRITON_FP8_MMA_MAX_ROWS, choose_backend, default_config, invariant_tiling
 
 
 # jitted so that a program lowers each distinct call once (as fp8_linear: the scanned bodies repeat it)
 @functools.partial(jax.jit, static_argnames=("limit", "backend", "config", "interpret", "weight_layout",
-                                             "compute_dtype", "act_block", "balanced"))
+                                             "compute_dtype", "act_block", "balanced", "per_slot"))
 def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array, w2: jax.Array,
                 w3: jax.Array, limit: float, *, scales=None, backend: str = "auto", config=None,
                 interpret=None, weight_layout: str = "out_in", compute_dtype=jnp.bfloat16, act_block: int = 0,
-                balanced: bool = False) -> jax.Array:
+                balanced: bool = False, per_slot: bool = False) -> jax.Array:
     """Routed-expert SwiGLU block (drop-in for `reference.moe_experts`, plus quantised weights).
 
     x [M, D], expert_ids [M, k] int (ids outside [0, E) are dropped: they cost nothing and add 0 -- an
@@ -63,6 +63,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     `compute_dtype` (exact: 4 significant bits).
     balanced: the routing gives every expert the same row count (forced_balance); only the default tiling
     uses it (default_config).
+    per_slot (ModelConfig.batch_invariant): each choice's output unsummed, [M, k, D] float32, for the caller to
+    add in expert-id order; with backend="auto" and config=None the tiling is `invariant_tiling`'s, one per weight
+    format whatever the load, and the FP8 x FP8 MMA choice does not follow the load either, so a row's numbers
+    do not depend on how many rows share its expert or its tile.
     Returns [M, D] float32 = sum_k w_k * W2_e(swiglu(W1_e x, W3_e x)).
     """
     # FP4 comes in either layout (fp4_kernel_weights / fp4_kernel_scales): the swap kernels take the held operands,
@@ -98,6 +102,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
     cdt = w1.dtype if fmt == "dense" else jnp.dtype(compute_dtype)
     # FP8 activations of the weights' own block: the FP8 x FP8 MMA kernels can take them as they are
     fp8_acts = act_block > 0 and fmt == "fp8" and act_block == ref.fp8_block_size((e, i_dim, d), s1.shape)
+    if per_slot and (backend == "auto") != (config is None):
+        raise ValueError("moe_experts: per_slot takes both backend and config, or neither (invariant_tiling's)")
+    if per_slot and config is None:
+        backend, config = invariant_tiling(fmt, cdt, fp8_acts=fp8_acts)
     if backend == "auto":
         backend = choose_backend(fmt, cdt, m * k / e, fp8_acts=fp8_acts)
     if config is None:
@@ -106,9 +114,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         raise ValueError("moe_experts: FP8 weights in the 'in_out' layout run on the mgpu row tiles only")
     interp = interpret_flag(backend, interpret)
     # FP8 x FP8 MMA: always on the mgpu row tiles (they take FP8 weights only so), in Triton at decode / verify
-    # loads only (tuning.TRITON_FP8_MMA_MAX_ROWS)
+    # loads only (tuning.TRITON_FP8_MMA_MAX_ROWS), or at every load per slot (whatever the load)
     row_tiles = backend == "mgpu" and isinstance(config, MgpuConfig) and not config.swap_ab
-    fp8_mma = fp8_acts and (row_tiles or (backend == "triton" and m * k <= TRITON_FP8_MMA_MAX_ROWS * e))
+    fp8_mma = fp8_acts and (row_tiles or (backend == "triton" and (per_slot or m * k <= TRITON_FP8_MMA_MAX_ROWS * e)))
     # a GEMM input in compute_dtype, act_quant-rounded first with act_block (exact in compute_dtype); the SwiGLU
     # output then leaves the gate/up kernel in float32 and is rounded from there, as the reference rounds it
     def rounded(a):
@@ -190,4 +198,4 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         rows = rows.reshape(m, k, d)
         if post is not None:
             rows = rows * post[:, :, None]
-        return jnp.sum(rows, axis=1)
+        return rows if per_slot else jnp.sum(rows, axis=1)

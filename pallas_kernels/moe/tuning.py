@@ -190,6 +190,19 @@ def choose_backend(fmt: str, compute_dtype, rows_per_expert: float = 0.0, *, fp8
     raise AssertionError(f"moe tuning: no backend for {key} at {rows_per_expert} rows per expert")
 
 
+# batch invariance takes the table's verify tiling at every load (moe_experts(per_slot=True))
+INVARIANT_ROWS_PER_EXPERT = 32
+
+
+def invariant_tiling(fmt: str, compute_dtype, fp8_acts: bool = False, hopper: bool | None = None
+                     ) -> tuple[str, TritonConfig | MgpuConfig]:
+    """(backend, config) of a weight format under batch invariance: the tables' choice at INVARIANT_ROWS_PER_EXPERT
+    rows per expert whatever the load, so which tile a row lands in and how many rows share it never change its
+    K loop (FP4 on Hopper: the 32-token swap tiles; elsewhere Triton's 32-row tiles)."""
+    backend = choose_backend(fmt, compute_dtype, INVARIANT_ROWS_PER_EXPERT, fp8_acts=fp8_acts, hopper=hopper)
+    return backend, default_config(backend, INVARIANT_ROWS_PER_EXPERT, 1, fmt, fp8_acts=fp8_acts)
+
+
 def single_expert_tiling(rows: int, hopper: bool | None = None) -> tuple[str, TritonConfig | MgpuConfig | None]:
     """(backend, config) for one FP8 expert in 128 x 128 blocks (bf16 activations) that all `rows` rows pick, as the
     shared expert runs (model/moe.py `MLP`): the table's decode tiles spread one expert's GEMMs over few programs, so

@@ -183,3 +183,20 @@ def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     quant_io.write_safetensors(directory / "model.safetensors", tensors)
     return directory
+
+
+def release_compiled_code(share: float = 0.6) -> bool:
+    """Drop jax's compiled programs (`jax.clear_caches`) once this process holds more than `share` of the kernel's
+    memory-map limit: XLA:CPU maps each compiled program's code separately (a tiny model's batch-invariant forward:
+    ~560 maps), and past /proc/sys/vm/max_map_count (65,530 here) its compiler fails with "Cannot allocate memory"
+    or crashes. -> whether it dropped them (False where /proc is absent)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps") as maps:
+            held = sum(1 for _ in maps)
+    except OSError:
+        return False
+    if held <= share * limit:
+        return False
+    jax.clear_caches()
+    return True

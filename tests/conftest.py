@@ -33,6 +33,16 @@ def golden_dir():
     return GOLDEN
 
 
+@pytest.fixture(autouse=True)
+def _bounded_compiled_code():
+    """After each test: jax's compiled programs are dropped once they hold most of the process's memory-map limit
+    (common.release_compiled_code; a long run of slow tests otherwise crashes XLA:CPU's compiler)."""
+    yield
+    from common import release_compiled_code
+
+    release_compiled_code()
+
+
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.gpu` tests run only where jax sees a GPU."""
     import jax

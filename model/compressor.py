@@ -194,7 +194,7 @@ class Indexer(nnx.Module):
 
     def _row_scores(self, q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
         """`reference.indexer_scores` unmasked, each query row against its sequence's keys in blocks of
-        `invariant.ENTRY_BLOCK` on fixed blocks of rows (cfg.batch_invariant). q [B, T, HI, DI], w [B, T, HI],
+        `invariant.INDEX_KEY_BLOCK` on fixed blocks of rows (cfg.batch_invariant). q [B, T, HI, DI], w [B, T, HI],
         keys [B, N, DI] -> [B, T, N] float32."""
         b, t = q.shape[:2]
         seq_of_row = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))

@@ -9,13 +9,14 @@ batch, the chunk or the cache length.
 * `row_blocks`: a per-row function run on consecutive blocks of ROWS rows in a loop (`lax.map`), so each op
   inside sees [ROWS, ...] whatever the number of rows; rows are padded to whole blocks, and optimization
   barriers around each block keep XLA from fusing its ops with whatever surrounds the loop (a loop of one
-  trip is inlined, and a fusion with the caller's ops can change how an exp or a sum is emitted). A row's
-  result does not depend on its block-mates nor on its place in the block (tests/test_batch_invariance.py).
+  trip is inlined, and a fusion with the caller's ops can change how an exp or a sum is emitted); on a mesh
+  the blocks stay whole on every device (`whole_blocks`). A row's result does not depend on its block-mates
+  nor on its place in the block (tests/test_batch_invariance.py).
 * `sink_attention`: a block of query rows against its keys gathered per row in a canonical order (the
   window by absolute position, then the selected entries), plus optionally the compressed entries in
   blocks of ENTRY_BLOCK added one block after another: blocks past a row's visible entries add exact zeros,
   so the cache's length does not enter a row's sums.
-* `indexer_scores`: the indexer's scores of a block of query rows, key block by key block.
+* `indexer_scores`: the indexer's scores of a block of query rows, one block of INDEX_KEY_BLOCK keys at a time.
 * `expert_slots`: the routed experts on fixed tiles of ROWS rows of one expert each (a loop over the live
   tiles): each (row, choice) output computed alone by fixed-shape GEMMs, returned per choice for the caller to
   add in expert-id order (`add_slots`), on one device or after any expert-parallel exchange.
@@ -35,8 +36,9 @@ import jax.numpy as jnp
 from . import reference as ref
 from .moe.routing import route_plan
 
-ROWS = 8  # rows per block of every per-row op, and per tile of the routed experts
-ENTRY_BLOCK = 16  # compressed entries / index keys per block of the attention's and the indexer's sums
+ROWS = 64  # rows per block of every per-row op, and per tile of the routed experts
+ENTRY_BLOCK = 64  # compressed entries per block of the attention's sums
+INDEX_KEY_BLOCK = 512  # index keys per block of the indexer's scores
 
 
 def row_blocks(fn: Callable, *args, lead: int = 1):
@@ -59,16 +61,26 @@ def row_blocks(fn: Callable, *args, lead: int = 1):
         out = fn(*jax.tree.unflatten(tree, jax.lax.optimization_barrier(blocks)))
         return jax.lax.optimization_barrier(out)
 
-    out = jax.lax.map(body, [split(x) for x in leaves])
+    out = whole_blocks(jax.lax.map(body, whole_blocks([split(x) for x in leaves])))
     return jax.tree.map(lambda y: y.reshape(n * ROWS, *y.shape[2:])[:m].reshape(*rows_shape, *y.shape[2:]), out)
 
 
-def entry_blocks(x: jax.Array, fill=0) -> jax.Array:
-    """[C, N, ...] per-row entries -> [ceil(N / ENTRY_BLOCK), C, ENTRY_BLOCK, ...] (padded with `fill`)."""
+def whole_blocks(tree):
+    """On a mesh the partitioner may split a block's rows over devices, and a product of fewer rows runs other
+    code (other bits): outside shard_map every block is kept whole on every device (replicated); inside one, or
+    without a mesh, as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or mesh.manual_axes:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec()), tree)
+
+
+def entry_blocks(x: jax.Array, fill=0, block: int = ENTRY_BLOCK) -> jax.Array:
+    """[C, N, ...] per-row entries -> [ceil(N / block), C, block, ...] (padded with `fill`)."""
     c, n = x.shape[:2]
-    nb = -(-n // ENTRY_BLOCK)
-    x = jnp.pad(x, [(0, 0), (0, nb * ENTRY_BLOCK - n)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-    return jnp.moveaxis(x.reshape(c, nb, ENTRY_BLOCK, *x.shape[2:]), 1, 0)
+    nb = -(-n // block)
+    x = jnp.pad(x, [(0, 0), (0, nb * block - n)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(x.reshape(c, nb, block, *x.shape[2:]), 1, 0)
 
 
 def sink_attention(q: jax.Array, kv: jax.Array, ok: jax.Array, sink: jax.Array, scale: float,
@@ -115,7 +127,7 @@ def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Arr
         s = jnp.einsum("chd,cnd->chn", q.astype(jnp.float32), k.astype(jnp.float32))
         return jnp.einsum("chn,ch->cn", jax.nn.relu(s), weights.astype(jnp.float32))
 
-    s = jax.lax.map(block, entry_blocks(keys))                       # [nb, C, EB]
+    s = jax.lax.map(block, entry_blocks(keys, block=INDEX_KEY_BLOCK))  # [nb, C, INDEX_KEY_BLOCK]
     return jnp.moveaxis(s, 0, 1).reshape(q.shape[0], -1)[:, :keys.shape[1]]
 
 

@@ -75,8 +75,10 @@ def whole_blocks(tree):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec()), tree)
 
 
-def entry_blocks(x: jax.Array, fill=0, block: int = ENTRY_BLOCK) -> jax.Array:
-    """[C, N, ...] per-row entries -> [ceil(N / block), C, block, ...] (padded with `fill`)."""
+def entry_blocks(x: jax.Array, fill=0, block: int | None = None) -> jax.Array:
+    """[C, N, ...] per-row entries -> [ceil(N / block), C, block, ...] (padded with `fill`; block None:
+    ENTRY_BLOCK)."""
+    block = ENTRY_BLOCK if block is None else block
     c, n = x.shape[:2]
     nb = -(-n // block)
     x = jnp.pad(x, [(0, 0), (0, nb * block - n)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)

@@ -30,6 +30,7 @@ from pathlib import Path
 from jax._src import source_info_util
 
 from experiments import records as records_io
+from experiments.bench_report import short_revision
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -181,7 +182,7 @@ def main(argv=None) -> dict:
     command = "python -m experiments.probes.invariant_loops " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"# Loops of the batch-invariant step: {cfg.name} ({cfg.num_layers} layers), {args.dtype} "
              f"({cfg.dense_weights} dense, {cfg.expert_weights} experts on the {cfg.moe_impl} path), "
-             f"jax {jax.__version__}", "",
+             f"jax {jax.__version__}, git {short_revision()}", "",
              f"`{command}`", "",
              "| step | batch x rows | context | row / entry / index-key block | expert tiles per layer | loop trips "
              "| products | their operands GB (in loops) | Pallas calls |", "|---|---|---|---|---|---|---|---|---|"]
@@ -198,7 +199,7 @@ def main(argv=None) -> dict:
     text = "\n".join(lines) + "\n"
     print(text)
     out = {"meta": {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "command": command,
-                    "jax": jax.__version__}, "records": records}
+                    "jax": jax.__version__, "git": short_revision()}, "records": records}
     records_io.save(out, text, "invariant_loops", jax.default_backend(), args.out)
     return out
 

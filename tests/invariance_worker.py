@@ -8,9 +8,9 @@ fixed when jax is imported, so the pytest process launches this).
                                                                  # greedy and sampled, num_draft 1 and 3
 
 Each case compares a batch-invariant model on a mesh with the same model on one device (in this process):
-logits of a forward, greedy tokens and sampled tokens of a ragged `generate` (speculative: the tokens and lengths of
-greedy and sampled speculative generation, and the greedy ones against plain greedy decoding); OUT gets {"cases": [{..., "equal":
-bool}]}. This file asserts nothing.
+logits of a forward, greedy tokens and sampled tokens of a ragged `generate` (speculative: the tokens and lengths
+of greedy and sampled speculative generation, and the greedy ones against plain greedy decoding); OUT gets
+{"cases": [{..., "equal": bool}]}. This file asserts nothing.
 """
 
 from __future__ import annotations

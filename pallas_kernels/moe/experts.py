@@ -114,9 +114,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax
         raise ValueError("moe_experts: FP8 weights in the 'in_out' layout run on the mgpu row tiles only")
     interp = interpret_flag(backend, interpret)
     # FP8 x FP8 MMA: always on the mgpu row tiles (they take FP8 weights only so), in Triton at decode / verify
-    # loads only (tuning.TRITON_FP8_MMA_MAX_ROWS), or at every load per slot (whatever the load)
+    # loads (tuning.TRITON_FP8_MMA_MAX_ROWS), or per slot at every load (there the choice must not follow the load)
     row_tiles = backend == "mgpu" and isinstance(config, MgpuConfig) and not config.swap_ab
-    fp8_mma = fp8_acts and (row_tiles or (backend == "triton" and (per_slot or m * k <= TRITON_FP8_MMA_MAX_ROWS * e)))
+    triton_fp8_mma = backend == "triton" and (per_slot or m * k <= TRITON_FP8_MMA_MAX_ROWS * e)
+    fp8_mma = fp8_acts and (row_tiles or triton_fp8_mma)
     # a GEMM input in compute_dtype, act_quant-rounded first with act_block (exact in compute_dtype); the SwiGLU
     # output then leaves the gate/up kernel in float32 and is rounded from there, as the reference rounds it
     def rounded(a):

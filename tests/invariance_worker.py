@@ -6,6 +6,7 @@ fixed when jax is imported, so the pytest process launches this).
                                                              # redundant experts; both generations and dtypes
     python tests/invariance_worker.py mesh-speculative OUT.json  # dp=2 x ep=4: MTP (V4) and DSpark (V4.1),
                                                                  # greedy and sampled, num_draft 1 and 3
+    python tests/invariance_worker.py mesh-kernels OUT.json  # as mesh, the routed experts on the MoE kernels
 
 Each case compares a batch-invariant model on a mesh with the same model on one device (in this process):
 logits of a forward, greedy tokens and sampled tokens of a ragged `generate` (speculative: the tokens and lengths
@@ -80,11 +81,12 @@ def run(out_path: str, mode: str) -> None:
 
     assert jax.device_count() == 8, jax.devices()
     matrix = mode == "mesh-matrix"
+    kernels = mode == "mesh-kernels"   # the routed experts on the MoE kernels (interpreted on the CPU)
     cases = []
     sampled = dict(temperature=1.0, seed=5, sequence_ids=[11, 3, 29, 7, 0, 18, 2, 40])
     for preset, dtype in ([("tiny-v4", "bfloat16"), ("tiny-v4", "float32"), ("tiny-v41", "bfloat16"),
                            ("tiny-v41", "float32")] if matrix else [("tiny-v4", "bfloat16")]):
-        cfg = small_config(preset).replace(batch_invariant=True)
+        cfg = small_config(preset).replace(batch_invariant=True, moe_impl="pallas" if kernels else "reference")
         model = init_random(cfg, seed=0, dtype=dtype)
         rng = np.random.default_rng(11)
         tokens = rng.integers(3, cfg.vocab_size - 2, (8, 12))
@@ -137,6 +139,8 @@ if __name__ == "__main__":
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if sys.argv[1] not in ("mesh", "mesh-matrix", "mesh-kernels", "mesh-speculative"):
+        raise SystemExit(f"unknown mode {sys.argv[1]!r}: mesh, mesh-matrix, mesh-kernels or mesh-speculative")
     if sys.argv[1] == "mesh-speculative":
         run_speculative(sys.argv[2])
     else:

@@ -508,6 +508,13 @@ def test_mesh_matrix(tmp_path):
 
 
 @pytest.mark.slow
+def test_mesh_moe_kernels(tmp_path):
+    """dp=2 x ep=4 with the routed experts on the MoE kernels (interpreted on the CPU) against one device: logits
+    and greedy tokens bitwise."""
+    _check_cases(_worker(tmp_path, "mesh-kernels", 1500))
+
+
+@pytest.mark.slow
 def test_mesh_speculative(tmp_path):
     """dp=2 x ep=4 against one device: greedy and sampled speculative generation (MTP on V4 in bf16, DSpark on V4.1
     in float32; num_draft 1 and 3) give the same tokens and lengths, and greedy speculative equals plain greedy."""

@@ -239,7 +239,7 @@ class Attention(nnx.Module):
         topk = shared.topk if entries is not None and self.spec.topk_source is not None else None
         b, s = step.positions.shape
         w, ratio = self.window, max(self.spec.compress_ratio, 1)
-        seq_of_row = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, s))
+        seq_of_row = inv.row_sequences(b, s)
 
         def block(q, seq, pos, idx):
             kp = pos[:, None] - (w - 1) + jnp.arange(w, dtype=jnp.int32)[None, :]  # [C, W] key positions
@@ -289,7 +289,7 @@ class Attention(nnx.Module):
         b, beta = q.shape[:2]
         keys = jnp.concatenate([ctx_kv, kv.astype(ctx_kv.dtype)], axis=1)  # [B, R + beta, Dh]
         ok = jnp.concatenate([ctx_visible, jnp.ones((b, beta), bool)], axis=1)
-        seq_of_row = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, beta))
+        seq_of_row = inv.row_sequences(b, beta)
 
         def block(q, seq):
             return inv.sink_attention(q, keys[seq], ok[seq], self.attn_sink[...], self.head_dim ** -0.5)

@@ -197,5 +197,5 @@ class Indexer(nnx.Module):
         `invariant.INDEX_KEY_BLOCK` on fixed blocks of rows (cfg.batch_invariant). q [B, T, HI, DI], w [B, T, HI],
         keys [B, N, DI] -> [B, T, N] float32."""
         b, t = q.shape[:2]
-        seq_of_row = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        seq_of_row = inv.row_sequences(b, t)
         return inv.row_blocks(lambda q, w, seq: inv.indexer_scores(q, w, keys[seq]), q, w, seq_of_row, lead=2)

@@ -65,6 +65,12 @@ def row_blocks(fn: Callable, *args, lead: int = 1):
     return jax.tree.map(lambda y: y.reshape(n * ROWS, *y.shape[2:])[:m].reshape(*rows_shape, *y.shape[2:]), out)
 
 
+def row_sequences(batch: int, rows: int) -> jax.Array:
+    """[batch, rows] int32: each row's sequence (its batch index), for `row_blocks` functions that read their own
+    sequence's keys from per-sequence arrays."""
+    return jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, rows))
+
+
 def whole_blocks(tree):
     """On a mesh the partitioner may split a block's rows over devices, and a product of fewer rows runs other
     code (other bits): outside shard_map every block is kept whole on every device (replicated); inside one, or

@@ -67,7 +67,6 @@ class Count:
         self.read = collections.Counter()         # where -> bytes the products there read per step
         self.dots = 0
         self.kernels = 0                          # Pallas kernel calls executed
-        self.dot_bytes = 0
         self.looped_dot_bytes = 0
         self.upcast: dict = {}                    # a float32 upcast of a bf16 value -> the bf16 bytes
 
@@ -84,7 +83,6 @@ class Count:
             if name == "dot_general":
                 self.dots += times
                 read = sum(self.upcast.get(v, _nbytes(v.aval)) for v in eqn.invars) * times
-                self.dot_bytes += read
                 self.read[_where(eqn)] += read
                 self.looped_dot_bytes += read if in_loop else 0
             if name == "scan":
@@ -120,7 +118,7 @@ def count_step(cfg, dtype: str, kind: str, batch: int, context: int, rows: int, 
     return {"step": kind, "batch": batch, "rows": rows, "context": context, "row_block": inv.ROWS,
             "entry_block": inv.ENTRY_BLOCK, "index_key_block": inv.INDEX_KEY_BLOCK,
             "expert_tiles_per_layer": count.expert_tiles, "loop_trips": sum(count.trips.values()),
-            "dots": count.dots, "pallas_calls": count.kernels, "dot_gb": round(count.dot_bytes / 1e9, 3),
+            "dots": count.dots, "pallas_calls": count.kernels, "dot_gb": round(sum(count.read.values()) / 1e9, 3),
             "looped_dot_gb": round(count.looped_dot_bytes / 1e9, 3),
             "trips_by_source": dict(count.trips.most_common()),
             "product_gb_by_source": {k: round(v / 1e9, 3) for k, v in count.read.most_common()}}

@@ -153,9 +153,9 @@ def swap_gemm(what, x, plan_arrays, ws, ss, *, fmt, names, cfg: MgpuConfig, epil
     Each K step streams the activations' [bk, bm] and per weight its [bn, bk] tile -- FP4: the held [bn, 8G]
     uint16 tile of its G scale groups (fp4_kernel_weights; one TMA copy of 16G-byte rows, not one per group) and
     their scales [G, bn]; FP8 block scales are read as GMEM scalars, FP8 scale rows streamed as [G, bn]. The
-    cfg.compute_wgs compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense) stay one step in flight (but in persistent
-    CTAs); register operands (FP8, FP4 dequantised in registers) must outlive their wgmma, so a warpgroup's step
-    ends waiting for them -- while another warpgroup decodes."""
+    cfg.compute_wgs compute warpgroups each own bn / compute_wgs weight rows (wgmma's M): SMEM operands (dense)
+    stay one step in flight (but in persistent CTAs); register operands (FP8, FP4 dequantised in registers) must
+    outlive their wgmma, so a warpgroup's step ends waiting for them -- while another warpgroup decodes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     k, p = (x.shape[1], rows[0].shape[0]) if rows else x.shape
     n = logical_shape(ws[0], fmt)[1]

@@ -4,11 +4,9 @@ The XLA path (model/mhc.py) runs a sublayer's mHC as a dozen kernels: the RMS st
 Sinkhorn rounds as a device loop (kernels and a host round trip per round), the collapse, and the expand as a
 batched GEMM of contraction n (4). Here a sublayer's mHC is:
 
-  coefficients  two kernels: `project`, one program per (block of rows, chunk of nD columns), reads x once for the
-                chunk's partial products fn x (float32 products: bf16 x against fn split in three bf16 terms in
-                registers) and its partial sums of squares; then one kernel adds each row's chunks, scales by rho
-                and computes pre / post / the row softmax and every Sinkhorn round of comb on per-row registers ->
-                packed rows [R, P];
+  coefficients  XLA's skinny GEMM m = rho (fn x) (float32 products: bf16 x against fn split in three bf16 terms),
+                then one kernel: pre / post / the row softmax and every
+                Sinkhorn round of comb on per-row registers -> packed rows [R, P];
   collapse      y = sum_i a_i X_i, one program per (block of rows, chunk of D) (a = this pre, or the vector carried
                 in: V4.1 single-pass);
   mix_out       X'_j = post_j F + sum_i comb_ij X_i, one program per (block of rows, chunk of D): x and F read
@@ -38,7 +36,7 @@ F32 = jnp.float32
 
 def packed_width(n: int) -> int:
     """Columns of a packed coefficient row for n streams (a power of two >= 16: Triton tiles are powers of two, and
-    the projection's dot needs N >= 16)."""
+    the skinny GEMM's N stays a multiple of 16)."""
     return max(16, next_pow2((2 + n) * n))
 
 
@@ -80,54 +78,11 @@ def _sinkhorn(logits: list[list[jax.Array]], iters: int, eps: float) -> list[lis
     return matrix(lax.fori_loop(0, iters - 1, one_round, tuple(v for row in columns(c) for v in row)))
 
 
-def split_bf16x3(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """float32 w -> bf16 (hi, mid, lo) with hi + mid + lo = w within float32 rounding. hi and mid are w's top mantissa
-    bits cut off by a bit mask, not rounded conversions: XLA on the GPU (excess precision allowed) folds a float32 ->
-    bf16 -> float32 round trip into the identity, which would make w - hi zero."""
-    def top(v):
-        return lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
-    hi = top(w)
-    mid = top(w - hi)
-    return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), (w - hi - mid).astype(jnp.bfloat16)
-
-
-def _project_kernel(x_ref, fn_ref, part_ref, sq_ref, *, steps, bk):
-    """A block of rows' flattened streams x [br, steps bk] against fn [P, steps bk] (float32), bk columns a step ->
-    this column chunk's partial products part [br, P] = x fn^T and sums of squares sq [br], float32. bf16 x: fn
-    split in three bf16 terms (split_bf16x3), each product exact in the float32 accumulator; float32 x: IEEE
-    float32 products (Triton's default would be TF32)."""
-    br, p = x_ref.shape[0], fn_ref.shape[0]
-
-    def dot(a, b):
-        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32,
-                               precision=lax.Precision.HIGHEST if a.dtype == F32 else None)
-
-    def step(i, carry):
-        acc, sq = carry
-        cols = pl.ds(pl.multiple_of(i * bk, bk), bk)
-        x, f = x_ref[:, cols], fn_ref[:, cols]
-        for term in ([f] if x.dtype == F32 else split_bf16x3(f)):
-            acc = acc + dot(x, term)
-        xf = x.astype(F32)
-        return acc, sq + jnp.sum(xf * xf, axis=1)
-
-    acc, sq = lax.fori_loop(0, steps, step, (jnp.zeros((br, p), F32), jnp.zeros((br,), F32)))
-    part_ref[...] = acc
-    sq_ref[...] = sq
-
-
-def _coefficients_kernel(part_ref, sq_ref, affine_ref, coef_ref, *, n, iters, hc_eps, norm_eps, width):
-    """The chunks' partial products part [C, br, P] and sums of squares sq [C, br] of a block of rows (flattened
-    width `width`), the pre-activations' column scales and biases affine [2, P] (zero-padded columns) -> packed
-    coefficients [br, P]: z = rho (fn x) scale + base, rho = rsqrt(mean(x^2) + norm_eps), the chunks added in
-    order. Each column is read and written on its own ([br] vectors, one layout throughout)."""
+def _coefficients_kernel(z_ref, coef_ref, *, n, iters, hc_eps):
+    """z [br, P] (the pre-activations rho (fn x) * scale + base, zero-padded columns) -> packed coefficients
+    [br, P]. Each column is read and written on its own ([br] vectors, one layout throughout)."""
     m = (2 + n) * n
-    total, sq = part_ref[0], sq_ref[0]
-    for c in range(1, part_ref.shape[0]):
-        total, sq = total + part_ref[c], sq + sq_ref[c]
-    rho = lax.rsqrt(sq / width + norm_eps)
-    z = rho[:, None] * total * affine_ref[0][None, :] + affine_ref[1][None, :]
-    zs = [_column(z, c) for c in range(m)]
+    zs = [z_ref[:, c] for c in range(m)]
     pre = [_sigmoid(zs[i]) + hc_eps for i in range(n)]
     post = [2.0 * _sigmoid(zs[n + i]) for i in range(n)]
     comb = _sinkhorn([[zs[2 * n + i * n + j] for j in range(n)] for i in range(n)], iters, hc_eps)
@@ -190,76 +145,63 @@ def _rows_block(r: int, cap: int) -> int:
     return min(cap, max(16, next_pow2(r)))
 
 
+def split_bf16x3(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 w -> bf16 (hi, mid, lo) with hi + mid + lo = w within float32 rounding. hi and mid are w's top mantissa
+    bits cut off by a bit mask, not rounded conversions: XLA on the GPU (excess precision allowed) folds a float32 ->
+    bf16 -> float32 round trip into the identity, which would make w - hi zero."""
+    def top(v):
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
+    hi = top(w)
+    mid = top(w - hi)
+    return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), (w - hi - mid).astype(jnp.bfloat16)
+
+
+def _skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+    """m = rho (fn x) [R, P] for flat x [R, nD] and fn [P, nD] float32, with the norm as a post-scale. bf16 x: fn split
+    into three bf16 terms (hi, mid, lo summing to it within float32 rounding) stacked into one [3P, nD] operand, so
+    one bf16 GEMM reads x once and its products are exact in the float32 accumulator: the float32 linear, not
+    XLA's TF32 one. float32 x: an IEEE float32 GEMM."""
+    xf = flat.astype(F32)
+    rho = lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + norm_eps)
+    if flat.dtype == F32:
+        return rho * jnp.einsum("rk,ok->ro", xf, fn, precision=lax.Precision.HIGHEST)
+    hi, mid, lo = split_bf16x3(fn)
+    parts = jnp.einsum("rk,ok->ro", flat.astype(jnp.bfloat16), jnp.concatenate([hi, mid, lo]),
+                       preferred_element_type=F32).reshape(flat.shape[0], 3, fn.shape[0])
+    return rho * (parts[:, 0] + parts[:, 1] + parts[:, 2])
+
+
 def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return a if a.shape[0] == rows else jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-
-
-PROJECT_STEP = 256      # columns of the flattened streams per step of the projection kernel (at most)
-PROJECT_ROWS = 64       # rows per program of the projection kernel (at most)
-PROJECT_PROGRAMS = 256  # the projection splits the columns into chunks until about this many programs run
-
-
-def _project_chunks(row_blocks: int, steps: int) -> int:
-    """Column chunks of the projection: the most (a power of two dividing the steps) that keep row_blocks x chunks
-    within PROJECT_PROGRAMS, so that a short batch still reads x on most SMs."""
-    c = 1
-    while steps % (2 * c) == 0 and row_blocks * 2 * c <= PROJECT_PROGRAMS:
-        c *= 2
-    return c
-
-
-def project(x: jax.Array, fn: jax.Array, *, block_rows: int = PROJECT_ROWS, interpret=None
-            ) -> tuple[jax.Array, jax.Array]:
-    """x [R, nD] (bf16 / f32), fn [P, nD] float32 -> (partial products [C, R', P], partial sums of squares [C, R'])
-    over C column chunks, float32, for the rows padded to R' (a whole number of row blocks): x read once for
-    both."""
-    br, bk = _rows_block(x.shape[0], block_rows), _block(x.shape[1], PROJECT_STEP)
-    x = _pad_rows(x, -(-x.shape[0] // br) * br)
-    r, k = x.shape
-    p = fn.shape[0]
-    chunks = _project_chunks(r // br, k // bk)
-    cols = k // chunks
-    return pl.pallas_call(
-        functools.partial(_project_kernel, steps=cols // bk, bk=bk), grid=(r // br, chunks),
-        in_specs=[pl.BlockSpec((br, cols), lambda i, c: (i, c)), pl.BlockSpec((p, cols), lambda i, c: (0, c))],
-        out_specs=[pl.BlockSpec((None, br, p), lambda i, c: (c, i, 0)), pl.BlockSpec((None, br), lambda i, c: (c, i))],
-        out_shape=[jax.ShapeDtypeStruct((chunks, r, p), F32), jax.ShapeDtypeStruct((chunks, r), F32)],
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret_flag("triton", interpret), name="mhc_project",
-    )(x, fn)
 
 
 @functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "block_rows", "num_warps", "interpret"))
 def coefficients(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float, hc_eps: float,
                  iters: int, block_rows: int = 32, num_warps: int = 4, interpret=None) -> jax.Array:
-    """x [R, n, D], fn [(2+n)n, nD], base [(2+n)n], scale [3] -> packed coefficients [R, P] float32. `project` reads
-    x once for the chunks of m = fn x and of the sums of squares (fn zero-padded to P rows so m arrives packed);
-    then one kernel adds the chunks, scales by rho and runs the activations, the row softmax and the Sinkhorn
-    rounds on per-row registers (block_rows rows a program, num_warps warps)."""
+    """x [R, n, D], fn [(2+n)n, nD], base [(2+n)n], scale [3] -> packed coefficients [R, P] float32. The skinny GEMM
+    m = rho (fn x) is XLA's (`_skinny_gemm`, fn zero-padded to P rows so m arrives packed); the activations, the
+    row softmax and the Sinkhorn rounds run in one kernel on per-row registers."""
     r, n, d = x.shape
     _check_supported(n, d)
     m = (2 + n) * n
     _check(fn.shape == (m, n * d) and base.shape == (m,) and scale.shape == (3,),
            f"fn [{m}, {n * d}], base [{m}], scale [3] expected, got {fn.shape}, {base.shape}, {scale.shape}")
     p = packed_width(n)
+    mp = _skinny_gemm(x.reshape(r, n * d), jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))), norm_eps)
+    scale = scale.astype(F32)
+    colscale = jnp.concatenate([jnp.broadcast_to(scale[k], (w,)) for k, w in enumerate((n, n, n * n))]
+                               + [jnp.zeros((p - m,), F32)])
+    z = mp * colscale + jnp.pad(base.astype(F32), (0, p - m))
     br = _rows_block(r, block_rows)
     rp = -(-r // br) * br
-    parts, squares = project(_pad_rows(x.reshape(r, n * d), rp), jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))),
-                             interpret=interpret)
-    scale = scale.astype(F32)
-    colscale = jnp.concatenate([jnp.broadcast_to(scale[k], (w,)) for k, w in enumerate((n, n, n * n))])
-    affine = jnp.pad(jnp.stack([colscale, base.astype(F32)]), ((0, 0), (0, p - m)))   # one operand, one XLA op
-    chunks = parts.shape[0]
     coef = pl.pallas_call(
-        functools.partial(_coefficients_kernel, n=n, iters=int(iters), hc_eps=float(hc_eps),
-                          norm_eps=float(norm_eps), width=n * d), grid=(rp // br,),
-        in_specs=[pl.BlockSpec((chunks, br, p), lambda i: (0, i, 0)), pl.BlockSpec((chunks, br), lambda i: (0, i)),
-                  pl.BlockSpec((2, p), lambda i: (0, 0))],
+        functools.partial(_coefficients_kernel, n=n, iters=int(iters), hc_eps=float(hc_eps)), grid=(rp // br,),
+        in_specs=[pl.BlockSpec((br, p), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((br, p), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((rp, p), F32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret_flag("triton", interpret), name="mhc_coefficients",
-    )(parts, squares, affine)
+    )(_pad_rows(z, rp))
     return coef[:r]
 
 

@@ -118,7 +118,7 @@ def test_bad_shapes_raise():
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
 @pytest.mark.parametrize("rows,d", [(32, 4096), (256, 4096), (8192, 4096), (256, 5120)])
 def test_lower_for_cuda_at_flash_widths(rows, d):
-    """The four kernels lower for CUDA (Triton) at V4-Flash and V4.1-Flash widths (n = 4, D = 4096 / 5120) and
+    """The three kernels lower for CUDA (Triton) at V4-Flash and V4.1-Flash widths (n = 4, D = 4096 / 5120) and
     decode / verify / prefill row counts, without a GPU."""
     n = 4
     sds = jax.ShapeDtypeStruct
@@ -129,7 +129,7 @@ def test_lower_for_cuda_at_flash_widths(rows, d):
         y, coef = K.mix_in(x, fn, base, scale, iters=20, interpret=False, **EPS)
         return K.mix_out(x, fout, coef, interpret=False), y
     text = cuda_text(f, *args, sds((rows, d), jnp.bfloat16))
-    assert text.count("__gpu$xla.gpu.triton") >= 4
+    assert text.count("__gpu$xla.gpu.triton") >= 3
 
 
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])

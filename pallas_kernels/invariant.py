@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from . import reference as ref
 from .moe.routing import route_plan
 
-ROWS = 64  # rows per block of every per-row op, and per tile of the routed experts
+ROWS = 8  # rows per block of every per-row op, and per tile of the routed experts
 ENTRY_BLOCK = 64  # compressed entries per block of the attention's sums
 INDEX_KEY_BLOCK = 512  # index keys per block of the indexer's scores
 

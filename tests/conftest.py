@@ -1,6 +1,6 @@
 """Test-wide setup: CPU XLA with a cheaper backend optimisation level and XLA:CPU's classic fusion code generator
 (compile time dominates the tiny models' tests; numerics are unchanged), the `gpu` marker's skip, the shared golden
-data, and the sharding worker started ahead of its tests."""
+data, the sharding worker started ahead of its tests, and `--invariant-blocks` (other batch-invariant blocks)."""
 
 import os
 import shutil
@@ -23,6 +23,28 @@ os.environ.setdefault("JAXINFER_COMPILE_CACHE", "off")
 import pytest  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--invariant-blocks", default=None, metavar="ROWS,ENTRY_BLOCK,INDEX_KEY_BLOCK",
+                     help="run with pallas_kernels/invariant.py's block sizes replaced (this process only, not the "
+                          "sharding workers): e.g. 64,64,512 to check other blocks on a GPU")
+
+
+def pytest_configure(config):
+    blocks = config.getoption("--invariant-blocks")
+    if blocks is None:
+        return
+    try:
+        sizes = tuple(int(v) for v in blocks.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise pytest.UsageError(f"--invariant-blocks takes three positive integers ROWS,ENTRY_BLOCK,INDEX_KEY_BLOCK, "
+                                f"got {blocks!r}")
+    import pallas_kernels.invariant as invariant
+
+    invariant.ROWS, invariant.ENTRY_BLOCK, invariant.INDEX_KEY_BLOCK = sizes
 
 
 @pytest.fixture(scope="session")

@@ -521,6 +521,28 @@ def test_mesh_speculative(tmp_path):
     _check_cases(_worker(tmp_path, "mesh-speculative", 1500))
 
 
+def test_invariant_blocks_option(monkeypatch):
+    """`pytest --invariant-blocks R,E,K` replaces the module's block sizes for the run; bad values are a usage
+    error naming the option."""
+    import conftest
+
+    class Config:
+        def __init__(self, value):
+            self.value = value
+
+        def getoption(self, name):
+            assert name == "--invariant-blocks"
+            return self.value
+
+    for name in ("ROWS", "ENTRY_BLOCK", "INDEX_KEY_BLOCK"):
+        monkeypatch.setattr(inv, name, getattr(inv, name))   # restored after the test
+    conftest.pytest_configure(Config("16,32,128"))
+    assert (inv.ROWS, inv.ENTRY_BLOCK, inv.INDEX_KEY_BLOCK) == (16, 32, 128)
+    for bad in ("16,32", "a,b,c", "0,16,16"):
+        with pytest.raises(pytest.UsageError, match="--invariant-blocks"):
+            conftest.pytest_configure(Config(bad))
+
+
 def test_loop_count_probe(tmp_path):
     """experiments.probes.invariant_loops counts a traced step's loop trips and products: larger row blocks repeat
     less; the MoE kernels replace the experts' tile loop with kernel calls."""

@@ -76,6 +76,7 @@
 #                         both): V4 verify 8 / 64 x 4 and prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
 # Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound;
+# INVARIANT_BLOCKS (ROWS,ENTRY_BLOCK,INDEX_KEY_BLOCK) runs the batch-invariance tests at other block sizes;
 # JAXINFER_GIT_REVISION names the commit in every record (give the one the call runs: the device machine's copy of
 # the tree keeps the .git of its first call, so its own HEAD names older code), e.g.
 #   JAXINFER_GIT_REVISION=<git rev-parse HEAD> bash experiments/device/suites.sh step-release-targets
@@ -269,7 +270,8 @@ for suite in "${suites[@]}"; do
             batch-invariance-bf16) only="reference and bfloat16" ;;
             *) only="fp4-kernels" ;;
         esac
-        limit 560 python -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance.py -k "$only" 2>&1 ;;
+        limit 560 python -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance.py -k "$only" \
+            ${INVARIANT_BLOCKS:+--invariant-blocks "$INVARIANT_BLOCKS"} 2>&1 ;;
     batch-invariance-cost)
         bench 250 v4_release_batch_invariant $V4 $RELEASE --batch-invariant both --phase decode,prefill --batch 8,64 \
             --prefill-batch 1 --context 32768 --time-budget 210 ;;

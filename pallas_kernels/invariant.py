@@ -41,6 +41,25 @@ ENTRY_BLOCK = 64  # compressed entries per block of the attention's sums
 INDEX_KEY_BLOCK = 512  # index keys per block of the indexer's scores
 
 
+def parse_blocks(text: str) -> tuple[int, int, int]:
+    """"ROWS,ENTRY_BLOCK,INDEX_KEY_BLOCK" -> the three block sizes; ValueError naming the expected form otherwise."""
+    try:
+        sizes = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise ValueError(f"takes three positive integers ROWS,ENTRY_BLOCK,INDEX_KEY_BLOCK, got {text!r}")
+    return sizes
+
+
+def set_blocks(blocks: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Replace the block sizes (ROWS, ENTRY_BLOCK, INDEX_KEY_BLOCK), read at trace time -> the previous ones."""
+    global ROWS, ENTRY_BLOCK, INDEX_KEY_BLOCK
+    previous = (ROWS, ENTRY_BLOCK, INDEX_KEY_BLOCK)
+    ROWS, ENTRY_BLOCK, INDEX_KEY_BLOCK = blocks
+    return previous
+
+
 def row_blocks(fn: Callable, *args, lead: int = 1):
     """fn(*blocks) over consecutive blocks of ROWS rows. Every array leaf of `args` (None allowed) shares its
     first `lead` dims (the rows, e.g. [B, S]); fn gets [ROWS, ...] blocks of the flattened rows and must treat

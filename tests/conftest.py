@@ -35,16 +35,12 @@ def pytest_configure(config):
     blocks = config.getoption("--invariant-blocks")
     if blocks is None:
         return
-    try:
-        sizes = tuple(int(v) for v in blocks.split(","))
-    except ValueError:
-        sizes = ()
-    if len(sizes) != 3 or min(sizes) < 1:
-        raise pytest.UsageError(f"--invariant-blocks takes three positive integers ROWS,ENTRY_BLOCK,INDEX_KEY_BLOCK, "
-                                f"got {blocks!r}")
     import pallas_kernels.invariant as invariant
 
-    invariant.ROWS, invariant.ENTRY_BLOCK, invariant.INDEX_KEY_BLOCK = sizes
+    try:
+        invariant.set_blocks(invariant.parse_blocks(blocks))
+    except ValueError as e:
+        raise pytest.UsageError(f"--invariant-blocks {e}") from None
 
 
 @pytest.fixture(scope="session")

@@ -154,11 +154,10 @@ def main(argv=None) -> dict:
     from model import ModelConfig
     from pallas_kernels import invariant as inv
 
-    blocks = (inv.ROWS, inv.ENTRY_BLOCK, inv.INDEX_KEY_BLOCK)
-    asked = tuple(int(v) for v in args.blocks.split(",")) if args.blocks else blocks
-    if len(asked) != 3 or min(asked) < 1:
-        raise SystemExit(f"--blocks takes three positive integers ROWS,ENTRY_BLOCK,INDEX_KEY_BLOCK, got "
-                         f"{args.blocks!r}")
+    try:
+        asked = inv.parse_blocks(args.blocks) if args.blocks else (inv.ROWS, inv.ENTRY_BLOCK, inv.INDEX_KEY_BLOCK)
+    except ValueError as e:
+        raise SystemExit(f"--blocks {e}") from None
 
     cfg = ModelConfig.preset(args.preset)
     if args.layers:
@@ -166,7 +165,7 @@ def main(argv=None) -> dict:
     cfg = cfg.replace(batch_invariant=True, expert_weights=args.expert_weights, dense_weights=args.dense_weights,
                       moe_impl=args.moe_impl)
     records = []
-    inv.ROWS, inv.ENTRY_BLOCK, inv.INDEX_KEY_BLOCK = asked
+    blocks = inv.set_blocks(asked)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*interpret mode.*")   # traced only, never run
@@ -176,7 +175,7 @@ def main(argv=None) -> dict:
                     rows = args.new_tokens if kind == "prefill" else 1 + args.num_draft
                     records.append(count_step(cfg, args.dtype, kind, batch, args.context, rows, args.num_draft))
     finally:
-        inv.ROWS, inv.ENTRY_BLOCK, inv.INDEX_KEY_BLOCK = blocks
+        inv.set_blocks(blocks)
     command = "python -m experiments.probes.invariant_loops " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"# Loops of the batch-invariant step: {cfg.name} ({cfg.num_layers} layers), {args.dtype} "
              f"({cfg.dense_weights} dense, {cfg.expert_weights} experts on the {cfg.moe_impl} path), "

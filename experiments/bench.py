@@ -633,20 +633,27 @@ def trace_steps(fn, state, cache, sets: list, directory: Path, steps: int = 2) -
 def pipelined_gap(run_once, prof: dict, calls: int = 20) -> dict:
     """The gap split by issuing `calls` steps back to back and waiting once: per step, the host's side of a
     synchronous call (dispatch and the wait: wall - pipelined) and the device's idle time between kernels
-    (pipelined - kernels), which a loop of steps on the device still pays."""
+    (pipelined - kernels), which a loop of steps on the device still pays. `dispatch_ms`: the median time a
+    synchronous call takes to return (the device idle when it starts), before its wait; how much of the host's
+    share is spent handing the step to the device rather than waiting for its end."""
     import time
 
     import jax
 
-    jax.block_until_ready(run_once())
+    dispatch = []
+    for _ in range(max(3, calls // 4)):
+        t0 = time.perf_counter()
+        out = run_once()
+        dispatch.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
     t0 = time.perf_counter()
-    out = None
     for _ in range(calls):
         out = run_once()
     jax.block_until_ready(out)
     ms = (time.perf_counter() - t0) * 1e3 / calls
     return {"pipelined_ms": round(ms, 4), "host_gap_ms": round(prof["wall_ms"] - ms, 4),
-            "device_idle_ms": round(ms - prof["kernel_ms_per_step"], 4)}
+            "device_idle_ms": round(ms - prof["kernel_ms_per_step"], 4),
+            "dispatch_ms": round(statistics.median(dispatch) * 1e3, 4)}
 
 
 # ----------------------------------------------------------------------------------------------- CLI

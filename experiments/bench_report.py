@@ -139,7 +139,10 @@ def breakdown_table(r: dict) -> list[str]:
     out.append(f"| host / launch gap | {prof['gap_ms']:.3f} | {100 * prof['gap_ms'] / wall:.1f}% | 0 | | 0 | |")
     if "pipelined_ms" in prof:   # the gap split by steps issued back to back
         for key, name in (("host_gap_ms", "of it: the host's (dispatch and wait)"),
+                          ("dispatch_ms", "of that: the call's return (dispatch)"),
                           ("device_idle_ms", "of it: the device idle between kernels")):
+            if key not in prof:   # records made before the dispatch was timed
+                continue
             out.append(f"| {name} | {prof[key]:.3f} | {100 * prof[key] / wall:.1f}% | 0 | | 0 | |")
     out.append(f"| **step** | **{wall:.3f}** | 100% | **{roof['floor_ms']:.3f}** | **{wall / roof['floor_ms']:.2f}** | "
                f"{roof.get('datasheet', {}).get('floor_ms', 0):.3f} | |")

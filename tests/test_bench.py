@@ -124,12 +124,13 @@ def test_markdown_kernel_breakdown():
 
 def test_pipelined_gap_splits_the_gap():
     """Steps issued back to back: the host's share is the synchronous wall time less the pipelined step, the
-    device's idle time the pipelined step less its kernels."""
+    device's idle time the pipelined step less its kernels; a synchronous call's return is timed apart."""
     from experiments.bench import pipelined_gap
 
     calls = []
     split = pipelined_gap(lambda: calls.append(1) or 0, {"wall_ms": 5.0, "kernel_ms_per_step": 1.0}, calls=4)
-    assert len(calls) == 5   # one warm call, then the four timed
+    assert len(calls) == 7   # three timed alone (each call's dispatch), then the four back to back
+    assert 0 <= split["dispatch_ms"] < 5.0
     assert split["host_gap_ms"] == pytest.approx(5.0 - split["pipelined_ms"], abs=1e-3)
     assert split["device_idle_ms"] == pytest.approx(split["pipelined_ms"] - 1.0, abs=1e-3)
 

@@ -84,6 +84,11 @@ from .progress import Progress
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
+PIPELINED_CALLS = 20    # steps issued back to back to split the gap (pipelined_gap)
+DISPATCH_CALLS = 5      # synchronous calls whose return is timed (pipelined_gap)
+TRACED_STEPS = 2        # steps under jax.profiler (trace_steps)
+LOOP_CALLS = 3          # calls of the device loop, the first untimed (looped_steps)
+
 
 # ----------------------------------------------------------------------------------------------- the points
 
@@ -191,15 +196,23 @@ def spec_kind(cfg) -> str:
     return "mtp" if cfg.generation == "v4" else "dspark"
 
 
-def cache_len(cfg, p: Point, warmup: int, repeats: int, tail: int) -> tuple[int, int]:
-    """(max_len of the cache rounded up to 64 and capped at the model's context, positions the run needs)."""
+def cache_len(cfg, p: Point, warmup: int, repeats: int, tail: int, extra: int = 0) -> tuple[int, int]:
+    """(max_len of the cache rounded up to 64 and capped at the model's context, positions the run needs);
+    `extra`: steps run after the timed ones (`extra_steps`)."""
     if p.phase == "prefill":
         need = p.context + p.new_tokens
     elif p.kind == "verify":
-        need = p.context + (warmup + repeats) * p.num_draft + p.rows
+        need = p.context + (warmup + repeats + extra) * p.num_draft + p.rows
     else:
         need = p.context + (warmup + repeats + 1) * p.rows
     return int(min(-(-need // 64) * 64, cfg.max_position_embeddings)), need
+
+
+def extra_steps(kernel_steps: int, traced: bool, loop_steps: int) -> int:
+    """Verify steps a point runs after its timed ones: under CUPTI with the back-to-back split
+    (`kernel_profile`), traced (`trace_steps`) and looped (`looped_steps`); each advances the cache."""
+    profiled = kernel_steps + PIPELINED_CALLS + DISPATCH_CALLS if kernel_steps else 0
+    return profiled + TRACED_STEPS * traced + LOOP_CALLS * loop_steps
 
 
 # ----------------------------------------------------------------------------------------------- routing
@@ -237,6 +250,7 @@ class Setup:
     real_prefill: bool = False
     kernel_steps: int = 0  # > 0: that many extra steps under CUPTI, attributed per component (kernel_profile)
     trace_dir: str | None = None  # two more steps under jax.profiler, a timeline per configuration (trace_steps)
+    loop_steps: int = 0   # > 0: verify steps that many at a time in one device loop (looped_steps)
     assumed_accepted: float = DEEPINFER_ACCEPTED
     checkpoint: str | None = None
     progress: Progress = dataclasses.field(default_factory=Progress)
@@ -334,6 +348,16 @@ def step_functions(setup: Setup, p: Point):
         logits, cache, _ = model.step(tokens, cache, n_new)
         return _greedy(logits), cache.rollback(start + k)  # greedy verification: the argmax of every row
 
+    def loop_fn(state, cache, tokens, n):
+        """n verify steps in one device loop, each step's greedy ids the next one's tokens; n is traced, so the
+        loop's condition is data, as in the sampling loop (sampling/generate.py)."""
+        def body(carry):
+            i, cache, tokens = carry
+            (ids, _), cache = verify_fn(state, cache, tokens)
+            return i + 1, cache, ids
+        _, cache, tokens = jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), cache, tokens))
+        return tokens, cache
+
     sp = SpecParams(spec_kind(cfg), k, "fixed", default_cost(k), 0.0, 0, 1.0, replay_tail)
 
     def first_fn(state, cache, dc, tokens, lengths, key):
@@ -349,6 +373,7 @@ def step_functions(setup: Setup, p: Point):
     return state, {
         "prefill": jax.jit(prefill_fn, donate_argnums=1),
         "verify": jax.jit(verify_fn, donate_argnums=1),
+        "loop": jax.jit(loop_fn, donate_argnums=1),
         "first": jax.jit(first_fn, donate_argnums=(1, 2)),
         "spec": jax.jit(spec_fn, donate_argnums=(1, 2)),
     }, sp
@@ -442,7 +467,8 @@ def run_point(setup: Setup, p: Point, check_memory: bool = True) -> dict:
         rec.update(status="skipped", reason=f"batch {p.batch} is not a multiple of dp*ep = {dp * ep}")
         return rec
     tail = prompt_tail(p)
-    max_len, need = cache_len(cfg, p, setup.warmup, rec["repeats"], tail)
+    max_len, need = cache_len(cfg, p, setup.warmup, rec["repeats"], tail,
+                              extra_steps(setup.kernel_steps, bool(setup.trace_dir), setup.loop_steps))
     if need > cfg.max_position_embeddings:
         rec.update(status="refused", reason=f"the run needs {need} positions > the model's context "
                    f"{cfg.max_position_embeddings}")
@@ -543,6 +569,8 @@ def _measure(setup: Setup, p: Point, max_len: int, tail: int, repeats: int) -> d
         if setup.trace_dir:
             where = Path(setup.trace_dir) / re.sub(r"[^\w.-]+", "_", label)
             out["trace_dir"], cache = trace_steps(fn, state, cache, sets, where)
+        if setup.loop_steps and p.kind == "verify":
+            out["looped"], cache = looped_steps(setup, fns["loop"], state, cache, sets[0])
         if setup.kernel_steps:
             out["profile"], cache = kernel_profile(fn, state, cache, sets, setup.kernel_steps,
                                                    statistics.median(times) * 1e3, int(np.prod(p.mesh)))
@@ -617,7 +645,28 @@ def kernel_profile(fn, state, cache, sets: list, steps: int, wall_ms: float, dev
     return prof, box["cache"]
 
 
-def trace_steps(fn, state, cache, sets: list, directory: Path, steps: int = 2) -> tuple[str, Any]:
+def looped_steps(setup: Setup, loop, state, cache, tokens) -> tuple[dict, Any]:
+    """`setup.loop_steps` verify steps per call of `loop` (one device loop), LOOP_CALLS calls, the first
+    untimed -> ({steps_per_call, step_ms: the median call / steps, compile_s}, cache): a step's cost where
+    the device, not the host, issues the next step."""
+    import jax
+    import jax.numpy as jnp
+
+    n = jnp.int32(setup.loop_steps)
+    fn, compile_s = compile_timed(loop, state, cache, tokens, n)
+    calls = []
+    for _ in range(LOOP_CALLS):
+        t0 = time.perf_counter()
+        tokens, cache = fn(state, cache, tokens, n)
+        jax.block_until_ready((tokens, cache))
+        calls.append(time.perf_counter() - t0)
+    step_ms = statistics.median(calls[1:]) * 1e3 / setup.loop_steps
+    setup.progress.log(f"  {setup.loop_steps} verify steps in one device loop: {step_ms:.3f} ms a step")
+    return {"steps_per_call": setup.loop_steps, "step_ms": round(step_ms, 4), "compile_s": round(compile_s, 3),
+            "calls_ms": [round(t * 1e3, 3) for t in calls]}, cache
+
+
+def trace_steps(fn, state, cache, sets: list, directory: Path, steps: int = TRACED_STEPS) -> tuple[str, Any]:
     """`steps` more calls of a compiled prefill / verify step under jax.profiler, written to `directory` ->
     (the directory, cache)."""
     import jax
@@ -630,7 +679,7 @@ def trace_steps(fn, state, cache, sets: list, directory: Path, steps: int = 2) -
     return str(directory), cache
 
 
-def pipelined_gap(run_once, prof: dict, calls: int = 20) -> dict:
+def pipelined_gap(run_once, prof: dict, calls: int = PIPELINED_CALLS) -> dict:
     """The gap split by issuing `calls` steps back to back and waiting once: per step, the host's side of a
     synchronous call (dispatch and the wait: wall - pipelined) and the device's idle time between kernels
     (pipelined - kernels), which a loop of steps on the device still pays. `dispatch_ms`: the median time a
@@ -641,7 +690,7 @@ def pipelined_gap(run_once, prof: dict, calls: int = 20) -> dict:
     import jax
 
     dispatch = []
-    for _ in range(max(3, calls // 4)):
+    for _ in range(DISPATCH_CALLS):
         t0 = time.perf_counter()
         out = run_once()
         dispatch.append(time.perf_counter() - t0)
@@ -714,7 +763,8 @@ def main(argv=None) -> list[dict]:
     reps = {ph: args.repeats or d[f"repeats_{ph}"] for ph in PHASES}
     recs_refused = {}
     for pt in points:
-        max_len, _ = cache_len(cfg, pt, warm, reps[pt.phase], prompt_tail(pt))
+        max_len, _ = cache_len(cfg, pt, warm, reps[pt.phase], prompt_tail(pt),
+                               extra_steps(args.kernel_times, bool(args.trace), args.loop_steps))
         mem = estimate_memory(cfg, dtype, pt, max_len, capacity)
         if not mem["fits"] and not args.no_memory_check:
             recs_refused[pt] = memory_message(mem, where)
@@ -727,7 +777,8 @@ def main(argv=None) -> list[dict]:
         if len(recs_refused) < len(points):
             setup = build(variant, preset, dtype, args.mesh, args.seed, args.checkpoint, progress, warmup=warm,
                           repeats_prefill=reps["prefill"], repeats_decode=reps["decode"],
-                          real_prefill=args.real_prefill, kernel_steps=args.kernel_times, trace_dir=args.trace)
+                          real_prefill=args.real_prefill, kernel_steps=args.kernel_times, trace_dir=args.trace,
+                          loop_steps=args.loop_steps)
         for i, pt in enumerate(points):
             progress.log(f"[{i + 1}/{len(points)}] {pt.label()}{' batch-invariant' * variant.batch_invariant}")
             if args.time_budget and time.perf_counter() - progress.t0 > args.time_budget and pt not in recs_refused:

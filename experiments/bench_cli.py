@@ -99,6 +99,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="prefill / verify: two more steps under jax.profiler, one timeline per configuration in "
                         "DIR/<configuration> (open with TensorBoard's profile plugin or Perfetto): kernels, copies, "
                         "host work and the gaps between them")
+    p.add_argument("--loop-steps", type=int, default=0, metavar="N",
+                   help="verify: also N steps in one device loop per call (a while loop on a traced count, as the "
+                        "sampling loop runs), each step's ids the next one's tokens: a step's cost without the host "
+                        "between steps")
     p.add_argument("--engram-vocab", type=int, help="[V4.1] Engram hash vocabulary (smaller tables, same rows "
                    "read per token), e.g. 160000 for V4.1 widths on one GPU")
     p.add_argument("--mesh", type=parse_mesh, default=(1, 1, 1), help="dp,ep,tp (default 1,1,1: one device)")

@@ -44,7 +44,7 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     plot = importlib.util.find_spec("matplotlib") is not None
     res = run_cli(["experiments.bench", "--quick", "--preset", "tiny-v4", "--layers", "4", "--mode", "both",
                    "--phase", "both", "--out", str(out), "--tag", "test", "--kernel-times", "1", "--trace",
-                   str(tmp_path / "trace")]
+                   str(tmp_path / "trace"), "--loop-steps", "2"]
                   + ["--plot"] * plot, 240, {"OUT": str(copy), **jax_cache})
     files = sorted(out.glob("bench_*_test.json"))
     assert len(files) == 1, list(out.iterdir())
@@ -84,6 +84,13 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     # --kernel-times: CUPTI per-kernel times on a GPU; here the reason it could not, and the timing stands
     assert "CUPTI" in dec["profile"]["error"] and "CUPTI" in pre["profile"]["error"]
     assert "profile" not in got[("decode", "realistic")]
+    # --loop-steps: verify steps in one device loop, timed per step, with cache room for them
+    assert dec["looped"]["steps_per_call"] == 2 and dec["looped"]["step_ms"] > 0
+    assert "looped" not in pre and "looped" not in got[("decode", "realistic")]
+    from experiments.bench import extra_steps
+
+    need = dec["context"] + (dec["warmup"] + dec["repeats"] + extra_steps(1, True, 2)) * dec["num_draft"] + 4
+    assert dec["cache_max_len"] >= need
     real = got[("decode", "realistic")]
     assert real["step"] == "spec" and real["routing"].startswith("router") and real["prefix"] == "distinct"
     acc = real["acceptance"]
@@ -129,7 +136,7 @@ def test_pipelined_gap_splits_the_gap():
 
     calls = []
     split = pipelined_gap(lambda: calls.append(1) or 0, {"wall_ms": 5.0, "kernel_ms_per_step": 1.0}, calls=4)
-    assert len(calls) == 7   # three timed alone (each call's dispatch), then the four back to back
+    assert len(calls) == 9   # five timed alone (each call's dispatch), then the four back to back
     assert 0 <= split["dispatch_ms"] < 5.0
     assert split["host_gap_ms"] == pytest.approx(5.0 - split["pipelined_ms"], abs=1e-3)
     assert split["device_idle_ms"] == pytest.approx(split["pipelined_ms"] - 1.0, abs=1e-3)

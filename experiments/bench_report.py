@@ -106,6 +106,13 @@ def markdown(env: dict, recs: list[dict], title: str = "bench") -> str:
                    f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | {acc_s} | "
                    f"{r['roofline']['floor_ms']:.3f} | {100 * r['roofline_fraction']:.1f}% | {mfu} | "
                    f"{r['warmup']}/{r['repeats']} | ok |")
+    looped = [r for r in recs if r.get("status") == "ok" and "looped" in r]
+    if looped:
+        out += ["", "Verify steps in one device loop (`--loop-steps`), ms a step: " + "; ".join(
+            f"batch {r['batch']}: {r['looped']['step_ms']:.3f} ({r['looped']['steps_per_call']} a call) against "
+            f"{r['step_ms']['median']:.3f} synchronous"
+            + (f" and {r['profile']['pipelined_ms']:.3f} back to back" if "pipelined_ms" in r.get("profile", {}) else "")
+            for r in looped)]
     for r in recs:
         if r.get("status") == "ok" and "components" in r.get("profile", {}):
             out += [""] + breakdown_table(r)
@@ -139,7 +146,7 @@ def breakdown_table(r: dict) -> list[str]:
     out.append(f"| host / launch gap | {prof['gap_ms']:.3f} | {100 * prof['gap_ms'] / wall:.1f}% | 0 | | 0 | |")
     if "pipelined_ms" in prof:   # the gap split by steps issued back to back
         for key, name in (("host_gap_ms", "of it: the host's (dispatch and wait)"),
-                          ("dispatch_ms", "of that: the call's return (dispatch)"),
+                          ("dispatch_ms", "a synchronous call's return (dispatch; the device works meanwhile)"),
                           ("device_idle_ms", "of it: the device idle between kernels")):
             if key not in prof:   # records made before the dispatch was timed
                 continue

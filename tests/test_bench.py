@@ -87,6 +87,7 @@ def test_bench_quick_both_modes_both_phases(tmp_path, jax_cache):
     # --loop-steps: verify steps in one device loop, timed per step, with cache room for them
     assert dec["looped"]["steps_per_call"] == 2 and dec["looped"]["step_ms"] > 0
     assert "looped" not in pre and "looped" not in got[("decode", "realistic")]
+    assert "Verify steps in one device loop" in (out / files[0].name.replace(".json", ".md")).read_text()
     from experiments.bench import extra_steps
 
     need = dec["context"] + (dec["warmup"] + dec["repeats"] + extra_steps(1, True, 2)) * dec["num_draft"] + 4

@@ -17,7 +17,9 @@
 #                         32K, prefill 1 x 4096
 #   step-index-keys       V4, FP4 experts, verify 64 x 4 at 128K with bf16 and MXFP4 index keys
 #   launch-gap            the host / launch gap of the release-format verify 64 x 4 under XLA's command buffers (CUDA
-#                         graphs): XLA's default, every command kind at every graph size, none
+#                         graphs), XLA's default and every command kind at every graph size: the synchronous step,
+#                         back to back, and 10 steps a call in a device loop (--loop-steps; with WHILE and CONDITIONAL
+#                         commands the loop itself becomes part of the graph)
 #   fp8-dense             the FP8 projections multiplied from their bytes (--dense-impl pallas: the swap_ab tiles at
 #                         decode / verify loads) against the in-graph dequantisation: the kernels' GPU tests, each
 #                         projection alone (experiments.probes.fp8_linear: V4's, with the 256-token swap tiles at
@@ -97,7 +99,8 @@ limit() {  # limit SECONDS CMD...: CMD under timeout (SUITE_TIMEOUT overrides SE
 
 bench() {  # bench SECONDS TAG ARGS...: one bench.py run, its table's rows on stdout
     local s=$1 tag=$2; shift 2
-    limit "$s" $B "$@" --tag "$tag" 2>&1 | grep -E "^\| (prefill|decode)|rror|refused" | cut -c1-220
+    limit "$s" $B "$@" --tag "$tag" 2>&1 | grep -E "^\| (prefill|decode)|^Verify steps in one device loop|rror|refused" \
+        | cut -c1-400
 }
 
 moe() {  # moe SECONDS ARGS...: one bench_moe.py run, its table's rows on stdout
@@ -141,11 +144,10 @@ for suite in "${suites[@]}"; do
         bench 150 v4_release $V4 $RELEASE --phase decode,prefill --batch 256 --prefill-batch 2 --context 32768 \
             --kernel-times 2 ;;
     launch-gap)
-        for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
-                     "--xla_gpu_enable_command_buffer="; do
+        for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
             echo "-- XLA_FLAGS=$flags"
-            XLA_FLAGS="$flags" bench 140 "v4_release_graphs" $V4 $RELEASE --phase decode --batch 64 --context 32768 \
-                --kernel-times 2
+            XLA_FLAGS="$flags" bench 200 "v4_release_graphs" $V4 $RELEASE --phase decode --batch 64 --context 32768 \
+                --kernel-times 2 --loop-steps 10 --repeats 30
         done ;;
     fp8-dense)
         limit 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_linear.py 2>&1 | tail -4

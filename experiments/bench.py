@@ -183,12 +183,12 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
 
 def invariance_variants(cfg, which: str) -> list:
     """The configurations `--batch-invariant` asks for: "off" cfg as given, "on" its batch-invariant mode (which
-    runs the reference implementations but the MoE's: ModelConfig.batch_invariant), "both" the two, fast mode
-    first."""
+    runs the reference implementations but the MoE kernels' and the FP8 linears' without quant_sim:
+    ModelConfig.batch_invariant), "both" the two, fast mode first."""
     if which == "off":
         return [cfg]
-    invariant = cfg.replace(batch_invariant=True, attention_impl="reference", dense_impl="reference",
-                            mhc_impl="reference")
+    invariant = cfg.replace(batch_invariant=True, attention_impl="reference", mhc_impl="reference",
+                            dense_impl="reference" if cfg.quant_sim else cfg.dense_impl)
     return {"on": [invariant], "both": [cfg, invariant]}[which]
 
 

@@ -138,9 +138,10 @@ class Attention(nnx.Module):
         if r % block:
             return None
         wg, sg = w.reshape(g, r, -1), s.reshape(g, r // block, -1)
-        if not fp8_kernel_runs(o.size // (g * o.shape[-1]), wg, sg, lin.act_block, lin.dtype):
+        if not fp8_kernel_runs(o.size // (g * o.shape[-1]), wg, sg, lin.act_block, lin.dtype, lin.batch_invariant):
             return None
-        u = fp8_kernel_linear(jnp.moveaxis(o.reshape(-1, g, o.shape[-1]), 1, 0), wg, sg, lin.act_block, lin.dtype)
+        u = fp8_kernel_linear(jnp.moveaxis(o.reshape(-1, g, o.shape[-1]), 1, 0), wg, sg, lin.act_block, lin.dtype,
+                              lin.batch_invariant)
         return jnp.moveaxis(u, 0, 1).reshape(*o.shape[:-2], g, r)
 
     def __call__(self, h: jax.Array, step: Step, cache: LayerCache, shared: Shared

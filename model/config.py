@@ -295,11 +295,13 @@ class ModelConfig:
         need(isinstance(self.batch_invariant, bool),
              f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.batch_invariant:
-            kernels = {f: getattr(self, f) for f in ("attention_impl", "dense_impl", "mhc_impl")
-                       if getattr(self, f) != "reference"}
+            kernels = {f: getattr(self, f) for f in ("attention_impl", "mhc_impl") if getattr(self, f) != "reference"}
             need(not kernels, f"batch_invariant=True runs the reference paths, whose reductions it fixes, and the MoE "
-                              f"kernels on one tiling per weight format; the other Pallas kernels have no invariant "
-                              f"tilings yet: got {kernels} (use 'reference')")
+                              f"and FP8 linear kernels on one tiling per weight format; the other Pallas kernels have "
+                              f"no invariant tilings yet: got {kernels} (use 'reference')")
+            need(not (self.dense_impl == "pallas" and self.quant_sim),
+                 "batch_invariant=True with dense_impl='pallas' and quant_sim=True is not supported (the FP8 x FP8 "
+                 "linears change their MMA with the row count): use dense_impl='reference' or quant_sim=False")
         if self.scan_layers:   # combinations the stacked layout has not been checked against: raise, never guess
             need(not self.batch_invariant, "scan_layers=True with batch_invariant=True is not supported (the "
                                            "invariance checks cover the unrolled layers): set one of them False")

@@ -40,7 +40,8 @@ class Linear(nnx.Module):
     largest weights at decode / verify loads multiplied from the stored bytes).
     `act_block` > 0 (cfg.quant_sim, the official FP8 GEMMs): the input is first rounded by act_quant per
     `act_block` values (`reference.fp8_fake_quant`), as the official FP8 GEMM rounds it.
-    `batch_invariant` (cfg.batch_invariant): the product runs on fixed blocks of rows (`invariant.row_blocks`).
+    `batch_invariant` (cfg.batch_invariant): the product runs on fixed blocks of rows (`invariant.row_blocks`), or
+    with `fp8_kernel` on the FP8 kernels' fixed Triton tiles (`fp8_linear.invariant_config`) over all rows at once.
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -73,8 +74,9 @@ class Linear(nnx.Module):
     def _project(self, x: jax.Array) -> jax.Array:
         if self.fp8_kernel:
             w, s = self.weight[...][None], self.scale[...][None]
-            if fp8_kernel_runs(x.size // x.shape[-1], w, s, self.act_block, self.dtype):
-                y = fp8_kernel_linear(x.reshape(1, -1, x.shape[-1]), w, s, self.act_block, self.dtype)
+            if fp8_kernel_runs(x.size // x.shape[-1], w, s, self.act_block, self.dtype, self.batch_invariant):
+                y = fp8_kernel_linear(x.reshape(1, -1, x.shape[-1]), w, s, self.act_block, self.dtype,
+                                      self.batch_invariant)
                 return y.reshape(*x.shape[:-1], w.shape[1])
         w = self.dense_weight()
         if self.act_block:
@@ -99,23 +101,31 @@ def _kernel_act_block(w: jax.Array, scale: jax.Array, act_block: int) -> int:
     return act_block if act_block == w.shape[1] // scale.shape[1] else 0
 
 
-def fp8_kernel_runs(rows: int, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> bool:
+def fp8_kernel_runs(rows: int, w: jax.Array, scale: jax.Array, act_block: int, dtype,
+                    invariant: bool = False) -> bool:
     """Whether `fp8_kernel_linear` of `rows` rows per group over w [G, N, K] would run one of the FP8 kernels
     (pallas_kernels.fp8_linear's auto choice) rather than dequantise for XLA's GEMM, which the in-graph path does
-    itself (and lays out better around a grouped projection)."""
+    itself (and lays out better around a grouped projection). `invariant` (batch invariance): always, whatever
+    the rows."""
     from pallas_kernels.fp8_linear import choose_backend
 
+    if invariant:
+        return True
     g, n, k = w.shape
     block = n // scale.shape[1]
     return choose_backend(g, rows, n, k, block, _kernel_act_block(w, scale, act_block), dtype) != "dequantised"
 
 
-def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int, dtype) -> jax.Array:
+def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int, dtype,
+                      invariant: bool = False) -> jax.Array:
     """x [G, M, K] @ W_g^T on the FP8 kernels for FP8 weights w [G, N, K] with block scales [G, N/B, K/B]; act_block
     (quant_sim's act_quant) other than the weights' block B rounds the input here and multiplies bf16 activations.
-    -> [G, M, N] in dtype."""
-    from pallas_kernels.fp8_linear import fp8_linear
+    `invariant` (batch invariance, bf16 activations: ModelConfig refuses quant_sim with it): the fixed Triton
+    tiles whatever M. -> [G, M, N] in dtype."""
+    from pallas_kernels.fp8_linear import fp8_linear, invariant_config
 
+    if invariant:
+        return fp8_linear(x.astype(dtype), w, scale, backend="triton", config=invariant_config(), out_dtype=dtype)
     kernel_block = _kernel_act_block(w, scale, act_block)
     if act_block and not kernel_block:
         x = ref.fp8_fake_quant(x, act_block)

@@ -170,9 +170,10 @@ class MLP(nnx.Module):
     def on_expert_kernels(self, rows: int) -> bool:
         """Whether `rows` rows run as one routed expert on the MoE kernels: FP8 weights on the kernels in 128 x 128
         scale blocks (V4's; the Mosaic GPU swap tiles take no smaller ones, so V4.1's 32 x 32 keep the in-graph
-        dequantisation), at most SHARED_KERNEL_MAX_ROWS rows."""
+        dequantisation), at most SHARED_KERNEL_MAX_ROWS rows, never under batch invariance (a choice by rows: the
+        three projections then run on the FP8 linears' fixed tiles)."""
         ws = (self.w1, self.w2, self.w3)
-        if not all(w.fp8_kernel for w in ws) or rows > SHARED_KERNEL_MAX_ROWS:
+        if not all(w.fp8_kernel for w in ws) or rows > SHARED_KERNEL_MAX_ROWS or self.w1.batch_invariant:
             return False
         return all(ref.fp8_block_size(w.weight.shape, w.scale.shape) == SHARED_KERNEL_BLOCK for w in ws)
 

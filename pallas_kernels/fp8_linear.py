@@ -19,7 +19,8 @@ gather). Backends:
   "auto"         on a GPU with bf16 activations: "swap" for the largest weights at decode / verify loads (see
                  SWAP_MAX_ROWS, SWAP_MIN_WEIGHTS), "dequantised" elsewhere (it beat the Triton tiles at prefill:
                  V4 prefill 2 x 4096 56.80 against 81.77 ms a step); FP8 x FP8 and the CPU interpreter: "triton".
-Triton and mgpu tilings are the MoE tuning table's (moe/tuning.py) at rows per group = M.
+Triton and mgpu tilings are the MoE tuning table's (moe/tuning.py) at rows per group = M; under batch invariance
+the model fixes the Triton tiles whatever M (`invariant_config`).
 
 The reference (`fp8_linear_reference`) dequantises the weight and multiplies in float32: the kernels match it to
 float32 summation order (act_block == 0), or match it on act_quant-rounded inputs (act_block == B).
@@ -41,7 +42,7 @@ from .moe.mgpu_pipeline import num_sms
 from .moe.mgpu_rows import row_gemm
 from .moe.mgpu_swap import ROW_SCALE_BLOCK, swap_gemm
 from .moe.row_kernels import transpose
-from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
+from .moe.tuning import INVARIANT_ROWS_PER_EXPERT, TRITON_FP8_MMA_MAX_ROWS, default_config
 
 # "auto" takes the swap_ab tiles (bf16 activations, on Hopper) up to SWAP_MAX_ROWS rows per group for
 # weights of at least SWAP_MIN_WEIGHTS elements per call: V4-Flash's wq_b, grouped wo_a and wo_b (33.5M each),
@@ -102,6 +103,14 @@ def choose_backend(g: int, m: int, n: int, k: int, block: int, act_block: int, x
         big = block in SWAP_MIN_WEIGHTS and g * n * k >= SWAP_MIN_WEIGHTS[block]
         return "swap" if big and m <= SWAP_MAX_ROWS and on_hopper() else "dequantised"
     return "triton"
+
+
+def invariant_config() -> TritonConfig:
+    """The tiles of every FP8 linear under batch invariance (backend "triton", bf16 activations): the MoE tuning
+    table's Triton tiles at INVARIANT_ROWS_PER_EXPERT rows per group whatever M, so a row's K loop is one fixed
+    sequence of block products whatever the batch, the tile the row lands in and its tile-mates (the Triton tiles
+    never split K; with act_block the MMA kind changes with M, so invariance takes bf16 activations)."""
+    return default_config("triton", INVARIANT_ROWS_PER_EXPERT, 1, "fp8")
 
 
 def fp8_linear_reference(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int = 0) -> jax.Array:

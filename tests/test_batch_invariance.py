@@ -173,8 +173,10 @@ def test_switch_validation():
         with pytest.raises(ValueError, match="batch_invariant=True runs the reference paths"):
             cfg.replace(batch_invariant=True, **{field: "pallas"})
     assert cfg.replace(batch_invariant=True, moe_impl="pallas").moe_impl == "pallas"   # one tiling per format
-    with pytest.raises(ValueError, match="batch_invariant=True runs the reference paths"):
-        cfg.replace(batch_invariant=True, dense_weights="fp8", dense_impl="pallas")
+    # the FP8 linears on their fixed tiles, not with quant_sim's FP8 x FP8 (its MMA changes with the rows)
+    assert cfg.replace(batch_invariant=True, dense_weights="fp8", dense_impl="pallas").dense_impl == "pallas"
+    with pytest.raises(ValueError, match="dense_impl='pallas' and quant_sim=True is not supported"):
+        cfg.replace(batch_invariant=True, dense_weights="fp8", dense_impl="pallas", quant_sim=True)
     with pytest.raises(ValueError, match="batch_invariant must be True or False"):
         cfg.replace(batch_invariant=1)
     assert "batch_invariant" not in cfg.replace(batch_invariant=True).to_official_dict()
@@ -438,6 +440,20 @@ def test_moe_kernels_rows_ragged_and_verify(expert_weights):
     _check_ragged_chunked_and_verify(model)
 
 
+@pytest.mark.slow
+def test_fp8_linear_kernels_rows_ragged_and_verify():
+    """dense_impl="pallas" under the switch (the FP8 projections on the fixed Triton tiles over all rows at once,
+    the shared expert on them too; interpreted on a CPU): a sequence alone and at a row of a batch, chunked, ragged
+    and verified, bitwise."""
+    from flax import nnx
+
+    cfg = small_config("tiny-v4").replace(dense_weights="fp8", dense_impl="pallas")
+    model = init_random(invariant(cfg), seed=1, dtype="bfloat16")
+    assert sum(getattr(m, "fp8_kernel", False) for _, m in nnx.iter_modules(model)) > 10
+    _check_forward_rows(model, ((3, 1),))
+    _check_ragged_chunked_and_verify(model)
+
+
 def gpu_release_experts(preset: str) -> ModelConfig:
     """A tiny preset with FP4 experts on the MoE kernels, widened to the Hopper FP4 tiles' 256-value steps."""
     return ModelConfig.preset(preset).replace(hidden_size=256, moe_intermediate_size=256, expert_weights="fp4",
@@ -447,14 +463,16 @@ def gpu_release_experts(preset: str) -> ModelConfig:
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("experts", ["reference", "fp4-kernels"])
+@pytest.mark.parametrize("experts", ["reference", "fp4-kernels", "release-kernels"])
 def test_gpu_rows_ragged_and_verify(preset, dtype, experts):
-    """On the GPU (the reference paths; "fp4-kernels": FP4 experts on the MoE kernels, bf16 only): a sequence alone
-    and at rows of batches up to 64 (where XLA's library GEMMs would change algorithm on the default path), chunked,
-    ragged and verified."""
-    if experts == "fp4-kernels" and dtype == "float32":
+    """On the GPU (the reference paths; "fp4-kernels": FP4 experts on the MoE kernels; "release-kernels": those
+    and the FP8 projections on their fixed tiles; both bf16 only): a sequence alone and at rows of batches up to 64
+    (where XLA's library GEMMs would change algorithm on the default path), chunked, ragged and verified."""
+    if experts != "reference" and dtype == "float32":
         pytest.skip("the FP4 expert kernels compute in bfloat16")
     cfg = ModelConfig.preset(preset) if experts == "reference" else gpu_release_experts(preset)
+    if experts == "release-kernels":
+        cfg = cfg.replace(dense_weights="fp8", dense_impl="pallas")
     model = init_random(invariant(cfg), seed=4, dtype=dtype)
     _check_forward_rows(model, ((6, 3), (64, 0), (64, 63)), 40)
     _check_ragged_chunked_and_verify(model)

@@ -192,6 +192,20 @@ def test_invariance_variants_with_scanned_layers():
         invariance_variants(cfg, "both")
 
 
+def test_invariance_variants_keep_the_invariant_kernels():
+    """The batch-invariant variant runs the kernels that have invariant tilings (MoE, FP8 linears without
+    quant_sim) and the reference paths for the rest."""
+    from experiments.bench import invariance_variants, resolve_config
+
+    release = resolve_config("tiny-v4").replace(dense_weights="fp8", dense_impl="pallas", moe_impl="pallas",
+                                                 attention_impl="pallas")
+    fast, on = invariance_variants(release, "both")
+    assert fast == release and on.batch_invariant
+    assert (on.dense_impl, on.moe_impl, on.attention_impl, on.mhc_impl) == ("pallas", "pallas", "reference",
+                                                                           "reference")
+    assert invariance_variants(release.replace(quant_sim=True), "on")[0].dense_impl == "reference"
+
+
 def test_memory_estimate_refuses_what_cannot_fit():
     from experiments.bench import Point, resolve_config
     from experiments.bench_memory import estimate_memory, memory_message

@@ -73,7 +73,8 @@
 #   batch-invariance      its GPU tests on the reference paths (tests/test_batch_invariance.py -m gpu: both presets,
 #                         float32 then bfloat16; the four take more than 255 s, so they have a call of their own)
 #   batch-invariance-bf16 the bfloat16 two alone (about 215 s on one H200)
-#   batch-invariance-kernels  the two with FP4 experts on the MoE kernels (bfloat16)
+#   batch-invariance-kernels  the two with FP4 experts on the MoE kernels, then also with the FP8 projections on
+#                         their fixed tiles (bfloat16)
 #   batch-invariance-cost the release-format steps with the switch off and on in the same call (--batch-invariant
 #                         both): V4 verify 8 / 64 x 4 and prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
@@ -270,7 +271,7 @@ for suite in "${suites[@]}"; do
         case $suite in
             batch-invariance) only="reference" ;;
             batch-invariance-bf16) only="reference and bfloat16" ;;
-            *) only="fp4-kernels" ;;
+            *) only="fp4-kernels or release-kernels" ;;
         esac
         limit 560 python -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance.py -k "$only" \
             ${INVARIANT_BLOCKS:+--invariant-blocks "$INVARIANT_BLOCKS"} 2>&1 ;;

@@ -8,6 +8,7 @@ operands read, by the model code that made the loop.
     python -m experiments.probes.invariant_loops --preset v4-flash-4l --expert-weights fp4 --dense-weights fp8 \\
         --steps verify,prefill --decode-batch 8,64 --context 32768
     python -m experiments.probes.invariant_loops --moe-impl pallas            # the experts on the MoE kernels
+    python -m experiments.probes.invariant_loops --moe-impl pallas --dense-impl pallas   # and the FP8 projections
     python -m experiments.probes.invariant_loops --blocks 8,16,16             # other block sizes
 
 With `--moe-impl pallas` the routed experts run on the MoE kernels (their calls counted, not their bytes). The
@@ -133,6 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dense-weights", choices=("model", "fp8"), default="fp8")
     p.add_argument("--moe-impl", choices=("reference", "pallas"), default="reference",
                    help="the routed experts on the reference tiles or on the MoE kernels (one tiling per format)")
+    p.add_argument("--dense-impl", choices=("reference", "pallas"), default="reference",
+                   help="the FP8 projections on row blocks or on the FP8 linears' fixed tiles over all rows")
     p.add_argument("--steps", default="verify,prefill", help="comma list of prefill, verify")
     p.add_argument("--decode-batch", default="8,64", help="comma list")
     p.add_argument("--prefill-batch", type=int, default=1)
@@ -163,7 +166,7 @@ def main(argv=None) -> dict:
     if args.layers:
         cfg = scale_layers(cfg, args.layers)
     cfg = cfg.replace(batch_invariant=True, expert_weights=args.expert_weights, dense_weights=args.dense_weights,
-                      moe_impl=args.moe_impl)
+                      moe_impl=args.moe_impl, dense_impl=args.dense_impl)
     records = []
     blocks = inv.set_blocks(asked)
     try:
@@ -178,7 +181,8 @@ def main(argv=None) -> dict:
         inv.set_blocks(blocks)
     command = "python -m experiments.probes.invariant_loops " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"# Loops of the batch-invariant step: {cfg.name} ({cfg.num_layers} layers), {args.dtype} "
-             f"({cfg.dense_weights} dense, {cfg.expert_weights} experts on the {cfg.moe_impl} path), "
+             f"({cfg.dense_weights} dense on the {cfg.dense_impl} path, {cfg.expert_weights} experts on the "
+             f"{cfg.moe_impl} path), "
              f"jax {jax.__version__}, git {short_revision()}", "",
              f"`{command}`", "",
              "| step | batch x rows | context | row / entry / index-key block | expert tiles per layer | loop trips "

@@ -41,7 +41,9 @@ class Linear(nnx.Module):
     `act_block` > 0 (cfg.quant_sim, the official FP8 GEMMs): the input is first rounded by act_quant per
     `act_block` values (`reference.fp8_fake_quant`), as the official FP8 GEMM rounds it.
     `batch_invariant` (cfg.batch_invariant): the product runs on fixed blocks of rows (`invariant.row_blocks`), or
-    with `fp8_kernel` on the FP8 kernels' fixed Triton tiles (`fp8_linear.invariant_config`) over all rows at once.
+    over all rows at once on tiles fixed whatever the rows (pallas_kernels/invariant_linear.py): with `fp8_kernel`
+    the FP8 ones, with `invariant_kernel` (cfg.dense_impl="pallas": float32 linears of bf16 weights, e.g. the LM
+    head) the bf16 ones.
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -54,6 +56,7 @@ class Linear(nnx.Module):
         self.act_block = 0
         self.fp8_kernel = False  # multiply the FP8-held weight from its bytes (pallas_kernels.fp8_linear)
         self.batch_invariant = False
+        self.invariant_kernel = False  # under batch_invariant: bf16_invariant_linear instead of row blocks
 
     def quantise(self, block: int) -> None:
         """Hold the weight as FP8 E4M3 with one UE8M0 scale per `block` x `block` block (traceable)."""
@@ -72,6 +75,14 @@ class Linear(nnx.Module):
             return self._project(x)
 
     def _project(self, x: jax.Array) -> jax.Array:
+        if self.invariant_kernel:
+            from pallas_kernels.invariant_linear import bf16_invariant_linear
+
+            flat = x.reshape(-1, x.shape[-1])
+            if jnp.dtype(self.input_dtype) != jnp.float32:
+                flat = flat.astype(self.input_dtype)
+            flat = flat if flat.dtype == jnp.bfloat16 else flat.astype(jnp.float32)
+            return bf16_invariant_linear(flat, self.weight[...]).reshape(*x.shape[:-1], -1)
         if self.fp8_kernel:
             w, s = self.weight[...][None], self.scale[...][None]
             if fp8_kernel_runs(x.size // x.shape[-1], w, s, self.act_block, self.dtype, self.batch_invariant):
@@ -122,10 +133,11 @@ def fp8_kernel_linear(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: i
     (quant_sim's act_quant) other than the weights' block B rounds the input here and multiplies bf16 activations.
     `invariant` (batch invariance, bf16 activations: ModelConfig refuses quant_sim with it): the fixed Triton
     tiles whatever M. -> [G, M, N] in dtype."""
-    from pallas_kernels.fp8_linear import fp8_linear, invariant_config
+    from pallas_kernels.fp8_linear import fp8_linear
+    from pallas_kernels.invariant_linear import fp8_invariant_linear
 
     if invariant:
-        return fp8_linear(x.astype(dtype), w, scale, backend="triton", config=invariant_config(), out_dtype=dtype)
+        return fp8_invariant_linear(x.astype(dtype), w, scale, dtype)
     kernel_block = _kernel_act_block(w, scale, act_block)
     if act_block and not kernel_block:
         x = ref.fp8_fake_quant(x, act_block)

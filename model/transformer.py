@@ -179,7 +179,8 @@ class Piece:
     spec) and `make(rngs)`. `build` also holds the release's FP8 matrices as FP8 when the config asks
     (`fp8_block`), multiplies them from their bytes where they are whole scale blocks (`fp8_kernel`,
     cfg.dense_impl="pallas"), gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`) and
-    runs every Linear and RMSNorm on fixed blocks of rows under cfg.batch_invariant (`batch_invariant`)."""
+    runs every Linear and RMSNorm on fixed blocks of rows under cfg.batch_invariant (`batch_invariant`; with
+    dense_impl="pallas" the float32 Linears of bf16 weights on the fixed tiles instead, `invariant_kernel`)."""
 
     name: str
     index: int | None
@@ -200,6 +201,10 @@ class Piece:
             for _, sub in nnx.iter_modules(module):
                 if isinstance(sub, (Linear, RMSNorm, Engram)):
                     sub.batch_invariant = True
+                if isinstance(sub, Linear) and self.fp8_kernel and sub.fp32:   # dense_impl="pallas"
+                    from pallas_kernels.invariant_linear import tiles_fit
+
+                    sub.invariant_kernel = sub.weight[...].dtype == jnp.bfloat16 and tiles_fit(*sub.weight.shape)
         if module is not None and (self.fp8_block or self.act_block):
             for path, sub in nnx.iter_modules(module):
                 name = ".".join(map(str, (self.path, *path, "weight")))

@@ -1,7 +1,8 @@
 """What the kernel wrappers share: the backend query behind `interpret=None` (and `lowering_for_hopper`, which
 answers as a Hopper GPU on any host, for lowering a step for CUDA from a CPU), the zero padding that
 brings head counts and head dims to the power-of-two sizes the Triton lowering needs, the in-kernel decoders
-of UE8M0 scales and packed FP4 (E2M1) tiles (MoE experts, indexer keys) and the MoE kernels' SwiGLU epilogue."""
+of UE8M0 scales and packed FP4 (E2M1) tiles (MoE experts, indexer keys), the three-bf16-term split of float32
+operands (`split_bf16x3`: float32 linears on bf16 MMAs) and the MoE kernels' SwiGLU epilogue."""
 
 from __future__ import annotations
 
@@ -104,6 +105,18 @@ def fp4_tile(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]
     full = jnp.broadcast_to(e8m0(scale)[:, :, None], (r, c // 16, 16)).reshape(r, c)
     lo, hi = e2m1_pair(packed.astype(jnp.int32))
     return lo * full, hi * full
+
+
+def split_bf16x3(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 w -> bf16 (hi, mid, lo) with hi + mid + lo = w within float32 rounding, each product with a bf16
+    value exact in a float32 accumulator. hi and mid are w's top mantissa bits cut off by a bit mask, not rounded
+    conversions: XLA on the GPU (excess precision allowed) folds a float32 -> bf16 -> float32 round trip into the
+    identity, which would make w - hi zero."""
+    def top(v):
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+    hi = top(w)
+    mid = top(w - hi)
+    return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), (w - hi - mid).astype(jnp.bfloat16)
 
 
 def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:

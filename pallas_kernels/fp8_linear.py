@@ -20,7 +20,7 @@ gather). Backends:
                  SWAP_MAX_ROWS, SWAP_MIN_WEIGHTS), "dequantised" elsewhere (it beat the Triton tiles at prefill:
                  V4 prefill 2 x 4096 56.80 against 81.77 ms a step); FP8 x FP8 and the CPU interpreter: "triton".
 Triton and mgpu tilings are the MoE tuning table's (moe/tuning.py) at rows per group = M; under batch invariance
-the model fixes the Triton tiles whatever M (`invariant_config`).
+the model fixes the Triton tiles whatever M (pallas_kernels/invariant_linear.py).
 
 The reference (`fp8_linear_reference`) dequantises the weight and multiplies in float32: the kernels match it to
 float32 summation order (act_block == 0), or match it on act_quant-rounded inputs (act_block == B).
@@ -42,7 +42,7 @@ from .moe.mgpu_pipeline import num_sms
 from .moe.mgpu_rows import row_gemm
 from .moe.mgpu_swap import ROW_SCALE_BLOCK, swap_gemm
 from .moe.row_kernels import transpose
-from .moe.tuning import INVARIANT_ROWS_PER_EXPERT, TRITON_FP8_MMA_MAX_ROWS, default_config
+from .moe.tuning import TRITON_FP8_MMA_MAX_ROWS, default_config
 
 # "auto" takes the swap_ab tiles (bf16 activations, on Hopper) up to SWAP_MAX_ROWS rows per group for
 # weights of at least SWAP_MIN_WEIGHTS elements per call: V4-Flash's wq_b, grouped wo_a and wo_b (33.5M each),
@@ -105,14 +105,6 @@ def choose_backend(g: int, m: int, n: int, k: int, block: int, act_block: int, x
     return "triton"
 
 
-def invariant_config() -> TritonConfig:
-    """The tiles of every FP8 linear under batch invariance (backend "triton", bf16 activations): the MoE tuning
-    table's Triton tiles at INVARIANT_ROWS_PER_EXPERT rows per group whatever M, so a row's K loop is one fixed
-    sequence of block products whatever the batch, the tile the row lands in and its tile-mates (the Triton tiles
-    never split K; with act_block the MMA kind changes with M, so invariance takes bf16 activations)."""
-    return default_config("triton", INVARIANT_ROWS_PER_EXPERT, 1, "fp8")
-
-
 def fp8_linear_reference(x: jax.Array, w: jax.Array, scale: jax.Array, act_block: int = 0) -> jax.Array:
     """x [G, M, K] (float), w float8_e4m3fn [G, N, K], scale UE8M0 [G, N/B, K/B] -> [G, M, N] float32: the weight
     dequantised, the input act_quant-rounded first when act_block > 0."""
@@ -125,15 +117,16 @@ def fp8_linear_reference(x: jax.Array, w: jax.Array, scale: jax.Array, act_block
 # jitted so that a program lowers each distinct call once: the scanned layer bodies call the same projection with the
 # same shapes, and JAX lowers a jitted call once per module where it lowers an inline pallas_call at every call site
 @functools.partial(jax.jit, static_argnames=("act_block", "backend", "config", "out_dtype", "interpret",
-                                             "weight_layout"))
+                                             "weight_layout", "rows_fastest"))
 def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int = 0, backend: str = "auto",
                config: TritonConfig | MgpuConfig | None = None, out_dtype=jnp.bfloat16, interpret=None,
-               weight_layout: str = "out_in") -> jax.Array:
+               weight_layout: str = "out_in", rows_fastest: bool = False) -> jax.Array:
     """y [G, M, N] = x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] (weight_layout "in_out": [G, K, N], which the
     Mosaic GPU CPU interpreter needs) with UE8M0 block scales [G, N/B, K/B] (uint8 exponent bytes or
     float8_e8m0fnu). act_block: 0 (bf16 activations) or the weights' block B (act_quant, FP8 x FP8).
     backend: "auto" | "triton" | "mgpu" (FP8 x FP8 only) | "swap" (bf16 activations, 128- or 32-blocks) |
-    "dequantised" (bf16 activations only). Output in out_dtype, accumulated in float32."""
+    "dequantised" (bf16 activations only). Output in out_dtype, accumulated in float32. rows_fastest ("triton"):
+    the programs of one weight slice launched together (`triton_gemm.down`), for many row tiles."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise ValueError(f"fp8_linear: x must be bf16, f16 or float32, got {x.dtype}")
     if x.ndim != 3 or w.ndim != 3 or scale.ndim != 3:
@@ -161,6 +154,8 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
     if backend not in ("triton", "mgpu", "swap", "dequantised"):
         raise ValueError(f"fp8_linear: backend must be 'auto', 'triton', 'mgpu', 'swap' or 'dequantised', got "
                          f"{backend!r}")
+    if rows_fastest and backend != "triton":
+        raise ValueError(f"fp8_linear: rows_fastest orders the Triton tiles only, got backend {backend!r}")
     if backend == "dequantised":
         if not bf16_acts or kn:
             raise ValueError(f"fp8_linear: the dequantised path takes bf16 activations (got {x.dtype}, act_block "
@@ -213,7 +208,7 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, act_block: int =
             y = y.reshape(g, splits, rows, n).sum(axis=1).astype(out_dtype)
     elif backend == "triton":
         y = triton_gemm.down((xq,), tile_expert, w, scale, fmt="fp8", cfg=config, out_dtype=out_dtype,
-                             interpret=interp, z_scale=xs)
+                             interpret=interp, z_scale=xs, rows_fastest=rows_fastest)
     else:
         y = row_gemm("fp8 linear", xq, plan, (w,), bn=config.block_n_down, bk=config.block_k_down, cfg=config,
                      kn=kn, epilogue=lambda accs: accs[0], out_dtype=out_dtype, interpret=interp,

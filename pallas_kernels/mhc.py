@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from .common import interpret_flag, next_pow2
+from .common import interpret_flag, next_pow2, split_bf16x3
 
 F32 = jnp.float32
 
@@ -143,17 +143,6 @@ def _check_supported(n: int, d: int) -> None:
 def _rows_block(r: int, cap: int) -> int:
     """Rows per program: cap, or fewer for a short batch (at least 16, Triton's smallest MMA / tile)."""
     return min(cap, max(16, next_pow2(r)))
-
-
-def split_bf16x3(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """float32 w -> bf16 (hi, mid, lo) with hi + mid + lo = w within float32 rounding. hi and mid are w's top mantissa
-    bits cut off by a bit mask, not rounded conversions: XLA on the GPU (excess precision allowed) folds a float32 ->
-    bf16 -> float32 round trip into the identity, which would make w - hi zero."""
-    def top(v):
-        return lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
-    hi = top(w)
-    mid = top(w - hi)
-    return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), (w - hi - mid).astype(jnp.bfloat16)
 
 
 def _skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:

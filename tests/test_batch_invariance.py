@@ -441,15 +441,17 @@ def test_moe_kernels_rows_ragged_and_verify(expert_weights):
 
 
 @pytest.mark.slow
-def test_fp8_linear_kernels_rows_ragged_and_verify():
-    """dense_impl="pallas" under the switch (the FP8 projections on the fixed Triton tiles over all rows at once,
-    the shared expert on them too; interpreted on a CPU): a sequence alone and at a row of a batch, chunked, ragged
-    and verified, bitwise."""
+def test_dense_kernels_rows_ragged_and_verify():
+    """dense_impl="pallas" under the switch (pallas_kernels/invariant_linear.py, interpreted on a CPU: the FP8
+    projections, the shared expert's among them, and the float32 linears of bf16 weights, the LM head among them,
+    on fixed tiles over all rows at once): a sequence alone and at a row of a batch, chunked, ragged and
+    verified, bitwise."""
     from flax import nnx
 
     cfg = small_config("tiny-v4").replace(dense_weights="fp8", dense_impl="pallas")
     model = init_random(invariant(cfg), seed=1, dtype="bfloat16")
     assert sum(getattr(m, "fp8_kernel", False) for _, m in nnx.iter_modules(model)) > 10
+    assert model.head.invariant_kernel
     _check_forward_rows(model, ((3, 1),))
     _check_ragged_chunked_and_verify(model)
 

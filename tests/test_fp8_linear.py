@@ -40,22 +40,6 @@ def test_triton_bf16_activations(seed, g, m, block):
     assert _rel(got, fp8_linear_reference(x, w, s)) < 2e-6
 
 
-@pytest.mark.parametrize("block", [128, 32])
-def test_invariant_tiles_rows_do_not_depend_on_the_batch(block):
-    """The fixed Triton tiles of batch invariance: a row's output is bitwise the same alone, at any place of a
-    batch of any size (other tiles, other tile-mates), as in the model under ModelConfig.batch_invariant."""
-    from pallas_kernels.fp8_linear import invariant_config
-
-    rng = np.random.default_rng(12)
-    k, n = 4 * block, 2 * block
-    w, s = _weights(rng, 1, n, k, block)
-    x = jnp.asarray(rng.standard_normal((1, 70, k)), jnp.bfloat16)
-    run = functools.partial(fp8_linear, w=w, scale=s, backend="triton", config=invariant_config())
-    full = np.asarray(run(x))
-    for lo, hi in ((3, 4), (0, 1), (69, 70), (5, 38), (30, 70)):
-        np.testing.assert_array_equal(np.asarray(run(x[:, lo:hi])), full[:, lo:hi], err_msg=f"rows {lo}:{hi} of 70")
-
-
 @pytest.mark.parametrize("seed,g,m,block", [(6, 1, 5, 128), (7, 3, 17, 32)])
 def test_dequantised_path(seed, g, m, block):
     """backend="dequantised" (auto on a GPU above the swap tiles' loads and for 32-blocks): the weight as exact bf16,

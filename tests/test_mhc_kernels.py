@@ -12,6 +12,7 @@ from common import cuda_text, rel_err, seed_of_test, small_config
 from model import ModelConfig, init_random
 from model.mhc import hc_coefficients
 from pallas_kernels import mhc as K
+from pallas_kernels.common import split_bf16x3
 
 GPU = jax.default_backend() == "gpu"
 EPS = dict(norm_eps=1e-6, hc_eps=1e-6)
@@ -97,7 +98,7 @@ def test_sinkhorn_rounds_follow_the_config():
 def test_bf16x3_split_is_exact_to_float32():
     """The three bf16 terms of the skinny GEMM's fn sum back to it within float32 rounding, through jit."""
     w = jnp.asarray(np.random.default_rng(seed_of_test()).normal(size=(64, 256)) * 0.05, jnp.float32)
-    parts = jax.jit(K.split_bf16x3)(w)
+    parts = jax.jit(split_bf16x3)(w)
     total = sum(np.asarray(p.astype(jnp.float32), np.float64) for p in parts)
     np.testing.assert_allclose(total, np.asarray(w, np.float64), rtol=2 ** -23, atol=0)
     assert all(p.dtype == jnp.bfloat16 for p in parts)

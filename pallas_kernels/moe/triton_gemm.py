@@ -79,17 +79,20 @@ def _tiles(cfg_bn, cfg_bk, n, k_stored, fmt, w, s, what):
     return bn, bk, fp8_block
 
 
-def _triton_call(kernel, *, args, x_parts, bm, bn, grid, out_shape, cfg, interpret, name):
+def _triton_call(kernel, *, args, x_parts, bm, bn, grid, out_shape, cfg, interpret, name, rows_fastest=False):
     """grid = (column blocks j, tiles t): program_id(0) = j is the fastest-launched axis, so the programs
     of one tile run together and re-read its activation rows from L2, not HBM (each weight slice is read
-    by one program per tile either way)."""
+    by one program per tile either way). rows_fastest: grid = (t, j), the programs of one column block run
+    together and re-read its weight slice from L2 (a dense linear over many row tiles)."""
     from jax.experimental.pallas import triton as plt
-    full = lambda a: pl.BlockSpec(a.shape, lambda j, t, n=a.ndim: (0,) * n)  # noqa: E731
-    row_block = lambda a: pl.BlockSpec((bm,) + a.shape[1:], lambda j, t, n=a.ndim: (t,) + (0,) * (n - 1))  # noqa: E731
+    jt = (lambda a, b: (b, a)) if rows_fastest else (lambda a, b: (a, b))  # noqa: E731 - grid ids -> (j, t)
+    full = lambda a: pl.BlockSpec(a.shape, lambda g0, g1, n=a.ndim: (0,) * n)  # noqa: E731
+    row_block = lambda a: pl.BlockSpec((bm,) + a.shape[1:],  # noqa: E731
+                                       lambda g0, g1, n=a.ndim: (jt(g0, g1)[1],) + (0,) * (n - 1))
     in_specs = [full(args[0])] + [row_block(a) for a in args[1:1 + x_parts]] + [full(a) for a in args[1 + x_parts:]]
     return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
-        out_specs=pl.BlockSpec((bm, bn), lambda j, t: (t, j)),
+        kernel, out_shape=out_shape, grid=jt(*grid), in_specs=in_specs,
+        out_specs=pl.BlockSpec((bm, bn), lambda g0, g1: jt(g0, g1)[::-1]),
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret, name=name,
     )(*args)
@@ -155,8 +158,9 @@ def gate_up(xparts, row_weight, tile_expert, w1, w3, s1, s3, *, fmt, limit, cfg:
 
 
 def down(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, interpret, kn=False,
-         z_scale=None):
-    """y [P, D] = z W2_e^T per tile; zparts = (z,) or fp4 (z_even, z_odd); z_scale as gate_up's x_scale."""
+         z_scale=None, rows_fastest=False):
+    """y [P, D] = z W2_e^T per tile; zparts = (z,) or fp4 (z_even, z_odd); z_scale as gate_up's x_scale;
+    rows_fastest as `_triton_call`'s (the same products, launched in another order)."""
     p, ks = zparts[0].shape
     d = w2.shape[2] if kn else w2.shape[1]
     bm = cfg.block_m
@@ -169,7 +173,7 @@ def down(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, inte
         z_refs, w2_ref = refs[:nz], refs[nz]
         s2_ref, y_ref = refs[nz + 1:] if fmt != "dense" else (None, refs[nz + 1])
         z_refs, zs_ref = (z_refs, None) if z_scale is None else (z_refs[:-1], z_refs[-1])
-        j, t = pl.program_id(0), pl.program_id(1)
+        j, t = (pl.program_id(1), pl.program_id(0)) if rows_fastest else (pl.program_id(0), pl.program_id(1))
         e = te_ref[t]
 
         @pl.when(e >= 0)
@@ -188,4 +192,4 @@ def down(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, inte
     args = [tile_expert, *zparts] + ([z_scale] if z_scale is not None else []) + [w2] + ([s2] if fmt != "dense" else [])
     return _triton_call(kernel, args=args, x_parts=nz, bm=bm, bn=bn, grid=(d // bn, p // bm),
                         out_shape=jax.ShapeDtypeStruct((p, d), out_dtype), cfg=cfg, interpret=interpret,
-                        name=f"moe_down_{fmt}")
+                        name=f"moe_down_{fmt}", rows_fastest=rows_fastest)

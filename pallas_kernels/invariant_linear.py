@@ -1,0 +1,71 @@
+"""Linears whose tiles are fixed whatever the rows, for batch invariance (ModelConfig.batch_invariant with
+dense_impl="pallas"): a row's output is one fixed sequence of block products whatever the batch, the tile the row
+lands in and its tile-mates, and no K split. Both run the MoE package's Triton down GEMM with one weight over all
+rows at once (the tiles `TILES`), the row tiles of one weight slice launched together, so that the slice is read
+from HBM once while they run (here the weights are the large operand):
+
+  fp8_invariant_linear   FP8 weights with UE8M0 block scales, bf16 activations (pallas_kernels.fp8_linear's
+                         Triton path, grouped weights too)
+  bf16_invariant_linear  bf16 weights; float32 inputs as three bf16 terms (common.split_bf16x3) whose products are
+                         exact in the float32 accumulator: the float32 linear up to the order of its sums (the LM
+                         head, the router and the other float32 projections of a bf16 model)
+
+A row-blocked XLA product (pallas_kernels/invariant.py `row_blocks`) gets the same guarantee by giving every GEMM
+8 rows, and streams each weight once per 8 rows; these read it about once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .common import interpret_flag, split_bf16x3
+from .fp8_linear import fp8_linear
+from .moe import triton_gemm
+from .moe.configs import TritonConfig
+
+# 32-row tiles of 64 output columns, 128-deep K steps (the MoE tuning table's Triton FP8 tiles at 32 rows per
+# expert). Changing them changes a row's numbers (another K order), which stay invariant.
+TILES = TritonConfig(block_m=32, block_n=64, block_k=128, block_n_down=64, block_k_down=128, num_warps=4,
+                     num_stages=4)
+
+
+def tiles_fit(n: int, k: int) -> bool:
+    """Whether a [n, k] weight tiles by TILES: n and k multiples of the tile, or powers of two below it of at
+    least 16 (Triton's smallest dot)."""
+    def fits(v: int, t: int) -> bool:
+        return v % t == 0 if v >= t else v >= 16 and v & (v - 1) == 0
+    return fits(n, TILES.block_n_down) and fits(k, TILES.block_k_down)
+
+
+def fp8_invariant_linear(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype) -> jax.Array:
+    """x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] with block scales [G, N/B, K/B], bf16 (or float32)
+    activations -> [G, M, N] in out_dtype, on TILES whatever M."""
+    return fp8_linear(x, w, scale, backend="triton", config=TILES, out_dtype=out_dtype, rows_fastest=True)
+
+
+@jax.jit
+def bf16_invariant_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] (bf16, or float32 as three bf16 terms) @ w[N, K].T for bf16 w -> [M, N] float32, on TILES
+    whatever M; the terms' products added hi + mid, then + lo."""
+    if w.dtype != jnp.bfloat16 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"bf16_invariant_linear: x [M, K] and a bf16 w [N, K], got x {x.shape} {x.dtype}, "
+                         f"w {w.shape} {w.dtype}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"bf16_invariant_linear: x must be bf16 or float32, got {x.dtype}")
+    if not tiles_fit(*w.shape):
+        raise ValueError(f"bf16_invariant_linear: w {w.shape} does not tile by {TILES.block_n_down} x "
+                         f"{TILES.block_k_down}")
+    m = x.shape[0]
+    terms = (x,) if x.dtype == jnp.bfloat16 else split_bf16x3(x)
+    rows = len(terms) * m
+    padded = -(-rows // TILES.block_m) * TILES.block_m
+    z = jnp.pad(jnp.concatenate(terms), ((0, padded - rows), (0, 0)))
+    tile_expert = jnp.zeros((padded // TILES.block_m,), jnp.int32)
+    y = triton_gemm.down((z,), tile_expert, w[None], None, fmt="dense", cfg=TILES, out_dtype=jnp.float32,
+                         interpret=interpret_flag("triton", None), rows_fastest=True)
+    parts = y[:rows].reshape(len(terms), m, w.shape[0])
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
+    return out

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from common import cuda_text
 from pallas_kernels import reference as ref
 from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_reference
 from pallas_kernels.invariant_linear import bf16_invariant_linear, fp8_invariant_linear, tiles_fit
@@ -59,3 +60,16 @@ def test_bf16_refuses_what_it_cannot_tile():
         bf16_invariant_linear(x, jnp.ones((96, 256), jnp.bfloat16))
     with pytest.raises(ValueError, match="a bf16 w"):
         bf16_invariant_linear(x, jnp.ones((64, 256), jnp.float32))
+
+
+def test_lowers_for_cuda_at_v4_flash_shapes():
+    """The LM head (129,280 x 4,096 bf16, float32 inputs) and wq_b (32,768 x 1,024 FP8 in 128-blocks) at 256 rows
+    lower for CUDA as Triton kernels, from any host."""
+    from pallas_kernels.common import lowering_for_hopper
+
+    sds = jax.ShapeDtypeStruct
+    with lowering_for_hopper():
+        head = cuda_text(bf16_invariant_linear, sds((256, 4096), jnp.float32), sds((129280, 4096), jnp.bfloat16))
+        wq_b = cuda_text(lambda x, w, s: fp8_invariant_linear(x, w, s, jnp.bfloat16), sds((1, 256, 1024), jnp.bfloat16),
+                         sds((1, 32768, 1024), jnp.float8_e4m3fn), sds((1, 256, 8), jnp.uint8))
+    assert "triton" in head and "triton" in wq_b

@@ -12,6 +12,10 @@ batch, the chunk or the cache length.
   trip is inlined, and a fusion with the caller's ops can change how an exp or a sum is emitted); on a mesh
   the blocks stay whole on every device (`whole_blocks`). A row's result does not depend on its block-mates
   nor on its place in the block (tests/test_batch_invariance.py).
+* `rms_normalize`: x * rsqrt(mean(x^2) + eps) per row with the sum of squares as a fixed pairwise tree of
+  elementwise adds over halves of the row (`pairwise_sum`), between optimization barriers: elementwise
+  arithmetic is the same per element whatever the shape, so no loop is needed (the RMS norms, V4's per-head
+  query norm over rows x heads).
 * `sink_attention`: a block of query rows against its keys gathered per row in a canonical order (the
   window by absolute position, then the selected entries), plus optionally the compressed entries in
   blocks of ENTRY_BLOCK added one block after another: blocks past a row's visible entries add exact zeros,
@@ -82,6 +86,26 @@ def row_blocks(fn: Callable, *args, lead: int = 1):
 
     out = whole_blocks(jax.lax.map(body, whole_blocks([split(x) for x in leaves])))
     return jax.tree.map(lambda y: y.reshape(n * ROWS, *y.shape[2:])[:m].reshape(*rows_shape, *y.shape[2:]), out)
+
+
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis by elementwise adds only: the first half added to the second, then the halves of that,
+    an odd length carrying its last element to the next level. x [..., D] -> [..., 1]; each row's sum is one fixed
+    sequence of float additions whatever the number of rows (no reduction op for XLA to emit by shape)."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        pairs = x[..., :half] + x[..., half:2 * half]
+        x = jnp.concatenate([pairs, x[..., 2 * half:]], -1) if x.shape[-1] % 2 else pairs
+    return x
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis in float32, the statistic by `pairwise_sum` of the squares,
+    which are formed apart (an optimization barrier) so that no multiply fuses into the tree's adds."""
+    x = jax.lax.optimization_barrier(x.astype(jnp.float32))
+    squares = jax.lax.optimization_barrier(x * x)
+    stat = pairwise_sum(squares) / x.shape[-1]
+    return jax.lax.optimization_barrier(x * jax.lax.rsqrt(stat + eps))
 
 
 def row_sequences(batch: int, rows: int) -> jax.Array:

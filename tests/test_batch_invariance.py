@@ -69,6 +69,22 @@ def test_row_blocks_products_and_sums(dtype):
                                    rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("width", [128, 512, 4096, 7])
+def test_rms_normalize_rows(width):
+    """The pairwise-tree RMS normalisation: a row alone and at any row of batches of 2 to 16,384 rows (V4's
+    per-head query norm sees rows x heads), bitwise; the float32 normalisation to rounding."""
+    f = jax.jit(lambda x: inv.rms_normalize(x, 1e-6))
+    x0 = RNG.standard_normal((1, width)).astype(np.float32) * 3
+    alone = np.asarray(f(x0))[0]
+    for m, r in ((2, 1), (9, 0), (33, 32), (64, 17), (16384 // max(1, width // 128), 5)):
+        x = RNG.standard_normal((m, width)).astype(np.float32)
+        x[r] = x0[0]
+        np.testing.assert_array_equal(np.asarray(f(x))[r], alone, err_msg=f"row {r} of {m}")
+    exact = x0[0] / np.sqrt(np.mean(np.square(x0[0], dtype=np.float64)) + 1e-6)
+    np.testing.assert_allclose(alone, exact, rtol=2e-6)
+    assert inv.pairwise_sum(jnp.arange(7.0)[None]).shape == (1, 1) and float(inv.pairwise_sum(jnp.arange(7.0))[0]) == 21
+
+
 def test_row_blocks_shapes():
     x = jnp.asarray(RNG.standard_normal((3, 5, 7)), jnp.float32)
     out = inv.row_blocks(lambda a, b: (a * 2, None if b is None else b.sum(-1)), x, None, lead=2)

@@ -179,8 +179,8 @@ class Piece:
     spec) and `make(rngs)`. `build` also holds the release's FP8 matrices as FP8 when the config asks
     (`fp8_block`), multiplies them from their bytes where they are whole scale blocks (`fp8_kernel`,
     cfg.dense_impl="pallas"), gives the official FP8 GEMMs their act_quant block under quant_sim (`act_block`) and
-    runs every Linear and RMSNorm on fixed blocks of rows under cfg.batch_invariant (`batch_invariant`; with
-    dense_impl="pallas" the float32 Linears of bf16 weights on the fixed tiles instead, `invariant_kernel`)."""
+    sets cfg.batch_invariant on every Linear (fixed blocks of rows; with dense_impl="pallas" the float32 Linears of
+    bf16 weights on fixed tiles instead, `invariant_kernel`), RMSNorm (a fixed tree) and Engram (`batch_invariant`)."""
 
     name: str
     index: int | None

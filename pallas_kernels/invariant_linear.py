@@ -7,8 +7,8 @@ from HBM once while they run (here the weights are the large operand):
   fp8_invariant_linear   FP8 weights with UE8M0 block scales, bf16 activations (pallas_kernels.fp8_linear's
                          Triton path, grouped weights too)
   bf16_invariant_linear  bf16 weights; float32 inputs as three bf16 terms (common.split_bf16x3) whose products are
-                         exact in the float32 accumulator: the float32 linear up to the order of its sums (the LM
-                         head, the router and the other float32 projections of a bf16 model)
+                         exact in the float32 accumulator: the float32 linear to float32 rounding (the LM head and
+                         the other float32 projections of a bf16 model: the compressors', the indexer's weights)
 
 A row-blocked XLA product (pallas_kernels/invariant.py `row_blocks`) gets the same guarantee by giving every GEMM
 8 rows, and streams each weight once per 8 rows; these read it about once.

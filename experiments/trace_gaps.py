@@ -18,10 +18,20 @@ import json
 from pathlib import Path
 
 
+def _process_names(events: list[dict]) -> dict:
+    """pid -> the process's name ("/device:GPU:0", "/host:CPU", ...) from the timeline's metadata events."""
+    return {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+
+
+def _label(f: Path, root: Path) -> str:
+    """A timeline's name in the tables: its configuration's folder under root, or its file name."""
+    return f.relative_to(root).parts[0] if f != root else f.name
+
+
 def device_events(trace: dict) -> dict[str, list[dict]]:
     """The complete ("X") events of each device stream, by 'process / thread' name, in start order."""
     events = trace["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    procs = _process_names(events)
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     streams: dict[str, list[dict]] = {}
@@ -61,7 +71,7 @@ def host_calls(trace: dict) -> list[dict]:
     began; else None: that kernel may be an earlier call's), phases {"jax": the call's start to the runtime's
     first event, then each HOST_PHASES name: us}}, in time order."""
     events = trace["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    procs = _process_names(events)
     done = [e for e in events if e.get("ph") == "X"]
     device = sorted((e["ts"], e["ts"] + e["dur"]) for e in done if "/device:" in procs.get(e["pid"], ""))
     host = sorted((e for e in done if "/device:" not in procs.get(e["pid"], "")), key=lambda e: (e["ts"], -e["dur"]))
@@ -89,7 +99,7 @@ def print_host(files: list[Path], root: Path) -> None:
     print("| trace | call | returns after ms | first kernel after ms | " + " | ".join(f"{n} ms" for n in names) + " |")
     print("|---|---|---:|---:|" + "---:|" * len(names))
     for f in files:
-        name = f.relative_to(root).parts[0] if f != root else f.name
+        name = _label(f, root)
         for i, c in enumerate(host_calls(json.load(gzip.open(f)))):
             first = "" if c["to_device_us"] is None else f"{c['to_device_us'] / 1e3:.3f}"
             cols = " | ".join(f"{c['phases'][n] / 1e3:.3f}" for n in names)
@@ -117,7 +127,7 @@ def main(argv=None) -> None:
         for stream, events in device_events(json.load(gzip.open(f))).items():
             g, n = gaps(events), args.steps
             largest = "; ".join(f"{us:.1f} ({a[:24]} -> {b[:24]})" for us, a, b in g["gaps"][:args.gaps])
-            name = f.relative_to(root).parts[0] if f != root else f.name
+            name = _label(f, root)
             idle_share = 100 * g["idle_us"] / g["span_us"]
             print(f"| {name} | {stream} | {len(events) // n} | {g['span_us'] / n / 1e3:.3f} | "
                   f"{g['busy_us'] / n / 1e3:.3f} | {g['idle_us'] / n / 1e3:.3f} ({idle_share:.1f}%) | {largest} |")

@@ -79,13 +79,20 @@ def _tiles(cfg_bn, cfg_bk, n, k_stored, fmt, w, s, what):
     return bn, bk, fp8_block
 
 
+def _grid_order(rows_fastest: bool):
+    """(grid index 0, grid index 1) -> (column block j, tile t), the one convention `_triton_call`'s specs and its
+    kernels read their ids by (it is its own inverse: it also maps (j, t) sizes to the grid's)."""
+    return (lambda a, b: (b, a)) if rows_fastest else (lambda a, b: (a, b))
+
+
 def _triton_call(kernel, *, args, x_parts, bm, bn, grid, out_shape, cfg, interpret, name, rows_fastest=False):
     """grid = (column blocks j, tiles t): program_id(0) = j is the fastest-launched axis, so the programs
     of one tile run together and re-read its activation rows from L2, not HBM (each weight slice is read
     by one program per tile either way). rows_fastest: grid = (t, j), the programs of one column block run
-    together and re-read its weight slice from L2 (a dense linear over many row tiles)."""
+    together and re-read its weight slice from L2 (a dense linear over many row tiles); the kernel reads its
+    (j, t) through `_grid_order` too."""
     from jax.experimental.pallas import triton as plt
-    jt = (lambda a, b: (b, a)) if rows_fastest else (lambda a, b: (a, b))  # noqa: E731 - grid ids -> (j, t)
+    jt = _grid_order(rows_fastest)
     full = lambda a: pl.BlockSpec(a.shape, lambda g0, g1, n=a.ndim: (0,) * n)  # noqa: E731
     row_block = lambda a: pl.BlockSpec((bm,) + a.shape[1:],  # noqa: E731
                                        lambda g0, g1, n=a.ndim: (jt(g0, g1)[1],) + (0,) * (n - 1))
@@ -173,7 +180,7 @@ def down(zparts, tile_expert, w2, s2, *, fmt, cfg: TritonConfig, out_dtype, inte
         z_refs, w2_ref = refs[:nz], refs[nz]
         s2_ref, y_ref = refs[nz + 1:] if fmt != "dense" else (None, refs[nz + 1])
         z_refs, zs_ref = (z_refs, None) if z_scale is None else (z_refs[:-1], z_refs[-1])
-        j, t = (pl.program_id(1), pl.program_id(0)) if rows_fastest else (pl.program_id(0), pl.program_id(1))
+        j, t = _grid_order(rows_fastest)(pl.program_id(0), pl.program_id(1))
         e = te_ref[t]
 
         @pl.when(e >= 0)

@@ -5,7 +5,8 @@ rho = rsqrt(mean(flat(X)^2) + eps), m = rho * (fn @ flat(X)) (fp32), then
 pre = sigmoid(m_pre * s0 + b_pre) + hc_eps, post = 2 sigmoid(m_post * s1 + b_post),
 comb = Sinkhorn(softmax_rows(M * s2 + B) + hc_eps) ending on a column normalisation.
 collapse: y = sum_i pre_i X_i; expand: X'_j = post_j F + sum_i comb_ij X_i.
-batch_invariant=True (cfg.batch_invariant) runs each function on fixed blocks of tokens (`invariant.row_blocks`).
+batch_invariant=True (cfg.batch_invariant): the jnp functions run on fixed blocks of tokens (`invariant.row_blocks`),
+the kernels with their coefficient GEMM on fixed tiles (pallas_kernels/mhc.py `coefficients`).
 
 A sublayer uses them through `mix_in` (coefficients + collapse) and `mix_out` (expand), which run either these
 jnp functions (cfg.mhc_impl "reference") or the two fused kernels of pallas_kernels/mhc.py ("pallas"). Between the
@@ -96,7 +97,7 @@ def mix_in(hc: HyperConnection, x: jax.Array, carried: jax.Array | None, *, impl
         lead, (n, d) = x.shape[:-2], x.shape[-2:]
         y, coef = pk_mhc.mix_in(x.reshape(-1, n, d), fn, base, scale,
                                 None if carried is None else carried.reshape(-1, carried.shape[-1]),
-                                norm_eps=norm_eps, hc_eps=hc_eps, iters=sinkhorn_iters)
+                                norm_eps=norm_eps, hc_eps=hc_eps, iters=sinkhorn_iters, invariant=batch_invariant)
         return y.reshape(*lead, d), coef.reshape(*lead, coef.shape[-1])
     return per_batch_shard(per_shard, kernel, (x, carried), (hc.fn[...], hc.base[...], hc.scale[...]))
 

@@ -12,10 +12,10 @@ batch, the chunk or the cache length.
   trip is inlined, and a fusion with the caller's ops can change how an exp or a sum is emitted); on a mesh
   the blocks stay whole on every device (`whole_blocks`). A row's result does not depend on its block-mates
   nor on its place in the block (tests/test_batch_invariance.py).
-* `rms_normalize`: x * rsqrt(mean(x^2) + eps) per row with the sum of squares as a fixed pairwise tree of
-  elementwise adds over halves of the row (`pairwise_sum`), between optimization barriers: elementwise
-  arithmetic is the same per element whatever the shape, so no loop is needed (the RMS norms, V4's per-head
-  query norm over rows x heads).
+* `rms_normalize`: x * rsqrt(mean(x^2) + eps) per row (`rms_scale`: the scale alone) with the sum of squares as
+  a fixed pairwise tree of elementwise adds over halves of the row (`pairwise_sum`), between optimization
+  barriers: elementwise arithmetic is the same per element whatever the shape, so no loop is needed (the RMS
+  norms, V4's per-head query norm over rows x heads, the mHC kernels' statistic).
 * `sink_attention`: a block of query rows against its keys gathered per row in a canonical order (the
   window by absolute position, then the selected entries), plus optionally the compressed entries in
   blocks of ENTRY_BLOCK added one block after another: blocks past a row's visible entries add exact zeros,
@@ -99,13 +99,18 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
     return x
 
 
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) over the last axis in float32, the statistic by `pairwise_sum` of the squares,
-    which are formed apart (an optimization barrier) so that no multiply fuses into the tree's adds."""
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """rsqrt(mean(x^2) + eps) over the last axis in float32 -> [..., 1], the statistic by `pairwise_sum` of the
+    squares, which are formed apart (an optimization barrier) so that no multiply fuses into the tree's adds."""
     x = jax.lax.optimization_barrier(x.astype(jnp.float32))
     squares = jax.lax.optimization_barrier(x * x)
-    stat = pairwise_sum(squares) / x.shape[-1]
-    return jax.lax.optimization_barrier(x * jax.lax.rsqrt(stat + eps))
+    return jax.lax.rsqrt(pairwise_sum(squares) / x.shape[-1] + eps)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x * `rms_scale`(x) over the last axis in float32."""
+    x = jax.lax.optimization_barrier(x.astype(jnp.float32))
+    return jax.lax.optimization_barrier(x * rms_scale(x, eps))
 
 
 def row_sequences(batch: int, rows: int) -> jax.Array:

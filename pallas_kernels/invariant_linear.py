@@ -16,6 +16,8 @@ A row-blocked XLA product (pallas_kernels/invariant.py `row_blocks`) gets the sa
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -44,27 +46,32 @@ def fp8_invariant_linear(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype
     return fp8_linear(x, w, scale, backend="triton", config=TILES, out_dtype=out_dtype, rows_fastest=True)
 
 
-@jax.jit
-def bf16_invariant_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames="k_split")
+def bf16_invariant_linear(x: jax.Array, w: jax.Array, k_split: int = 1) -> jax.Array:
     """x [M, K] (bf16, or float32 as three bf16 terms) @ w[N, K].T for bf16 w -> [M, N] float32, on TILES
-    whatever M; the terms' products added hi + mid, then + lo."""
+    whatever M; the terms' products added hi + mid, then + lo. k_split: K cut into that many equal chunks, each
+    chunk's product on its own tiles (more programs for a narrow weight with a long K: the mHC's) and the chunks
+    added in order; a property of the weight, never of M."""
     if w.dtype != jnp.bfloat16 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"bf16_invariant_linear: x [M, K] and a bf16 w [N, K], got x {x.shape} {x.dtype}, "
                          f"w {w.shape} {w.dtype}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"bf16_invariant_linear: x must be bf16 or float32, got {x.dtype}")
-    if not tiles_fit(*w.shape):
-        raise ValueError(f"bf16_invariant_linear: w {w.shape} does not tile by {TILES.block_n_down} x "
-                         f"{TILES.block_k_down}")
-    m = x.shape[0]
+    (n, k), m = w.shape, x.shape[0]
+    if k_split < 1 or k % k_split or not tiles_fit(n, k // k_split):
+        raise ValueError(f"bf16_invariant_linear: w {w.shape} cut into {k_split} K chunks does not tile by "
+                         f"{TILES.block_n_down} x {TILES.block_k_down}")
     terms = (x,) if x.dtype == jnp.bfloat16 else split_bf16x3(x)
     rows = len(terms) * m
     padded = -(-rows // TILES.block_m) * TILES.block_m
+    kc = k // k_split
     z = jnp.pad(jnp.concatenate(terms), ((0, padded - rows), (0, 0)))
-    tile_expert = jnp.zeros((padded // TILES.block_m,), jnp.int32)
-    y = triton_gemm.down((z,), tile_expert, w[None], None, fmt="dense", cfg=TILES, out_dtype=jnp.float32,
-                         interpret=interpret_flag("triton", None), rows_fastest=True)
-    parts = y[:rows].reshape(len(terms), m, w.shape[0])
+    z = z.reshape(padded, k_split, kc).transpose(1, 0, 2).reshape(k_split * padded, kc)   # chunk-major rows
+    tile_chunk = jnp.repeat(jnp.arange(k_split, dtype=jnp.int32), padded // TILES.block_m)
+    y = triton_gemm.down((z,), tile_chunk, w.reshape(n, k_split, kc).transpose(1, 0, 2), None, fmt="dense",
+                         cfg=TILES, out_dtype=jnp.float32, interpret=interpret_flag("triton", None),
+                         rows_fastest=True)
+    parts = y.reshape(k_split, padded, n)[:, :rows].reshape(k_split * len(terms), m, n)
     out = parts[0]
     for part in parts[1:]:
         out = out + part

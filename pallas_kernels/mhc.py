@@ -30,8 +30,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from .common import interpret_flag, next_pow2, split_bf16x3
+from .invariant import rms_scale
+from .invariant_linear import TILES as INVARIANT_TILES
+from .invariant_linear import bf16_invariant_linear
 
 F32 = jnp.float32
+INVARIANT_K_STEP = INVARIANT_TILES.block_k_down  # the fixed tiles' K step: nD padded to whole steps
+INVARIANT_K_CHUNK = 1024  # nD per chunk of the batch-invariant coefficient GEMM (V4-Flash's 16,384: 16 chunks)
 
 
 def packed_width(n: int) -> int:
@@ -145,11 +150,13 @@ def _rows_block(r: int, cap: int) -> int:
     return min(cap, max(16, next_pow2(r)))
 
 
-def _skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+def _skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float, invariant: bool) -> jax.Array:
     """m = rho (fn x) [R, P] for flat x [R, nD] and fn [P, nD] float32, with the norm as a post-scale. bf16 x: fn split
     into three bf16 terms (hi, mid, lo summing to it within float32 rounding) stacked into one [3P, nD] operand, so
     one bf16 GEMM reads x once and its products are exact in the float32 accumulator: the float32 linear, not
-    XLA's TF32 one. float32 x: an IEEE float32 GEMM."""
+    XLA's TF32 one. float32 x: an IEEE float32 GEMM. invariant: `_invariant_skinny_gemm`."""
+    if invariant:
+        return _invariant_skinny_gemm(flat, fn, norm_eps)
     xf = flat.astype(F32)
     rho = lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + norm_eps)
     if flat.dtype == F32:
@@ -160,28 +167,49 @@ def _skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     return rho * (parts[:, 0] + parts[:, 1] + parts[:, 2])
 
 
+def _invariant_skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+    """`_skinny_gemm` with every sum in an order fixed by fn's shape (ModelConfig.batch_invariant): rho by
+    `invariant.rms_scale`'s pairwise tree, the products of fn's three bf16 terms on `bf16_invariant_linear`'s fixed
+    tiles (a float32 x as three bf16 terms too: nine exact products) with nD cut into chunks of INVARIANT_K_CHUNK
+    (one [R, 3P] output per chunk: parallel programs where one tile column would run the whole nD alone); nD
+    zero-padded to whole 128-deep K steps where it is not (exact zeros added)."""
+    p, k = fn.shape
+    kp = -(-k // INVARIANT_K_STEP) * INVARIANT_K_STEP
+    k_split = kp // INVARIANT_K_CHUNK if kp % INVARIANT_K_CHUNK == 0 else 1
+    w = jnp.concatenate(split_bf16x3(fn))
+    n_pad = -(-3 * p // INVARIANT_TILES.block_n_down) * INVARIANT_TILES.block_n_down
+    w = jnp.pad(w, ((0, n_pad - 3 * p), (0, kp - k)))
+    x = jnp.pad(flat, ((0, 0), (0, kp - k)))
+    parts = bf16_invariant_linear(x, w, k_split=k_split)[:, :3 * p].reshape(flat.shape[0], 3, p)
+    return rms_scale(flat, norm_eps) * (parts[:, 0] + parts[:, 1] + parts[:, 2])
+
+
 def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return a if a.shape[0] == rows else jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "block_rows", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "invariant", "block_rows", "num_warps",
+                                             "interpret"))
 def coefficients(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float, hc_eps: float,
-                 iters: int, block_rows: int = 32, num_warps: int = 4, interpret=None) -> jax.Array:
+                 iters: int, invariant: bool = False, block_rows: int = 32, num_warps: int = 4,
+                 interpret=None) -> jax.Array:
     """x [R, n, D], fn [(2+n)n, nD], base [(2+n)n], scale [3] -> packed coefficients [R, P] float32. The skinny GEMM
     m = rho (fn x) is XLA's (`_skinny_gemm`, fn zero-padded to P rows so m arrives packed); the activations, the
-    row softmax and the Sinkhorn rounds run in one kernel on per-row registers."""
+    row softmax and the Sinkhorn rounds run in one kernel on per-row registers. invariant
+    (ModelConfig.batch_invariant): the GEMM on fixed tiles (`_invariant_skinny_gemm`) and block_rows rows per
+    program whatever R."""
     r, n, d = x.shape
     _check_supported(n, d)
     m = (2 + n) * n
     _check(fn.shape == (m, n * d) and base.shape == (m,) and scale.shape == (3,),
            f"fn [{m}, {n * d}], base [{m}], scale [3] expected, got {fn.shape}, {base.shape}, {scale.shape}")
     p = packed_width(n)
-    mp = _skinny_gemm(x.reshape(r, n * d), jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))), norm_eps)
+    mp = _skinny_gemm(x.reshape(r, n * d), jnp.pad(fn.astype(F32), ((0, p - m), (0, 0))), norm_eps, invariant)
     scale = scale.astype(F32)
     colscale = jnp.concatenate([jnp.broadcast_to(scale[k], (w,)) for k, w in enumerate((n, n, n * n))]
                                + [jnp.zeros((p - m,), F32)])
     z = mp * colscale + jnp.pad(base.astype(F32), (0, p - m))
-    br = _rows_block(r, block_rows)
+    br = block_rows if invariant else _rows_block(r, block_rows)
     rp = -(-r // br) * br
     coef = pl.pallas_call(
         functools.partial(_coefficients_kernel, n=n, iters=int(iters), hc_eps=float(hc_eps)), grid=(rp // br,),
@@ -218,10 +246,13 @@ def collapse(x: jax.Array, a: jax.Array, *, block_rows: int = 16, block_d: int =
 
 
 def mix_in(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, carried: jax.Array | None = None, *,
-           norm_eps: float, hc_eps: float, iters: int, interpret=None) -> tuple[jax.Array, jax.Array]:
+           norm_eps: float, hc_eps: float, iters: int, invariant: bool = False, interpret=None
+           ) -> tuple[jax.Array, jax.Array]:
     """x [R, n, D] (bf16 / f32), fn [(2+n)n, nD], base [(2+n)n], scale [3], carried [R, n] (the collapse vector;
-    None: this sublayer's own pre) -> (y [R, D] in x.dtype, packed coefficients [R, P] float32)."""
-    coef = coefficients(x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters, interpret=interpret)
+    None: this sublayer's own pre) -> (y [R, D] in x.dtype, packed coefficients [R, P] float32). invariant: as
+    `coefficients`'s (the collapse and expand add each row's n terms in one order whatever the rows already)."""
+    coef = coefficients(x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters, invariant=invariant,
+                        interpret=interpret)
     n = x.shape[1]
     if carried is not None:
         _check(carried.shape == (x.shape[0], n), f"carried must be [R={x.shape[0]}, {n}], got {carried.shape}")

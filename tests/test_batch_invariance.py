@@ -185,10 +185,10 @@ def test_sampled_acceptance_rows():
 
 def test_switch_validation():
     cfg = ModelConfig.preset("tiny-v4")
-    for field in ("attention_impl", "mhc_impl"):
-        with pytest.raises(ValueError, match="batch_invariant=True runs the reference paths"):
-            cfg.replace(batch_invariant=True, **{field: "pallas"})
+    with pytest.raises(ValueError, match="batch_invariant=True runs the reference paths"):
+        cfg.replace(batch_invariant=True, attention_impl="pallas")
     assert cfg.replace(batch_invariant=True, moe_impl="pallas").moe_impl == "pallas"   # one tiling per format
+    assert cfg.replace(batch_invariant=True, mhc_impl="pallas").mhc_impl == "pallas"   # its GEMM on fixed tiles
     # the FP8 linears on their fixed tiles, not with quant_sim's FP8 x FP8 (its MMA changes with the rows)
     assert cfg.replace(batch_invariant=True, dense_weights="fp8", dense_impl="pallas").dense_impl == "pallas"
     with pytest.raises(ValueError, match="dense_impl='pallas' and quant_sim=True is not supported"):
@@ -472,6 +472,18 @@ def test_dense_kernels_rows_ragged_and_verify():
     _check_ragged_chunked_and_verify(model)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_mhc_kernels_rows_ragged_and_verify(preset):
+    """mhc_impl="pallas" under the switch (pallas_kernels/mhc.py with its coefficient GEMM on fixed tiles,
+    interpreted on a CPU; V4's two passes and V4.1's carried collapse vector; three Sinkhorn rounds keep the
+    interpreter short): a sequence alone and at a row of a batch, chunked, ragged and verified, bitwise."""
+    cfg = small_config(preset).replace(mhc_impl="pallas", hc_sinkhorn_iters=3)
+    model = init_random(invariant(cfg), seed=1, dtype="bfloat16")
+    _check_forward_rows(model, ((3, 1),))
+    _check_ragged_chunked_and_verify(model)
+
+
 def gpu_release_experts(preset: str) -> ModelConfig:
     """A tiny preset with FP4 experts on the MoE kernels, widened to the Hopper FP4 tiles' 256-value steps."""
     return ModelConfig.preset(preset).replace(hidden_size=256, moe_intermediate_size=256, expert_weights="fp4",
@@ -483,14 +495,14 @@ def gpu_release_experts(preset: str) -> ModelConfig:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("experts", ["reference", "fp4-kernels", "release-kernels"])
 def test_gpu_rows_ragged_and_verify(preset, dtype, experts):
-    """On the GPU (the reference paths; "fp4-kernels": FP4 experts on the MoE kernels; "release-kernels": those
-    and the FP8 projections on their fixed tiles; both bf16 only): a sequence alone and at rows of batches up to 64
+    """On the GPU (the reference paths; "fp4-kernels": FP4 experts on the MoE kernels; "release-kernels": those,
+    the FP8 projections on their fixed tiles and the mHC kernels; both bf16 only): a sequence alone and at rows of batches up to 64
     (where XLA's library GEMMs would change algorithm on the default path), chunked, ragged and verified."""
     if experts != "reference" and dtype == "float32":
         pytest.skip("the FP4 expert kernels compute in bfloat16")
     cfg = ModelConfig.preset(preset) if experts == "reference" else gpu_release_experts(preset)
     if experts == "release-kernels":
-        cfg = cfg.replace(dense_weights="fp8", dense_impl="pallas")
+        cfg = cfg.replace(dense_weights="fp8", dense_impl="pallas", mhc_impl="pallas")
     model = init_random(invariant(cfg), seed=4, dtype=dtype)
     _check_forward_rows(model, ((6, 3), (64, 0), (64, 63)), 40)
     _check_ragged_chunked_and_verify(model)

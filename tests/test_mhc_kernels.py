@@ -12,7 +12,7 @@ from common import cuda_text, rel_err, seed_of_test, small_config
 from model import ModelConfig, init_random
 from model.mhc import hc_coefficients
 from pallas_kernels import mhc as K
-from pallas_kernels.common import split_bf16x3
+from pallas_kernels.common import lowering_for_hopper, split_bf16x3
 
 GPU = jax.default_backend() == "gpu"
 EPS = dict(norm_eps=1e-6, hc_eps=1e-6)
@@ -104,6 +104,27 @@ def test_bf16x3_split_is_exact_to_float32():
     assert all(p.dtype == jnp.bfloat16 for p in parts)
 
 
+@pytest.mark.parametrize("n,d,dtype", [
+    (4, 64, jnp.bfloat16),     # nD 256: one K chunk
+    (4, 512, jnp.float32),     # nD 2048: two chunks; float32 streams as three bf16 terms
+    (2, 48, jnp.bfloat16),     # nD 96: zero-padded to one 128-deep K step
+])
+def test_invariant_coefficients_rows_alone_and_in_batch(n, d, dtype):
+    """invariant=True (ModelConfig.batch_invariant): a row's packed coefficients are bitwise the same alone and at
+    any place of a batch of 40, and the model's coefficients (float64) to float32 rounding."""
+    x, fn, base, scale, _, _ = _inputs(40, n, d, dtype, seed_of_test())
+
+    def run(rows):
+        return np.asarray(K.coefficients(rows, fn, base, scale, iters=20, invariant=True, **EPS))
+    full = run(x)
+    for lo, hi in ((0, 1), (7, 8), (39, 40), (3, 21), (16, 40)):
+        np.testing.assert_array_equal(run(x[lo:hi]), full[lo:hi], err_msg=f"rows {lo}:{hi} of 40")
+    pre, post, comb = _coefficients64(x, fn, base, scale, 20)
+    np.testing.assert_allclose(full[:, :n], pre, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(full[:, n:2 * n], post, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(full[:, 2 * n:2 * n + n * n], comb.reshape(40, n * n), rtol=5e-5, atol=5e-6)
+
+
 def test_bad_shapes_raise():
     x, fn, base, scale, _, _ = _inputs(16, 4, 64, jnp.float32, 0)
     with pytest.raises(ValueError, match="n a power of two"):
@@ -117,20 +138,23 @@ def test_bad_shapes_raise():
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only: cross-lowering for CUDA")
-@pytest.mark.parametrize("rows,d", [(32, 4096), (256, 4096), (8192, 4096), (256, 5120)])
-def test_lower_for_cuda_at_flash_widths(rows, d):
+@pytest.mark.parametrize("rows,d,invariant", [(32, 4096, False), (256, 4096, False), (8192, 4096, False),
+                                              (256, 5120, False), (32, 4096, True), (256, 5120, True)])
+def test_lower_for_cuda_at_flash_widths(rows, d, invariant):
     """The three kernels lower for CUDA (Triton) at V4-Flash and V4.1-Flash widths (n = 4, D = 4096 / 5120) and
-    decode / verify / prefill row counts, without a GPU."""
+    decode / verify / prefill row counts, without a GPU; invariant: with the coefficient GEMM on fixed tiles (a
+    fourth Triton kernel)."""
     n = 4
     sds = jax.ShapeDtypeStruct
     args = (sds((rows, n, d), jnp.bfloat16), sds((24, n * d), jnp.float32), sds((24,), jnp.float32),
             sds((3,), jnp.float32))
 
     def f(x, fn, base, scale, fout):
-        y, coef = K.mix_in(x, fn, base, scale, iters=20, interpret=False, **EPS)
+        y, coef = K.mix_in(x, fn, base, scale, iters=20, invariant=invariant, interpret=False, **EPS)
         return K.mix_out(x, fout, coef, interpret=False), y
-    text = cuda_text(f, *args, sds((rows, d), jnp.bfloat16))
-    assert text.count("__gpu$xla.gpu.triton") >= 3
+    with lowering_for_hopper():   # the fixed tiles' GEMM chooses compiled code as on a GPU
+        text = cuda_text(f, *args, sds((rows, d), jnp.bfloat16))
+    assert text.count("__gpu$xla.gpu.triton") >= 3 + invariant
 
 
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])

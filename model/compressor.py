@@ -152,11 +152,12 @@ class Indexer(nnx.Module):
         self.candidate_topk_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
         self.batch_invariant = cfg.batch_invariant  # each query row's scores in a fixed order (_row_scores)
+        self.hadamard_tiles = cfg.dense_impl == "pallas"   # under batch_invariant: the rotation on fixed tiles
 
     def finish_keys(self, keys: jax.Array) -> jax.Array:
         """Rotated keys -> stored form: V4 Hadamard; FP4 sim (UE8M0 / 32) when quant_sim."""
         if self.v4:
-            keys = hadamard(keys, self.batch_invariant)
+            keys = hadamard(keys, self.batch_invariant, self.hadamard_tiles)
         return fp4_fake_quant(keys, 32) if self.quant_sim else keys
 
     def cached(self, keys: jax.Array) -> jax.Array:

@@ -238,15 +238,23 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: tuple[float, ...], inv
     return jnp.concatenate([x[..., :-rope_dim], rotated], axis=-1)
 
 
-def hadamard(x: jax.Array, batch_invariant: bool = False) -> jax.Array:
-    """Sylvester-order Walsh-Hadamard transform over the last axis, scaled by n^-1/2 (orthonormal); on fixed
-    blocks of rows if batch_invariant."""
+def hadamard(x: jax.Array, batch_invariant: bool = False, fixed_tiles: bool = False) -> jax.Array:
+    """Sylvester-order Walsh-Hadamard transform over the last axis, scaled by n^-1/2 (orthonormal). batch_invariant:
+    on fixed blocks of rows, or (fixed_tiles: cfg.dense_impl="pallas") over all rows at once as the +-1 matrix on
+    `bf16_invariant_linear`'s fixed tiles (its entries exact in bf16, the products exact in float32) scaled after."""
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"Hadamard transform needs a power-of-two width, got {n}")
     h = np.array([[1.0]])
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
+    if batch_invariant and fixed_tiles:
+        from pallas_kernels.invariant_linear import bf16_invariant_linear
+
+        flat = x.reshape(-1, n)
+        flat = flat if flat.dtype == jnp.bfloat16 else flat.astype(jnp.float32)
+        y = bf16_invariant_linear(flat, jnp.asarray(h.T, jnp.bfloat16)) * (1.0 / math.sqrt(n))
+        return y.reshape(x.shape).astype(x.dtype)
     h = jnp.asarray(h / math.sqrt(n), jnp.float32)
 
     def transform(x):

@@ -85,6 +85,22 @@ def test_rms_normalize_rows(width):
     assert inv.pairwise_sum(jnp.arange(7.0)[None]).shape == (1, 1) and float(inv.pairwise_sum(jnp.arange(7.0))[0]) == 21
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_hadamard_on_fixed_tiles(dtype):
+    """The indexer's rotation on the fixed tiles (dense_impl="pallas" under the switch): rows x heads alone and in
+    a batch, bitwise; the matrix form to float32 rounding (bf16: one rounding of the output)."""
+    from model.layers import hadamard
+
+    x = jnp.asarray(RNG.standard_normal((5, 7, 128)), dtype)
+    f = jax.jit(lambda v: hadamard(v, batch_invariant=True, fixed_tiles=True))
+    full = np.asarray(f(x).astype(jnp.float32))
+    for lo, hi in ((0, 1), (2, 3), (1, 5)):
+        np.testing.assert_array_equal(np.asarray(f(x[lo:hi]).astype(jnp.float32)), full[lo:hi])
+    np.testing.assert_array_equal(np.asarray(f(x[3:4, 2:3]).astype(jnp.float32)), full[3:4, 2:3])
+    want = np.asarray(hadamard(x).astype(jnp.float32))
+    assert rel_err(full, want) < (1e-6 if dtype == np.float32 else 4e-3)
+
+
 def test_row_blocks_shapes():
     x = jnp.asarray(RNG.standard_normal((3, 5, 7)), jnp.float32)
     out = inv.row_blocks(lambda a, b: (a * 2, None if b is None else b.sum(-1)), x, None, lead=2)

@@ -9,6 +9,7 @@ operands read, by the model code that made the loop.
         --steps verify,prefill --decode-batch 8,64 --context 32768
     python -m experiments.probes.invariant_loops --moe-impl pallas            # the experts on the MoE kernels
     python -m experiments.probes.invariant_loops --moe-impl pallas --dense-impl pallas   # and the FP8 projections
+    python -m experiments.probes.invariant_loops --moe-impl pallas --dense-impl pallas --mhc-impl pallas   # the mHC
     python -m experiments.probes.invariant_loops --blocks 8,16,16             # other block sizes
 
 With `--moe-impl pallas` the routed experts run on the MoE kernels (their calls counted, not their bytes). The
@@ -45,14 +46,21 @@ def _jaxprs(params: dict):
                 yield inner
 
 
-def _where(eqn) -> str:
-    """The model code (file:line (function)) that made an equation."""
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    if frame is None:
-        return "?"
+def _frame_text(frame) -> str:
     path = Path(frame.file_name)
     name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
     return f"{name}:{frame.start_line} ({frame.function_name})"
+
+
+def _where(eqn) -> str:
+    """The model code (file:line (function)) that made an equation; for the loop of `invariant.row_blocks`, the
+    code that called it."""
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+    if not frames:
+        return "?"
+    if frames[0].function_name == "row_blocks" and len(frames) > 1:
+        return f"{_frame_text(frames[1])} via row_blocks"
+    return _frame_text(frames[0])
 
 
 def _nbytes(aval) -> int:
@@ -136,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the routed experts on the reference tiles or on the MoE kernels (one tiling per format)")
     p.add_argument("--dense-impl", choices=("reference", "pallas"), default="reference",
                    help="the FP8 projections on row blocks or on the FP8 linears' fixed tiles over all rows")
+    p.add_argument("--mhc-impl", choices=("reference", "pallas"), default="reference",
+                   help="the mHC on row blocks or on its kernels (the coefficient GEMM on fixed tiles)")
     p.add_argument("--steps", default="verify,prefill", help="comma list of prefill, verify")
     p.add_argument("--decode-batch", default="8,64", help="comma list")
     p.add_argument("--prefill-batch", type=int, default=1)
@@ -166,7 +176,7 @@ def main(argv=None) -> dict:
     if args.layers:
         cfg = scale_layers(cfg, args.layers)
     cfg = cfg.replace(batch_invariant=True, expert_weights=args.expert_weights, dense_weights=args.dense_weights,
-                      moe_impl=args.moe_impl, dense_impl=args.dense_impl)
+                      moe_impl=args.moe_impl, dense_impl=args.dense_impl, mhc_impl=args.mhc_impl)
     records = []
     blocks = inv.set_blocks(asked)
     try:
@@ -182,7 +192,7 @@ def main(argv=None) -> dict:
     command = "python -m experiments.probes.invariant_loops " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"# Loops of the batch-invariant step: {cfg.name} ({cfg.num_layers} layers), {args.dtype} "
              f"({cfg.dense_weights} dense on the {cfg.dense_impl} path, {cfg.expert_weights} experts on the "
-             f"{cfg.moe_impl} path), "
+             f"{cfg.moe_impl} path, the mHC on the {cfg.mhc_impl} path), "
              f"jax {jax.__version__}, git {short_revision()}", "",
              f"`{command}`", "",
              "| step | batch x rows | context | row / entry / index-key block | expert tiles per layer | loop trips "

@@ -40,6 +40,12 @@ def tiles_fit(n: int, k: int) -> bool:
     return fits(n, TILES.block_n_down) and fits(k, TILES.block_k_down)
 
 
+def _tile_rows(n: int) -> int:
+    """n weight rows padded to what TILES takes: a power of two from 16 below the tile, whole tiles above."""
+    t = TILES.block_n_down
+    return max(16, 1 << (n - 1).bit_length()) if n < t else -(-n // t) * t
+
+
 def fp8_invariant_linear(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype) -> jax.Array:
     """x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] with block scales [G, N/B, K/B], bf16 (or float32)
     activations -> [G, M, N] in out_dtype, on TILES whatever M."""
@@ -49,7 +55,8 @@ def fp8_invariant_linear(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype
 @functools.partial(jax.jit, static_argnames="k_split")
 def bf16_invariant_linear(x: jax.Array, w: jax.Array, k_split: int = 1) -> jax.Array:
     """x [M, K] (bf16, or float32 as three bf16 terms) @ w[N, K].T for bf16 w -> [M, N] float32, on TILES
-    whatever M; the terms' products added hi + mid, then + lo. k_split: K cut into that many equal chunks, each
+    whatever M (an N that `tiles_fit` refuses padded with zero rows per call: for small weights); the terms'
+    products added hi + mid, then + lo. k_split: K cut into that many equal chunks, each
     chunk's product on its own tiles (more programs for a narrow weight with a long K: the mHC's) and the chunks
     added in order; a property of the weight, never of M."""
     if w.dtype != jnp.bfloat16 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
@@ -58,9 +65,11 @@ def bf16_invariant_linear(x: jax.Array, w: jax.Array, k_split: int = 1) -> jax.A
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"bf16_invariant_linear: x must be bf16 or float32, got {x.dtype}")
     (n, k), m = w.shape, x.shape[0]
-    if k_split < 1 or k % k_split or not tiles_fit(n, k // k_split):
+    if k_split < 1 or k % k_split or not tiles_fit(TILES.block_n_down, k // k_split):
         raise ValueError(f"bf16_invariant_linear: w {w.shape} cut into {k_split} K chunks does not tile by "
-                         f"{TILES.block_n_down} x {TILES.block_k_down}")
+                         f"{TILES.block_k_down} in K")
+    if not tiles_fit(n, k):   # a small or ragged N (the router's experts, the mHC's columns): zero rows added
+        w = jnp.pad(w, ((0, _tile_rows(n) - n), (0, 0)))
     terms = (x,) if x.dtype == jnp.bfloat16 else split_bf16x3(x)
     rows = len(terms) * m
     padded = -(-rows // TILES.block_m) * TILES.block_m
@@ -68,10 +77,11 @@ def bf16_invariant_linear(x: jax.Array, w: jax.Array, k_split: int = 1) -> jax.A
     z = jnp.pad(jnp.concatenate(terms), ((0, padded - rows), (0, 0)))
     z = z.reshape(padded, k_split, kc).transpose(1, 0, 2).reshape(k_split * padded, kc)   # chunk-major rows
     tile_chunk = jnp.repeat(jnp.arange(k_split, dtype=jnp.int32), padded // TILES.block_m)
-    y = triton_gemm.down((z,), tile_chunk, w.reshape(n, k_split, kc).transpose(1, 0, 2), None, fmt="dense",
+    np_ = w.shape[0]
+    y = triton_gemm.down((z,), tile_chunk, w.reshape(np_, k_split, kc).transpose(1, 0, 2), None, fmt="dense",
                          cfg=TILES, out_dtype=jnp.float32, interpret=interpret_flag("triton", None),
                          rows_fastest=True)
-    parts = y.reshape(k_split, padded, n)[:, :rows].reshape(k_split * len(terms), m, n)
+    parts = y.reshape(k_split, padded, np_)[:, :rows, :n].reshape(k_split * len(terms), m, n)
     out = parts[0]
     for part in parts[1:]:
         out = out + part

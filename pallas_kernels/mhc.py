@@ -176,11 +176,9 @@ def _invariant_skinny_gemm(flat: jax.Array, fn: jax.Array, norm_eps: float) -> j
     p, k = fn.shape
     kp = -(-k // INVARIANT_K_STEP) * INVARIANT_K_STEP
     k_split = kp // INVARIANT_K_CHUNK if kp % INVARIANT_K_CHUNK == 0 else 1
-    w = jnp.concatenate(split_bf16x3(fn))
-    n_pad = -(-3 * p // INVARIANT_TILES.block_n_down) * INVARIANT_TILES.block_n_down
-    w = jnp.pad(w, ((0, n_pad - 3 * p), (0, kp - k)))
+    w = jnp.pad(jnp.concatenate(split_bf16x3(fn)), ((0, 0), (0, kp - k)))
     x = jnp.pad(flat, ((0, 0), (0, kp - k)))
-    parts = bf16_invariant_linear(x, w, k_split=k_split)[:, :3 * p].reshape(flat.shape[0], 3, p)
+    parts = bf16_invariant_linear(x, w, k_split=k_split).reshape(flat.shape[0], 3, p)
     return rms_scale(flat, norm_eps) * (parts[:, 0] + parts[:, 1] + parts[:, 2])
 
 

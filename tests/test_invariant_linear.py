@@ -41,12 +41,13 @@ def test_fp8_rows_do_not_depend_on_the_batch(g, block):
         fp8_linear(x, w, s, backend="dequantised", rows_fastest=True)
 
 
-@pytest.mark.parametrize("x_dtype,k_split", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.float32, 2)])
-def test_bf16_rows_do_not_depend_on_the_batch(x_dtype, k_split):
+@pytest.mark.parametrize("x_dtype,k_split,n", [(jnp.float32, 1, 320), (jnp.bfloat16, 1, 320), (jnp.float32, 2, 320),
+                                               (jnp.bfloat16, 1, 8), (jnp.float32, 2, 96)])
+def test_bf16_rows_do_not_depend_on_the_batch(x_dtype, k_split, n):
     """float32 inputs as three bf16 terms: the float32 linear (float64 reference) to float32 rounding; bf16 inputs
-    one term; K in chunks added in order."""
+    one term; K in chunks added in order; N off the tiles (8, 96) padded."""
     rng = np.random.default_rng(21)
-    w = jnp.asarray(rng.standard_normal((320, 256)) * 0.06, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, 256)) * 0.06, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((70, 256)), x_dtype)
     full = _rows_alone_equal_rows_in_batch(lambda v: bf16_invariant_linear(v, w, k_split=k_split), x)
     exact = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
@@ -57,7 +58,7 @@ def test_bf16_refuses_what_it_cannot_tile():
     x = jnp.ones((4, 256), jnp.float32)
     assert tiles_fit(320, 256) and tiles_fit(16, 128) and not tiles_fit(96, 128) and not tiles_fit(8, 128)
     with pytest.raises(ValueError, match="does not tile"):
-        bf16_invariant_linear(x, jnp.ones((96, 256), jnp.bfloat16))
+        bf16_invariant_linear(jnp.ones((4, 200), jnp.float32), jnp.ones((64, 200), jnp.bfloat16))
     with pytest.raises(ValueError, match="cut into 3 K chunks does not tile"):
         bf16_invariant_linear(x, jnp.ones((64, 256), jnp.bfloat16), k_split=3)
     with pytest.raises(ValueError, match="a bf16 w"):

@@ -75,25 +75,43 @@ class Gate(nnx.Module):
 
     def __call__(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32); under cfg.batch_invariant
-        on fixed blocks of tokens, each token's choices in increasing expert id."""
-        if self.cfg.batch_invariant:
-            return inv.row_blocks(lambda h, t: inv.sort_choices(*self.route(h, t)), h, tokens)
-        return self.route(h, tokens)
+        each token's choices in increasing expert id, routed on fixed blocks of tokens, or (cfg.dense_impl="pallas"
+        and a bf16 weight) all tokens at once with the logits on fixed tiles (`route`'s fixed_tiles)."""
+        if not self.cfg.batch_invariant:
+            return self.route(h, tokens)
+        if self.cfg.dense_impl == "pallas" and self.weight[...].dtype == jnp.bfloat16:
+            return inv.sort_choices(*self.route(h, tokens, fixed_tiles=True))
+        return inv.row_blocks(lambda h, t: inv.sort_choices(*self.route(h, t)), h, tokens)
 
-    def route(self, h: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The router: h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32)."""
+    def route(self, h: jax.Array, tokens: jax.Array, fixed_tiles: bool = False) -> tuple[jax.Array, jax.Array]:
+        """The router: h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32). fixed_tiles
+        (batch invariance over all rows at once): the logits by `bf16_invariant_linear`, the scores between
+        optimization barriers (elementwise, or a softmax whose sum is `invariant.pairwise_sum`), the weights' sum
+        by `invariant.pairwise_sum`: no op whose code XLA picks by the number of tokens."""
         cfg = self.cfg
         # IEEE float32 logits, as the official gate (torch's fp32 linear of the upcast operands, no TF32): bf16 / f16
         # operands multiply as they are, their products exact in the float32 accumulator; float32 ones ask for
         # HIGHEST, as XLA runs float32 GEMMs as TF32 on the GPU (8K tokens, H200: 0.35 ms against 0.05, and TF32
         # changed 0.15% of the tokens' expert sets; experiments/probes/router_precision.py)
         w = self.weight[...]
-        if h.dtype == w.dtype and jnp.finfo(h.dtype).nmant <= 11:
+        if fixed_tiles:
+            from pallas_kernels.invariant_linear import bf16_invariant_linear
+
+            logits = jax.lax.optimization_barrier(
+                bf16_invariant_linear(h if h.dtype == jnp.bfloat16 else h.astype(jnp.float32), w))
+        elif h.dtype == w.dtype and jnp.finfo(h.dtype).nmant <= 11:
             logits = jnp.einsum("md,ed->me", h, w, preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), w.astype(jnp.float32),
                                 precision=jax.lax.Precision.HIGHEST)
-        scores = score_function(cfg.scoring_func, logits / cfg.gate_temp)
+        scaled = logits / cfg.gate_temp
+        if fixed_tiles and cfg.scoring_func == "softmax":   # the maximum is exact in any order, the sum is not
+            z = jax.lax.optimization_barrier(jnp.exp(scaled - jnp.max(scaled, -1, keepdims=True)))
+            scores = z / inv.pairwise_sum(z)
+        else:
+            scores = score_function(cfg.scoring_func, scaled)
+        if fixed_tiles:
+            scores = jax.lax.optimization_barrier(scores)
         if self.tid2eid is not None:
             ids = jnp.take(self.tid2eid[...], tokens, axis=0).astype(jnp.int32)
         else:
@@ -102,7 +120,8 @@ class Gate(nnx.Module):
         if cfg.norm_topk_prob and (cfg.generation == "v4" or self.k > 1):
             # V4 normalises without an epsilon; V4.1 adds 1e-20 (and skips k = 1), as trained
             eps = 0.0 if cfg.generation == "v4" else 1e-20
-            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + eps)
+            total = inv.pairwise_sum(weights) if fixed_tiles else jnp.sum(weights, axis=-1, keepdims=True)
+            weights = weights / (total + eps)
         return ids, weights * cfg.routed_scaling_factor
 
 

@@ -101,6 +101,31 @@ def test_hadamard_on_fixed_tiles(dtype):
     assert rel_err(full, want) < (1e-6 if dtype == np.float32 else 4e-3)
 
 
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_router_on_fixed_tiles(scoring):
+    """The router under the switch with dense_impl="pallas" (logits on the fixed tiles, all tokens at once): a
+    token's choices and weights alone and at any place of a batch of 70, bitwise; the same experts as the default
+    router and weights to float32 rounding."""
+    from flax import nnx
+
+    from model.moe import Gate
+
+    cfg = ModelConfig.preset("tiny-v4").replace(batch_invariant=True, dense_weights="fp8", dense_impl="pallas",
+                                               scoring_func=scoring)
+    spec = next(s for s in cfg.layer_specs if not s.hash_routed)
+    gate = Gate(cfg, spec, rngs=nnx.Rngs(3), dtype=jnp.bfloat16)
+    h = jnp.asarray(RNG.standard_normal((70, cfg.hidden_size)), jnp.bfloat16)
+    tokens = jnp.zeros((70,), jnp.int32)
+    ids, weights = (np.asarray(a) for a in gate(h, tokens))
+    for lo, hi in ((0, 1), (5, 6), (69, 70), (3, 40)):
+        sub_ids, sub_w = gate(h[lo:hi], tokens[lo:hi])
+        np.testing.assert_array_equal(np.asarray(sub_ids), ids[lo:hi])
+        np.testing.assert_array_equal(np.asarray(sub_w), weights[lo:hi])
+    want_ids, want_w = inv.sort_choices(*gate.route(h, tokens))
+    np.testing.assert_array_equal(ids, np.asarray(want_ids))
+    np.testing.assert_allclose(weights, np.asarray(want_w), rtol=1e-5)
+
+
 def test_row_blocks_shapes():
     x = jnp.asarray(RNG.standard_normal((3, 5, 7)), jnp.float32)
     out = inv.row_blocks(lambda a, b: (a * 2, None if b is None else b.sum(-1)), x, None, lead=2)

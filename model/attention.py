@@ -13,6 +13,8 @@ sources publish them, Reuse layers read them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -61,6 +63,9 @@ class Attention(nnx.Module):
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
         self.batch_invariant = cfg.batch_invariant  # every query row's sums in a fixed order (_rows_attention)
         self.impl = cfg.attention_impl  # "reference" | "pallas" | "mgpu" (_attention_kernel, _topk_kernel)
+        # the attention core on its kernel; under batch_invariant it has no invariant tiling and runs
+        # _rows_attention, while "pallas" puts the indexer's scores on their kernel's fixed tiling
+        self.core_kernel = self.impl != "reference" and not self.batch_invariant
         # the runner of the Pallas kernels on a mesh (sharding.BatchParallel: once per batch shard, as GSPMD cannot
         # split a pallas_call; static), from the model's runtime (Transformer._bind); None: on the whole batch
         self.per_shard = None
@@ -153,7 +158,7 @@ class Attention(nnx.Module):
         arrays are views: `cache.read`).
         """
         pos = step.positions
-        q, c_q = self.queries(h, pos, normalize=self.impl == "reference")
+        q, c_q = self.queries(h, pos, normalize=not self.core_kernel)
         kv = self.keys(h, pos)
         floor = step.floor[:, None]
         ring_pos = ring_positions(step.start, cache.kv.shape[1])
@@ -174,17 +179,19 @@ class Attention(nnx.Module):
             if self.indexer is not None:
                 with jax.named_scope("indexer"):
                     iq, iw = self.indexer.queries(h, c_q, pos)
-                    if self.impl != "reference":
+                    if self.core_kernel:
                         topk, cand = self._topk_kernel(iq, iw, shared.keys, pos, shared.candidates)
                     else:
-                        topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates)
+                        scores = (functools.partial(self._fixed_tile_scores, pos=pos)
+                                  if self.batch_invariant and self.impl != "reference" else None)
+                        topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates, scores)
                 shared = shared.replace(topk=topk, candidates=cand)
             if self.spec.topk_source is not None:
                 visible = visible & ref.indices_to_mask(shared.topk, entries.shape[1])
             keys.append(entries)
             masks.append(visible)
         with jax.named_scope("attn_core"):
-            if self.impl != "reference":
+            if self.core_kernel:
                 o = self._attention_kernel(q, step, keys, ring_pos, own_pos, shared)
             elif self.batch_invariant:
                 o = self._rows_attention(q, step, keys, ring_pos, own_pos, shared)
@@ -208,6 +215,17 @@ class Attention(nnx.Module):
                 publish_groups=ix.candidate_topk_blocks if ix.candidate_source else 0)
         topk, published = self._per_sequence(kernel, (iq, iw, keys, pos, candidates if ix.uses_candidates else None))
         return topk, published if ix.candidate_source else candidates
+
+    def _fixed_tile_scores(self, iq: jax.Array, iw: jax.Array, keys: jax.Array, pos: jax.Array) -> jax.Array:
+        """Under cfg.batch_invariant: the indexer's scores [B, T, N] on its fused kernel at one tiling whatever the
+        rows (its prefill tiles), the keys as cached (MXFP4 rows read as stored): each (row, entry) score is one MMA
+        over the head dim and a sum over heads in a fixed order, whatever the batch, the chunk or the cache length."""
+        from pallas_kernels import indexer as pk_indexer
+
+        def kernel(iq, iw, keys, pos):
+            scores, _ = pk_indexer.indexer_scores(iq, iw, keys, pos, ratio=self.indexer.ratio, mode="prefill")
+            return scores[..., :keys.shape[1]]
+        return self._per_sequence(kernel, (iq, iw, keys, pos))
 
     def _per_sequence(self, fn, batched: tuple, replicated: tuple = ()):
         return per_batch_shard(self.per_shard, fn, batched, replicated)

@@ -18,6 +18,8 @@ later Reindex layers restrict their scores to them (level 2).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -176,16 +178,16 @@ class Indexer(nnx.Module):
         return q, w
 
     def select(self, q: jax.Array, w: jax.Array, keys: jax.Array, positions: jax.Array,
-               candidates: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+               candidates: jax.Array | None = None, row_scores: Callable | None = None
+               ) -> tuple[jax.Array, jax.Array | None]:
         """Top-k entry indices per query [B, T, min(K, N)] (-1 = none), and the candidate mask this
-        layer publishes (candidate source) or passes on."""
+        layer publishes (candidate source) or passes on. row_scores (q, w, keys as cached) -> [B, T, N]: under
+        cfg.batch_invariant, how each row's scores are computed in their fixed order (None: `_row_scores`)."""
         visible = visible_entries(positions, keys.shape[1], self.ratio)
-        if keys.dtype == jnp.uint8:   # MXFP4 cache rows (exact in bf16)
-            keys = ref.dequantize_rows(keys, None).astype(q.dtype)
         if self.batch_invariant:
-            scores = jnp.where(visible, self._row_scores(q, w, keys), ref.NEG_INF)
+            scores = jnp.where(visible, (row_scores or self._row_scores)(q, w, keys), ref.NEG_INF)
         else:
-            scores = ref.indexer_scores(q, w, keys, visible)
+            scores = ref.indexer_scores(q, w, self._plain(keys, q.dtype), visible)
         if self.candidate_source:
             candidates = candidate_blocks(scores, (positions + 1) // self.ratio, self.candidate_topk_blocks,
                                           self.candidate_block_size)
@@ -193,10 +195,16 @@ class Indexer(nnx.Module):
             scores = jnp.where(candidates, scores, -jnp.inf)
         return ref.topk_indices(scores, self.topk), candidates
 
+    @staticmethod
+    def _plain(keys: jax.Array, dtype) -> jax.Array:
+        """Cached keys [B, N, DI] as values: MXFP4 cache rows (uint8) dequantised (exact in bf16) to dtype."""
+        return ref.dequantize_rows(keys, None).astype(dtype) if keys.dtype == jnp.uint8 else keys
+
     def _row_scores(self, q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
         """`reference.indexer_scores` unmasked, each query row against its sequence's keys in blocks of
         `invariant.INDEX_KEY_BLOCK` on fixed blocks of rows (cfg.batch_invariant). q [B, T, HI, DI], w [B, T, HI],
-        keys [B, N, DI] -> [B, T, N] float32."""
+        keys [B, N, DI] (or MXFP4 cache rows) -> [B, T, N] float32."""
         b, t = q.shape[:2]
         seq_of_row = inv.row_sequences(b, t)
+        keys = self._plain(keys, q.dtype)
         return inv.row_blocks(lambda q, w, seq: inv.indexer_scores(q, w, keys[seq]), q, w, seq_of_row, lead=2)

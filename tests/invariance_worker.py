@@ -81,12 +81,15 @@ def run(out_path: str, mode: str) -> None:
 
     assert jax.device_count() == 8, jax.devices()
     matrix = mode == "mesh-matrix"
-    kernels = mode == "mesh-kernels"   # the routed experts on the MoE kernels (interpreted on the CPU)
+    kernels = mode == "mesh-kernels"   # every kernel with an invariant tiling (interpreted on the CPU)
     cases = []
     sampled = dict(temperature=1.0, seed=5, sequence_ids=[11, 3, 29, 7, 0, 18, 2, 40])
     for preset, dtype in ([("tiny-v4", "bfloat16"), ("tiny-v4", "float32"), ("tiny-v41", "bfloat16"),
                            ("tiny-v41", "float32")] if matrix else [("tiny-v4", "bfloat16")]):
-        cfg = small_config(preset).replace(batch_invariant=True, moe_impl="pallas" if kernels else "reference")
+        cfg = small_config(preset).replace(batch_invariant=True)
+        if kernels:   # three Sinkhorn rounds keep the interpreted mHC short
+            cfg = cfg.replace(moe_impl="pallas", mhc_impl="pallas", hc_sinkhorn_iters=3, attention_impl="pallas",
+                              dense_weights="fp8", dense_impl="pallas")
         model = init_random(cfg, seed=0, dtype=dtype)
         rng = np.random.default_rng(11)
         tokens = rng.integers(3, cfg.vocab_size - 2, (8, 12))

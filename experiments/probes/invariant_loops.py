@@ -9,7 +9,8 @@ operands read, by the model code that made the loop.
         --steps verify,prefill --decode-batch 8,64 --context 32768
     python -m experiments.probes.invariant_loops --moe-impl pallas            # the experts on the MoE kernels
     python -m experiments.probes.invariant_loops --moe-impl pallas --dense-impl pallas   # and the FP8 projections
-    python -m experiments.probes.invariant_loops --moe-impl pallas --dense-impl pallas --mhc-impl pallas   # the mHC
+    python -m experiments.probes.invariant_loops --moe-impl pallas --dense-impl pallas --mhc-impl pallas \
+        --attention-impl pallas                                   # and the mHC and indexer-scoring kernels
     python -m experiments.probes.invariant_loops --blocks 8,16,16             # other block sizes
 
 With `--moe-impl pallas` the routed experts run on the MoE kernels (their calls counted, not their bytes). The
@@ -146,6 +147,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the FP8 projections on row blocks or on the FP8 linears' fixed tiles over all rows")
     p.add_argument("--mhc-impl", choices=("reference", "pallas"), default="reference",
                    help="the mHC on row blocks or on its kernels (the coefficient GEMM on fixed tiles)")
+    p.add_argument("--attention-impl", choices=("reference", "pallas"), default="reference",
+                   help="the indexer's scores on key blocks or on their kernel at one tiling (the attention core "
+                        "stays on its invariant formulation either way)")
     p.add_argument("--steps", default="verify,prefill", help="comma list of prefill, verify")
     p.add_argument("--decode-batch", default="8,64", help="comma list")
     p.add_argument("--prefill-batch", type=int, default=1)
@@ -176,7 +180,8 @@ def main(argv=None) -> dict:
     if args.layers:
         cfg = scale_layers(cfg, args.layers)
     cfg = cfg.replace(batch_invariant=True, expert_weights=args.expert_weights, dense_weights=args.dense_weights,
-                      moe_impl=args.moe_impl, dense_impl=args.dense_impl, mhc_impl=args.mhc_impl)
+                      moe_impl=args.moe_impl, dense_impl=args.dense_impl, mhc_impl=args.mhc_impl,
+                      attention_impl=args.attention_impl)
     records = []
     blocks = inv.set_blocks(asked)
     try:
@@ -192,7 +197,8 @@ def main(argv=None) -> dict:
     command = "python -m experiments.probes.invariant_loops " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"# Loops of the batch-invariant step: {cfg.name} ({cfg.num_layers} layers), {args.dtype} "
              f"({cfg.dense_weights} dense on the {cfg.dense_impl} path, {cfg.expert_weights} experts on the "
-             f"{cfg.moe_impl} path, the mHC on the {cfg.mhc_impl} path), "
+             f"{cfg.moe_impl} path, the mHC and the indexer's scores on the {cfg.mhc_impl} and "
+             f"{cfg.attention_impl} paths), "
              f"jax {jax.__version__}, git {short_revision()}", "",
              f"`{command}`", "",
              "| step | batch x rows | context | row / entry / index-key block | expert tiles per layer | loop trips "

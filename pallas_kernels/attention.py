@@ -72,6 +72,17 @@ def default_config(mode: str, rows: int, heads: int, csa: bool, head_dim: int = 
     else:
         narrow_programs = rows * -(-heads // NARROW_CONFIG["block_h"])
         cfg = dict(NARROW_CONFIG if csa and narrow_programs >= 2 * SMS else WIDE_CONFIG)
+    return fit_smem(cfg, head_dim, itemsize)
+
+
+def invariant_config(head_dim: int = 512, itemsize: int = 2) -> dict:
+    """The one tiling of the batch-invariant launch (`sparse_attention(invariant=True)`): NARROW_CONFIG fitted to
+    the SMEM, a function of the head dim and element width only, never of the rows or the mode."""
+    return fit_smem(dict(NARROW_CONFIG), head_dim, itemsize)
+
+
+def fit_smem(cfg: dict, head_dim: int, itemsize: int) -> dict:
+    """cfg with block_n, then block_h, halved until its tiles fit the SMEM (`smem_bytes` of the padded head dim)."""
     dp = max(16, next_pow2(head_dim))
     while smem_bytes(dp, cfg["block_h"], cfg["block_n"], cfg["num_stages"], itemsize) > SMEM_LIMIT:
         key = "block_n" if cfg["block_n"] > 16 else "block_h"
@@ -83,12 +94,15 @@ def default_config(mode: str, rows: int, heads: int, csa: bool, head_dim: int = 
 
 # ----------------------------------------------------------------------------- kernel
 def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k_sel,
-                 has_ring, has_comp, csa, num_splits, fold_sink, q_norm_eps, head_dim):
-    """Refs (batch/row dims squeezed): q [bh, D]; qpos (); floor (); self_kv [S, D]; self_pos [S];
-    [ring_kv [R, D]; ring_pos [R]; ring_hi ()]; [comp_kv [N, D]; [comp_idx [Kp]]]; sink [bh];
-    outputs: o [bh, D] (fold_sink) or acc [bh, D] f32, m [bh], l [bh]."""
+                 has_ring, has_comp, csa, num_splits, fold_sink, q_norm_eps, head_dim, canonical):
+    """Refs (batch/row dims squeezed): q [bh, D]; qpos (); floor (); [start () if canonical]; self_kv [S, D];
+    self_pos [S]; [ring_kv [R, D]; ring_pos [R]; ring_hi ()]; [comp_kv [N, D]; [comp_idx [Kp]]]; sink [bh];
+    outputs: o [bh, D] (fold_sink) or acc [bh, D] f32, m [bh], l [bh]. canonical: the window as one phase over
+    the row's W positions oldest first (`window_body`) instead of the ring and own-row phases."""
     it = iter(refs)
-    q_ref, qpos_ref, floor_ref, self_ref, spos_ref = (next(it) for _ in range(5))
+    q_ref, qpos_ref, floor_ref = next(it), next(it), next(it)
+    start_ref = next(it) if canonical else None
+    self_ref, spos_ref = next(it), next(it)
     ring_ref = rpos_ref = rhi_ref = comp_ref = idx_ref = None
     if has_ring:
         ring_ref, rpos_ref, rhi_ref = next(it), next(it), next(it)
@@ -121,13 +135,13 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
         acc = alpha[:, None] * acc + jnp.dot(p.astype(k.dtype), k, preferred_element_type=jnp.float32)
         return m_new, alpha * l + p.sum(axis=1), acc
 
-    # -- block counts of the three phases (dynamic), then this split's share of the total
+    # -- block counts of the three phases (dynamic; canonical: the window's, then none), then this split's share
     nb_ring = 0
-    if has_ring:
+    if has_ring and not canonical:
         ring_live = rhi_ref[...] >= lo  # some ring position may fall in the window
         nb_ring = ring_live.astype(jnp.int32) * pl.cdiv(n_ring, block_n)
     self_lo = jnp.maximum(s_row - (window - 1), 0)  # own rows s-W+1..s (positions strictly increase)
-    nb_self = pl.cdiv(s_row + 1 - self_lo, block_n)
+    nb_self = pl.cdiv(window, block_n) if canonical else pl.cdiv(s_row + 1 - self_lo, block_n)
     nb_comp = 0
     count = 0
     if has_comp:
@@ -150,7 +164,7 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
         carry = (jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32),
                  jnp.zeros((bh, d), jnp.float32))
 
-    if has_ring:
+    if has_ring and not canonical:
         def ring_body(i, c):
             rows = i * block_n + iota
             rc = jnp.minimum(rows, n_ring - 1)
@@ -166,8 +180,21 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
         kp = spos_ref[rc]
         ok = (rows <= s_row) & (kp >= lo) & (kp <= qp)
         return update(c, self_ref[rc, :], ok)
+
+    def window_body(i, c):   # slots j of positions qp - W + 1 + j, blocks of block_n from the oldest
+        j = i * block_n + iota
+        kp = qp - (window - 1) + j
+        start = start_ref[...]
+        in_ring = kp < start                     # below the chunk: the ring; else the chunk's own row kp - start
+        own = jnp.clip(kp - start, 0, n_self - 1)
+        k, ok = self_ref[own, :], ~in_ring & (spos_ref[own] == kp)
+        if has_ring:
+            slot = jnp.maximum(kp, 0) % n_ring
+            k = jnp.where(in_ring[:, None], ring_ref[slot, :], k)
+            ok = ok | (in_ring & (rpos_ref[slot] == kp))
+        return update(c, k, ok & (j < window) & (kp >= lo))
     a, b = phase_range(nb_ring, nb_self)
-    carry = lax.fori_loop(a, b, self_body, carry)
+    carry = lax.fori_loop(a, b, window_body if canonical else self_body, carry)
 
     if has_comp:
         if csa:
@@ -242,7 +269,7 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
                      window_floor=None, mode: str = "auto", block_h: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      num_splits: int | None = None, interpret: bool | None = None, impl: str = "pallas",
-                     q_norm_eps: float | None = None):
+                     q_norm_eps: float | None = None, window_start=None):
     """Window + compressed sparse MQA with sink. Shapes in the module docstring.
 
     mode: "decode", "prefill" or "auto" (decode when S <= DECODE_MAX_ROWS) picks the default tiling
@@ -255,11 +282,26 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     `reference.window_sparse_attention`.
     q_norm_eps: each query head RMS-normalised (no weight) before its scores, folded into them as a factor
     (`reference.query_norm`): V4 passes its rotated, unnormalised queries, so no pass over q precedes the kernel.
+    window_start [B] int32 (the position of each sequence's first own row; ring keys lie below it): the
+    batch-invariant launch (ModelConfig.batch_invariant). Each row then walks its keys in one canonical order
+    whatever the batch, the chunking or the ring's size: its W window positions oldest first (each from the ring
+    below window_start, else from its own rows), then its selected entries in top-k order (HCA: every entry in
+    order), in blocks of block_n from the start of that order, on `invariant_config`'s tiling whatever the rows and
+    without key splits; impl "mgpu", a tiling or num_splits > 1 beside it raise (the Triton kernel runs).
     Returns o [B, S, H, Dh] in q's dtype (fp32 accumulation).
     """
     _validate(q, q_pos, self_kv, self_pos, sink, ring_kv, ring_pos, comp_kv, comp_idx, ratio, window_floor,
               window)
     _check(q_norm_eps is None or q_norm_eps > 0, f"q_norm_eps must be positive or None, got {q_norm_eps}")
+    tiling_given = any(v is not None for v in (block_h, block_n, num_warps, num_stages))
+    canonical = window_start is not None
+    if canonical:
+        _check(impl in ("pallas", "triton") and not tiling_given and num_splits in (None, 1),
+               f"the batch-invariant launch (window_start) runs the Triton kernel on invariant_config's tiling "
+               f"without key splits: got impl={impl!r}, a tiling: {tiling_given}, num_splits={num_splits}")
+        _check(window_start.shape == (q.shape[0],) and jnp.issubdtype(window_start.dtype, jnp.integer),
+               f"window_start must be [B]={q.shape[0]} integer, got {window_start.shape} {window_start.dtype}")
+        impl, num_splits = "triton", 1
     if impl == "reference":
         return ref.window_sparse_attention(q, q_pos, self_kv, self_pos, sink, scale=scale, window=window,
                                            ring_kv=ring_kv, ring_pos=ring_pos, comp_kv=comp_kv, comp_idx=comp_idx,
@@ -267,7 +309,6 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     if impl not in IMPLS:
         raise ValueError(f"sparse_attention: impl must be one of {IMPLS}, got {impl!r}")
     interpret = interpret_flag("triton", interpret)   # None -> a bool: the backend choice below reads it
-    tiling_given = any(v is not None for v in (block_h, block_n, num_warps, num_stages))
     if impl == "pallas":
         impl = pallas_backend(q, (self_kv, ring_kv, comp_kv), tiling_given, interpret)
     if impl == "mgpu":
@@ -280,7 +321,9 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     b, s, h, d = q.shape
     if mode == "auto":
         mode = "decode" if s <= DECODE_MAX_ROWS else "prefill"
-    cfg = default_config(mode, b * s, h, comp_idx is not None, d, jnp.dtype(q.dtype).itemsize)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    cfg = invariant_config(d, itemsize) if canonical else default_config(mode, b * s, h, comp_idx is not None, d,
+                                                                          itemsize)
     for k, v in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None:
             cfg[k] = v
@@ -305,17 +348,21 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     grid = (b, s, hp // bh, num_splits)
     row = lambda bi, si, hi, pi: (bi, si)
     per_b = lambda shape: pl.BlockSpec((None, *shape), lambda bi, si, hi, pi: (bi,) + (0,) * len(shape))
+    per_sequence = pl.BlockSpec((None,), lambda bi, si, hi, pi: (bi,))
     in_specs = [pl.BlockSpec((None, None, bh, dp), lambda bi, si, hi, pi: (bi, si, hi, 0)),
-                pl.BlockSpec((None, None), row),
-                pl.BlockSpec((None,), lambda bi, si, hi, pi: (bi,)),
-                per_b((s, dp)), per_b((s,))]
-    args = [q, q_pos, floor, self_kv, self_pos]
+                pl.BlockSpec((None, None), row), per_sequence]
+    args = [q, q_pos, floor]
+    if canonical:
+        in_specs.append(per_sequence)
+        args.append(i32(window_start))
+    in_specs += [per_b((s, dp)), per_b((s,))]
+    args += [self_kv, self_pos]
     n_ring = n_comp = k_sel = 0
     if ring_kv is not None:
         n_ring = ring_kv.shape[1]
         ring_pos = i32(ring_pos)
         ring_hi = ring_pos.max(axis=1)  # newest ring position per sequence (-1 if empty)
-        in_specs += [per_b((n_ring, dp)), per_b((n_ring,)), pl.BlockSpec((None,), lambda bi, si, hi, pi: (bi,))]
+        in_specs += [per_b((n_ring, dp)), per_b((n_ring,)), per_sequence]
         args += [pad_axis(ring_kv, 2, dp).astype(q.dtype), ring_pos, ring_hi]
     csa = comp_idx is not None
     if comp_kv is not None:
@@ -333,7 +380,7 @@ def sparse_attention(q, q_pos, self_kv, self_pos, sink, *, scale: float, window:
     kern = functools.partial(
         _attn_kernel, scale=float(scale), window=int(window), ratio=int(ratio), block_n=bn, n_ring=n_ring,
         n_self=s, n_comp=n_comp, k_sel=k_sel, has_ring=ring_kv is not None, has_comp=comp_kv is not None,
-        csa=csa, num_splits=num_splits, fold_sink=fold, q_norm_eps=q_norm_eps, head_dim=d)
+        csa=csa, num_splits=num_splits, fold_sink=fold, q_norm_eps=q_norm_eps, head_dim=d, canonical=canonical)
     params = plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if fold:
         o = pl.pallas_call(

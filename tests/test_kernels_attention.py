@@ -142,6 +142,95 @@ def test_sparse_attention_interpret_bf16(name):
         assert float(jnp.abs(out[r].astype(jnp.float32)).max()) == 0.0, f"{name} seed {seed}"
 
 
+@pytest.mark.parametrize("name", ["verify_csa_split", "decode_hca", "prefill_csa_odd", "prefill_hca"])
+def test_sparse_attention_invariant_launch_matches_reference(name):
+    """The batch-invariant launch (window_start: the canonical key order, invariant_config, no splits) computes the
+    same attention as the reference (bf16 inputs: 1e-2; float32: 1e-5), dead rows exact zeros, V4's folded query
+    norm included."""
+    shape, _ = ATTN_CASES[name]
+    seed = seed_of_test()
+    args, kw = attention_inputs(seed, **shape)
+    start = args[1][:, 0]
+    out = sparse_attention(*args, **kw, window_start=start)
+    assert rel_err(out, expected(args, kw)) < 1e-2, f"{name} seed {seed}"
+    for r in shape.get("dead_rows", ()):
+        assert float(jnp.abs(out[r].astype(jnp.float32)).max()) == 0.0, f"{name} seed {seed}"
+    a32, k32 = f32(args, kw)
+    assert rel_err(sparse_attention(*a32, **k32, window_start=start, q_norm_eps=1e-6),
+                   reference_attention(*a32, **k32, q_norm_eps=1e-6)) < 1e-5, f"{name} seed {seed}"
+
+
+def _one_sequence(seed: int, *, h: int, d: int, length: int, k: int, ratio: int, csa: bool):
+    """One sequence's every position: queries [P, h, d], keys [P, d], entries [P // ratio, d] and (CSA) each
+    position's selected entries [P, k] (-1 = none), as numpy."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
+    n = length // ratio
+    idx = None
+    if csa:
+        visible = np.arange(n)[None] < ((np.arange(length) + 1) // ratio)[:, None]
+        score = np.where(visible, rng.random((length, n)), -np.inf)
+        order = np.argsort(-score, axis=-1, kind="stable")[:, :k]
+        idx = np.where(np.take_along_axis(score, order, -1) > -np.inf, order, -1).astype(np.int32)
+    return dict(q=normal(length, h, d), kv=normal(length, d), comp=normal(n, d), idx=idx)
+
+
+def _chunk_inputs(seqs: list, starts: list, rows: int, ring: int, entries: int):
+    """A batch of chunks: sequence i's rows starts[i] .. + rows, its ring (size `ring`) holding its positions below
+    the chunk as the model's ring does, its entry store padded to `entries` with noise."""
+    rng = np.random.default_rng(0)
+    b = len(seqs)
+    q_pos = np.asarray(starts, np.int32)[:, None] + np.arange(rows, dtype=np.int32)[None]
+    ring_pos = ring_positions_np(np.asarray(starts), ring)
+    ring_kv = np.stack([np.where((p >= 0)[:, None], sq["kv"][np.maximum(p, 0)], 0.0)
+                        for sq, p in zip(seqs, ring_pos)])
+    comp = np.stack([np.concatenate([sq["comp"], rng.standard_normal((entries - len(sq["comp"]), sq["comp"].shape[1]),
+                                                                      np.float32)]) for sq in seqs])
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    args = (bf(np.stack([sq["q"][p] for sq, p in zip(seqs, q_pos)])), jnp.asarray(q_pos),
+            bf(np.stack([sq["kv"][p] for sq, p in zip(seqs, q_pos)])), jnp.asarray(q_pos),
+            jnp.asarray(np.linspace(-1, 1, seqs[0]["q"].shape[1], dtype=np.float32)))
+    idx = None if seqs[0]["idx"] is None else jnp.asarray(np.stack([sq["idx"][p] for sq, p in zip(seqs, q_pos)]))
+    kw = dict(ring_kv=bf(ring_kv), ring_pos=jnp.asarray(ring_pos), comp_kv=bf(comp), comp_idx=idx,
+              window_floor=jnp.zeros((b,), jnp.int32), window_start=jnp.asarray(starts, jnp.int32))
+    return args, kw
+
+
+@pytest.mark.parametrize("csa", [True, False])
+def test_sparse_attention_invariant_launch_rows(csa):
+    """The batch-invariant launch: a position's output is bitwise the same whatever the chunk it is computed in
+    (another start, more or fewer rows, so other window keys come from the ring and other from the chunk), the
+    ring's size, the entry store's length and the sequence's batch-mate and row in the batch. Windows of 96
+    positions span two key blocks."""
+    h, d, k, ratio, window = 16, 64, 24, 4, 96
+    mine = _one_sequence(1, h=h, d=d, length=400, k=k, ratio=ratio, csa=csa)
+    other = _one_sequence(2, h=h, d=d, length=400, k=k, ratio=ratio, csa=csa)
+    fixed = dict(scale=d ** -0.5, window=window, ratio=ratio, q_norm_eps=1e-6)
+
+    def run(seqs, starts, rows, ring, entries, at):
+        args, kw = _chunk_inputs(seqs, starts, rows, ring, entries)
+        out = np.asarray(sparse_attention(*args, **kw, **fixed).astype(jnp.float32))[at]
+        return {starts[at] + i: out[i] for i in range(rows)}
+
+    a = run([mine, other], [200, 37], 12, 128, 100, 0)
+    b = run([other, mine], [5, 196], 30, 256, 140, 1)
+    c = run([mine], [207], 1, 96, 100, 0)
+    for got in (b, c):
+        for p in set(a) & set(got):
+            np.testing.assert_array_equal(got[p], a[p], err_msg=f"position {p}")
+    assert len(set(a) & set(b)) == 12 and 207 in c
+
+
+def test_sparse_attention_invariant_launch_refusals():
+    args, kw = attention_inputs(0, **ATTN_CASES["decode_hca"][0])
+    start = args[1][:, 0]
+    for extra in (dict(impl="mgpu"), dict(block_n=16), dict(num_splits=2), dict(impl="reference")):
+        with pytest.raises(ValueError, match="batch-invariant launch"):
+            sparse_attention(*args, **kw, window_start=start, **extra)
+    with pytest.raises(ValueError, match="window_start must be"):
+        sparse_attention(*args, **kw, window_start=start[:1])
+
+
 def scaled_heads(args, seed):
     """q with each (row, head) scaled by a random factor in [0.1, 30]: the query normalisation has work to do."""
     q = args[0]
@@ -508,6 +597,8 @@ def _lower_attention(b, s, h, d, ring, n, k, csa, dtype=jnp.bfloat16, expect="tr
     args = (sds((b, s, h, d), dtype), sds((b, s), i32), sds((b, s, d), dtype), sds((b, s), i32), sds((h,), jnp.float32))
     extra = dict(ring_kv=sds((b, ring, d), dtype), ring_pos=sds((b, ring), i32), comp_kv=sds((b, n, d), dtype),
                  comp_idx=sds((b, s, k), i32) if csa else None, window_floor=sds((b,), i32))
+    if kern.pop("invariant", False):
+        extra["window_start"] = sds((b,), i32)
 
     def f(*a, **e):
         return sparse_attention(*a, **e, scale=d ** -0.5, window=128, ratio=4 if csa else 128, interpret=False,
@@ -526,6 +617,8 @@ def test_lower_for_cuda_real_shapes():
     _lower_attention(1, 4096, 64, 512, 136, 1024, 0, False)                  # prefill, HCA
     _lower_attention(8, 4, 64, 512, 136, 32768, 512, True, q_norm_eps=1e-6)  # V4's query normalisation folded in
     _lower_attention(2, 40, 4, 96, 16, 10, 4, True, dtype=jnp.float32)      # tiny-v4 (padded dims)
+    _lower_attention(64, 4, 64, 512, 136, 32768, 512, True, invariant=True, q_norm_eps=1e-6)   # the invariant
+    _lower_attention(1, 4096, 64, 512, 136, 1024, 0, False, invariant=True)                  # launch: verify, prefill
     for t, n, quant, tiles in ((1, 32768, None, None), (4, 32768, "fp8", 4), (4096, 32768, None, None),
                                (3, 1000, None, None), (1, 32768, "fp4", 8), (4096, 32768, "fp4", None),
                                (4, 32768, "fp4", None)):

@@ -30,8 +30,8 @@ Phases
            context grows by num_draft per step; in realistic mode it keeps 1 + accepted.
 
 Batch invariance (`--batch-invariant on|both`): ModelConfig.batch_invariant, which runs the reference paths with
-every reduction in a batch-independent order, and the MoE, mHC, FP8 linear and indexer-scoring kernels (as asked)
-on fixed tilings (docs/batch_invariance.md); "both" times each configuration in the fast mode as asked and then
+every reduction in a batch-independent order, and the MoE, mHC, FP8 linear and attention kernels (as asked) on
+fixed tilings (docs/batch_invariance.md); "both" times each configuration in the fast mode as asked and then
 batch-invariant in the same call, for the cost table.
 
 Synthetic context (the default): the cache stores (SWA rings, compressed-entry stores, indexer keys, the
@@ -183,12 +183,13 @@ def resolve_config(preset: str, layers: int | None = None, moe_impl: str | None 
 
 def invariance_variants(cfg, which: str) -> list:
     """The configurations `--batch-invariant` asks for: "off" cfg as given, "on" its batch-invariant mode (which
-    runs the reference implementations but the MoE, mHC and indexer-scoring kernels and the FP8 linears without
-    quant_sim: ModelConfig.batch_invariant), "both" the two, fast mode first."""
+    runs the reference implementations but the MoE, mHC and attention kernels (the Triton attention kernel for a
+    forced Mosaic GPU one) and the FP8 linears without quant_sim: ModelConfig.batch_invariant), "both" the two,
+    fast mode first."""
     if which == "off":
         return [cfg]
-    invariant = cfg.replace(batch_invariant=True, attention_impl="reference" if cfg.attention_impl == "reference"
-                            else "pallas",
+    invariant = cfg.replace(batch_invariant=True,
+                            attention_impl="pallas" if cfg.attention_impl == "mgpu" else cfg.attention_impl,
                             dense_impl="reference" if cfg.quant_sim else cfg.dense_impl)
     return {"on": [invariant], "both": [cfg, invariant]}[which]
 

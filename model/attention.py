@@ -63,9 +63,9 @@ class Attention(nnx.Module):
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
         self.batch_invariant = cfg.batch_invariant  # every query row's sums in a fixed order (_rows_attention)
         self.impl = cfg.attention_impl  # "reference" | "pallas" | "mgpu" (_attention_kernel, _topk_kernel)
-        # the attention core on its kernel; under batch_invariant it has no invariant tiling and runs
-        # _rows_attention, while "pallas" puts the indexer's scores on their kernel's fixed tiling
-        self.core_kernel = self.impl != "reference" and not self.batch_invariant
+        # the attention core on its kernel (under batch_invariant: the Triton kernel's invariant launch, each row's
+        # keys in the canonical order of _rows_attention), the indexer's scores on theirs
+        self.core_kernel = self.impl != "reference"
         # the runner of the Pallas kernels on a mesh (sharding.BatchParallel: once per batch shard, as GSPMD cannot
         # split a pallas_call; static), from the model's runtime (Transformer._bind); None: on the whole batch
         self.per_shard = None
@@ -179,11 +179,10 @@ class Attention(nnx.Module):
             if self.indexer is not None:
                 with jax.named_scope("indexer"):
                     iq, iw = self.indexer.queries(h, c_q, pos)
-                    if self.core_kernel:
+                    if self.core_kernel and not self.batch_invariant:
                         topk, cand = self._topk_kernel(iq, iw, shared.keys, pos, shared.candidates)
                     else:
-                        scores = (functools.partial(self._fixed_tile_scores, pos=pos)
-                                  if self.batch_invariant and self.impl != "reference" else None)
+                        scores = functools.partial(self._fixed_tile_scores, pos=pos) if self.core_kernel else None
                         topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates, scores)
                 shared = shared.replace(topk=topk, candidates=cand)
             if self.spec.topk_source is not None:
@@ -238,12 +237,14 @@ class Attention(nnx.Module):
 
         comp = keys[2] if len(keys) > 2 else None
         idx = shared.topk if comp is not None and self.spec.topk_source is not None else None
-        def kernel(q, q_pos, own_kv, own_pos, ring_kv, ring_pos, comp, idx, sink):
+        start = step.start if self.batch_invariant else None   # the invariant launch: keys in canonical order
+
+        def kernel(q, q_pos, own_kv, own_pos, ring_kv, ring_pos, comp, idx, start, sink):
             return pk_attention.sparse_attention(
                 q, q_pos, own_kv, own_pos, sink, scale=self.head_dim ** -0.5, window=self.window, ring_kv=ring_kv,
                 ring_pos=ring_pos, comp_kv=comp, comp_idx=idx, ratio=max(self.spec.compress_ratio, 1),
-                impl=self.impl, q_norm_eps=self.eps if self.v4 else None)
-        return self._per_sequence(kernel, (q, step.positions, keys[1], own_pos, keys[0], ring_pos, comp, idx),
+                impl=self.impl, q_norm_eps=self.eps if self.v4 else None, window_start=start)
+        return self._per_sequence(kernel, (q, step.positions, keys[1], own_pos, keys[0], ring_pos, comp, idx, start),
                                   (self.attn_sink[...],))
 
     def _rows_attention(self, q: jax.Array, step: Step, keys: list, ring_pos: jax.Array, own_pos: jax.Array,

@@ -166,9 +166,9 @@ class ModelConfig:
     # fidelity to the trained model, off for exactness tests.
     quant_sim: bool = False
     # Implementations of the hot paths (pallas_kernels): "reference" (pure jnp, every backend) or "pallas";
-    # attention also "triton" / "mgpu" to force one kernel (ATTENTION_IMPLS). Under batch_invariant, "pallas" runs
-    # the indexer's scores on their kernel at one fixed tiling and the attention core on its invariant formulation
-    # (no invariant core kernel yet); "triton" / "mgpu" are refused there.
+    # attention also "triton" / "mgpu" to force one kernel (ATTENTION_IMPLS). Under batch_invariant, "pallas" and
+    # "triton" run the Triton attention kernel's invariant launch and the indexer's scores on their kernel, each at
+    # one fixed tiling; "mgpu" is refused there.
     attention_impl: str = "reference"
     moe_impl: str = "reference"
     # The release's FP8 projections (dense_weights="fp8"): "reference" dequantises each weight in-graph before an XLA
@@ -297,11 +297,11 @@ class ModelConfig:
         need(isinstance(self.batch_invariant, bool),
              f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.batch_invariant:
-            need(self.attention_impl in ("reference", "pallas"),
-                 f"batch_invariant=True runs the reference paths, whose reductions it fixes, and the MoE, FP8 linear, "
-                 f"mHC and indexer-scoring kernels on fixed tilings; the attention core has no invariant kernel yet, "
-                 f"so a forced core kernel cannot be honoured: got attention_impl={self.attention_impl!r} (use "
-                 f"'pallas': the indexer's kernel, the core's invariant formulation; or 'reference')")
+            need(self.attention_impl != "mgpu",
+                 "batch_invariant=True runs the reference paths, whose reductions it fixes, and the MoE, FP8 linear, "
+                 "mHC and attention kernels on fixed tilings; the Mosaic GPU attention kernel has no invariant "
+                 "launch: got attention_impl='mgpu' (use 'pallas' or 'triton': the Triton kernel's invariant "
+                 "launch; or 'reference')")
             need(not (self.dense_impl == "pallas" and self.quant_sim),
                  "batch_invariant=True with dense_impl='pallas' and quant_sim=True is not supported (the FP8 x FP8 "
                  "linears change their MMA with the row count): use dense_impl='reference' or quant_sim=False")

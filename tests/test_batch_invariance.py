@@ -226,9 +226,10 @@ def test_sampled_acceptance_rows():
 
 def test_switch_validation():
     cfg = ModelConfig.preset("tiny-v4")
-    with pytest.raises(ValueError, match="a forced core kernel cannot be honoured"):
-        cfg.replace(batch_invariant=True, attention_impl="triton")
-    assert cfg.replace(batch_invariant=True, attention_impl="pallas").attention_impl == "pallas"   # the indexer's
+    with pytest.raises(ValueError, match="Mosaic GPU attention kernel has no invariant launch"):
+        ModelConfig.preset("v4-flash").replace(batch_invariant=True, attention_impl="mgpu")
+    for impl in ("pallas", "triton"):   # the Triton attention kernel's invariant launch
+        assert cfg.replace(batch_invariant=True, attention_impl=impl).attention_impl == impl
     assert cfg.replace(batch_invariant=True, moe_impl="pallas").moe_impl == "pallas"   # one tiling per format
     assert cfg.replace(batch_invariant=True, mhc_impl="pallas").mhc_impl == "pallas"   # its GEMM on fixed tiles
     # the FP8 linears on their fixed tiles, not with quant_sim's FP8 x FP8 (its MMA changes with the rows)
@@ -528,11 +529,11 @@ def test_mhc_kernels_rows_ragged_and_verify(preset):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,keys", [("tiny-v4", "model"), ("tiny-v41", "model"), ("tiny-v4", "fp4")])
-def test_indexer_kernel_rows_ragged_and_verify(preset, keys):
-    """attention_impl="pallas" under the switch (the indexer's scores on its fused kernel at one tiling,
-    interpreted on a CPU; V4.1's candidate layers among them; MXFP4 index keys read as cached; the attention core
-    on its invariant formulation): a sequence alone and at a row of a batch, chunked, ragged and verified,
-    bitwise."""
+def test_attention_kernels_rows_ragged_and_verify(preset, keys):
+    """attention_impl="pallas" under the switch (interpreted on a CPU: the Triton attention kernel's invariant
+    launch, each row's keys in the canonical order; the indexer's scores on its fused kernel at one tiling, V4.1's
+    candidate layers among them, MXFP4 index keys read as cached): a sequence alone and at a row of a batch,
+    chunked, ragged and verified, bitwise."""
     cfg = small_config(preset).replace(attention_impl="pallas", index_key_format=keys)
     model = init_random(invariant(cfg), seed=1, dtype="bfloat16")
     _check_forward_rows(model, ((3, 1),))
@@ -551,7 +552,8 @@ def gpu_release_experts(preset: str) -> ModelConfig:
 @pytest.mark.parametrize("experts", ["reference", "fp4-kernels", "release-kernels"])
 def test_gpu_rows_ragged_and_verify(preset, dtype, experts):
     """On the GPU (the reference paths; "fp4-kernels": FP4 experts on the MoE kernels; "release-kernels": those,
-    the FP8 projections on their fixed tiles, the mHC kernels and the indexer's scoring kernel; both bf16 only): a sequence alone and at rows of batches up to 64
+    the FP8 projections on their fixed tiles, the mHC kernels and the attention and indexer kernels; both bf16
+    only): a sequence alone and at rows of batches up to 64
     (where XLA's library GEMMs would change algorithm on the default path), chunked, ragged and verified."""
     if experts != "reference" and dtype == "float32":
         pytest.skip("the FP4 expert kernels compute in bfloat16")
@@ -615,8 +617,8 @@ def test_mesh_matrix(tmp_path):
 
 @pytest.mark.slow
 def test_mesh_moe_kernels(tmp_path):
-    """dp=2 x ep=4 with every kernel that has an invariant tiling (MoE, FP8 and float32 linears, mHC, indexer
-    scoring; interpreted on the CPU) against one device: logits and greedy tokens bitwise."""
+    """dp=2 x ep=4 with every kernel that has an invariant tiling (MoE, FP8 and float32 linears, mHC, attention,
+    indexer scoring; interpreted on the CPU) against one device: logits and greedy tokens bitwise."""
     _check_cases(_worker(tmp_path, "mesh-kernels", 1500))
 
 

@@ -194,7 +194,7 @@ def test_invariance_variants_with_scanned_layers():
 
 def test_invariance_variants_keep_the_invariant_kernels():
     """The batch-invariant variant runs the kernels that have invariant tilings (MoE, mHC, indexer scoring, FP8
-    linears without quant_sim) and the reference paths for the rest (a forced attention kernel: "pallas")."""
+    linears without quant_sim) and the reference paths for the rest (a forced Mosaic GPU attention: "pallas")."""
     from experiments.bench import invariance_variants, resolve_config
 
     release = resolve_config("tiny-v4").replace(dense_weights="fp8", dense_impl="pallas", moe_impl="pallas",
@@ -202,7 +202,8 @@ def test_invariance_variants_keep_the_invariant_kernels():
     fast, on = invariance_variants(release, "both")
     assert fast == release and on.batch_invariant
     assert (on.dense_impl, on.moe_impl, on.attention_impl, on.mhc_impl) == ("pallas", "pallas", "pallas", "pallas")
-    assert invariance_variants(release.replace(attention_impl="triton"), "on")[0].attention_impl == "pallas"
+    forced = resolve_config("v4-flash-4l").replace(attention_impl="mgpu")
+    assert invariance_variants(forced, "on")[0].attention_impl == "pallas"
     assert invariance_variants(release.replace(quant_sim=True), "on")[0].dense_impl == "reference"
 
 

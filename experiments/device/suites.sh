@@ -74,7 +74,7 @@
 #                         float32 then bfloat16; the four take more than 255 s, so they have a call of their own)
 #   batch-invariance-bf16 the bfloat16 two alone (about 215 s on one H200)
 #   batch-invariance-kernels  the two with FP4 experts on the MoE kernels, then also with the FP8 projections on
-#                         their fixed tiles, the mHC kernels and the indexer's scoring kernel (bfloat16)
+#                         their fixed tiles, the mHC kernels and the attention and indexer kernels (bfloat16)
 #   batch-invariance-cost the release-format steps with the switch off and on in the same call (--batch-invariant
 #                         both): V4 verify 8 / 64 x 4 and prefill 1 x 4096 at 32K context
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).

@@ -10,7 +10,7 @@ operands read, by the model code that made the loop.
     python -m experiments.probes.invariant_loops --moe-impl pallas            # the experts on the MoE kernels
     python -m experiments.probes.invariant_loops --moe-impl pallas --dense-impl pallas   # and the FP8 projections
     python -m experiments.probes.invariant_loops --moe-impl pallas --dense-impl pallas --mhc-impl pallas \
-        --attention-impl pallas                                   # and the mHC and indexer-scoring kernels
+        --attention-impl pallas                                   # and the mHC and attention kernels
     python -m experiments.probes.invariant_loops --blocks 8,16,16             # other block sizes
 
 With `--moe-impl pallas` the routed experts run on the MoE kernels (their calls counted, not their bytes). The
@@ -148,8 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mhc-impl", choices=("reference", "pallas"), default="reference",
                    help="the mHC on row blocks or on its kernels (the coefficient GEMM on fixed tiles)")
     p.add_argument("--attention-impl", choices=("reference", "pallas"), default="reference",
-                   help="the indexer's scores on key blocks or on their kernel at one tiling (the attention core "
-                        "stays on its invariant formulation either way)")
+                   help="the attention core and the indexer's scores on key blocks or on their kernels at one tiling")
     p.add_argument("--steps", default="verify,prefill", help="comma list of prefill, verify")
     p.add_argument("--decode-batch", default="8,64", help="comma list")
     p.add_argument("--prefill-batch", type=int, default=1)
@@ -197,7 +196,7 @@ def main(argv=None) -> dict:
     command = "python -m experiments.probes.invariant_loops " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"# Loops of the batch-invariant step: {cfg.name} ({cfg.num_layers} layers), {args.dtype} "
              f"({cfg.dense_weights} dense on the {cfg.dense_impl} path, {cfg.expert_weights} experts on the "
-             f"{cfg.moe_impl} path, the mHC and the indexer's scores on the {cfg.mhc_impl} and "
+             f"{cfg.moe_impl} path, the mHC and the attention on the {cfg.mhc_impl} and "
              f"{cfg.attention_impl} paths), "
              f"jax {jax.__version__}, git {short_revision()}", "",
              f"`{command}`", "",

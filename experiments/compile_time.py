@@ -5,6 +5,9 @@ the cache hold shapes only, so nothing is allocated and any backend can compile 
     python -m experiments.compile_time --preset v4-flash --prefill-batch 1 --decode-batch 64 \\
         --context 126976 --new-tokens 4096
     python -m experiments.compile_time --preset v4-flash-4l --moe-impl pallas --attention-impl pallas   # GPU
+    python -m experiments.compile_time --preset v4-flash-4l --moe-impl pallas --attention-impl pallas \
+        --mhc-impl pallas --expert-weights fp4 --dense-weights fp8 --dense-impl pallas --batch-invariant \
+        --context 32768 --lower-for cuda               # the invariant release step lowers for CUDA, on any host
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m experiments.compile_time --preset v4-flash-4l \
         --steps verify --context 32768 --mesh 1,2,1 --collectives      # what a mesh step communicates
 
@@ -156,6 +159,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="list the partitioned program's collectives (kind, shape, bytes per device, source op)")
     p.add_argument("--scan-layers", action="store_true",
                    help="scan repeated layer groups (ModelConfig.scan_layers) instead of tracing every layer")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the batch-invariant step (ModelConfig.batch_invariant: its kernels at their fixed tilings)")
     p.add_argument("--lower-for", choices=("cuda",),
                    help="trace and lower for CUDA with the Hopper kernels on any host, without compiling")
     compile_cache.add_argument(p)
@@ -178,7 +183,7 @@ def main(argv=None) -> dict:
         cfg = scale_layers(cfg, args.layers)
     cfg = cfg.replace(moe_impl=args.moe_impl, attention_impl=args.attention_impl, mhc_impl=args.mhc_impl,
                       expert_weights=args.expert_weights, dense_weights=args.dense_weights,
-                      dense_impl=args.dense_impl, scan_layers=args.scan_layers)
+                      dense_impl=args.dense_impl, scan_layers=args.scan_layers, batch_invariant=args.batch_invariant)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if not steps or any(s not in ("prefill", "verify") for s in steps):
         raise SystemExit(f"--steps must list prefill and/or verify, got {args.steps!r}")
@@ -203,12 +208,14 @@ def main(argv=None) -> dict:
             "device": str(jax.devices()[0]), "jax": jax.__version__, "moe_impl": cfg.moe_impl,
             "expert_weights": cfg.expert_weights, "dense_weights": cfg.dense_weights, "dense_impl": cfg.dense_impl,
             "attention_impl": cfg.attention_impl, "mhc_impl": cfg.mhc_impl, "scan_layers": cfg.scan_layers,
+            "batch_invariant": cfg.batch_invariant,
             "lowered_for": args.lower_for, "traced_layers": traced_layers(layer_groups(cfg)),
             "compile_cache_dir": None if cache_dir is None else str(cache_dir),
             "xla_flags": os.environ.get("XLA_FLAGS"),
             "command": "python -m experiments.compile_time " + " ".join(sys.argv[1:] if argv is None else argv)}
     lines = [f"# Compile time: {cfg.name} ({cfg.num_layers} layers), {args.dtype} ({cfg.dense_weights} dense, "
-             f"{cfg.expert_weights} experts), {'scanned' if cfg.scan_layers else 'unrolled'} layers "
+             f"{cfg.expert_weights} experts{', batch-invariant' * cfg.batch_invariant}), "
+             f"{'scanned' if cfg.scan_layers else 'unrolled'} layers "
              f"({meta['traced_layers']} traced), "
              f"{backend} ({meta['device']}){LOWERED_FOR_CUDA * bool(args.lower_for)}, "
              f"jax {jax.__version__}", "", f"`{meta['command']}`", "",

@@ -38,6 +38,20 @@ def test_lowers_the_release_step_for_cuda_on_a_cpu(tmp_path):
         compile_time.main(["--preset", "v4-flash-4l", *release, "--lower-for", "cuda", "--mesh", "1,2,1"])
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-only: cross-lowering for CUDA")
+def test_lowers_the_batch_invariant_release_step_for_cuda_on_a_cpu(tmp_path):
+    """--batch-invariant: the release-format step with every kernel at its invariant tiling (the attention kernel's
+    canonical launch, the indexer, mHC, MoE and the linears' fixed tiles) lowers for CUDA at V4-Flash widths,
+    prefill and verify."""
+    release = ["--moe-impl", "pallas", "--attention-impl", "pallas", "--mhc-impl", "pallas", "--dense-weights", "fp8",
+               "--expert-weights", "fp4", "--dense-impl", "pallas"]
+    out = compile_time.main(["--preset", "v4-flash-4l", *release, "--batch-invariant", "--context", "4096",
+                             "--new-tokens", "512", "--decode-batch", "8", "--lower-for", "cuda", "--out",
+                             str(tmp_path)])
+    assert out["meta"]["batch_invariant"] and [r["step"] for r in out["records"]] == ["prefill", "verify"]
+    assert all(r["compile_s"] is None and r["trace_lower_s"] > 0 for r in out["records"])
+
+
 def test_release_format_switches_parse():
     """The device suites pass the release format's switches (FP8 dense with its kernels, FP4 experts) to both tools."""
     args = compile_time.parse_args(["--dense-weights", "fp8", "--dense-impl", "pallas", "--expert-weights", "fp4"])

@@ -202,9 +202,9 @@ class Piece:
                 if isinstance(sub, (Linear, RMSNorm, Engram)):
                     sub.batch_invariant = True
                 if isinstance(sub, Linear) and self.fp8_kernel and sub.fp32:   # dense_impl="pallas"
-                    from pallas_kernels.invariant_linear import tiles_fit
+                    from pallas_kernels.invariant_linear import k_fits
 
-                    sub.invariant_kernel = sub.weight[...].dtype == jnp.bfloat16 and tiles_fit(*sub.weight.shape)
+                    sub.invariant_kernel = sub.weight[...].dtype == jnp.bfloat16 and k_fits(sub.weight.shape[1])
         if module is not None and (self.fp8_block or self.act_block):
             for path, sub in nnx.iter_modules(module):
                 name = ".".join(map(str, (self.path, *path, "weight")))

@@ -1,8 +1,9 @@
 """Linears whose tiles are fixed whatever the rows, for batch invariance (ModelConfig.batch_invariant with
 dense_impl="pallas"): a row's output is one fixed sequence of block products whatever the batch, the tile the row
-lands in and its tile-mates, and no K split. Both run the MoE package's Triton down GEMM with one weight over all
-rows at once (the tiles `TILES`), the row tiles of one weight slice launched together, so that the slice is read
-from HBM once while they run (here the weights are the large operand):
+lands in and its tile-mates, with no K split but one the caller fixes from the weight's shape. Both run the MoE
+package's Triton down GEMM with one weight over all rows at once (the tiles `TILES`), the row tiles of one weight
+slice launched together, so that the slice is read from HBM once while they run (here the weights are the large
+operand):
 
   fp8_invariant_linear   FP8 weights with UE8M0 block scales, bf16 activations (pallas_kernels.fp8_linear's
                          Triton path, grouped weights too)
@@ -32,12 +33,14 @@ TILES = TritonConfig(block_m=32, block_n=64, block_k=128, block_n_down=64, block
                      num_stages=4)
 
 
-def tiles_fit(n: int, k: int) -> bool:
-    """Whether a [n, k] weight tiles by TILES: n and k multiples of the tile, or powers of two below it of at
-    least 16 (Triton's smallest dot)."""
-    def fits(v: int, t: int) -> bool:
-        return v % t == 0 if v >= t else v >= 16 and v & (v - 1) == 0
-    return fits(n, TILES.block_n_down) and fits(k, TILES.block_k_down)
+def _fits(v: int, t: int) -> bool:
+    """v multiple of the tile t, or a power of two below it of at least 16 (Triton's smallest dot)."""
+    return v % t == 0 if v >= t else v >= 16 and v & (v - 1) == 0
+
+
+def k_fits(k: int) -> bool:
+    """Whether a weight's K tiles by TILES's K step (any N does: padded per call where it does not tile)."""
+    return _fits(k, TILES.block_k_down)
 
 
 def _tile_rows(n: int) -> int:
@@ -55,8 +58,8 @@ def fp8_invariant_linear(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype
 @functools.partial(jax.jit, static_argnames="k_split")
 def bf16_invariant_linear(x: jax.Array, w: jax.Array, k_split: int = 1) -> jax.Array:
     """x [M, K] (bf16, or float32 as three bf16 terms) @ w[N, K].T for bf16 w -> [M, N] float32, on TILES
-    whatever M (an N that `tiles_fit` refuses padded with zero rows per call: for small weights); the terms'
-    products added hi + mid, then + lo. k_split: K cut into that many equal chunks, each
+    whatever M (an N off the tiles padded with zero rows per call: small weights, at the model's real widths none);
+    the terms' products added hi + mid, then + lo. k_split: K cut into that many equal chunks, each
     chunk's product on its own tiles (more programs for a narrow weight with a long K: the mHC's) and the chunks
     added in order; a property of the weight, never of M."""
     if w.dtype != jnp.bfloat16 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
@@ -65,10 +68,10 @@ def bf16_invariant_linear(x: jax.Array, w: jax.Array, k_split: int = 1) -> jax.A
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"bf16_invariant_linear: x must be bf16 or float32, got {x.dtype}")
     (n, k), m = w.shape, x.shape[0]
-    if k_split < 1 or k % k_split or not tiles_fit(TILES.block_n_down, k // k_split):
+    if k_split < 1 or k % k_split or not k_fits(k // k_split):
         raise ValueError(f"bf16_invariant_linear: w {w.shape} cut into {k_split} K chunks does not tile by "
                          f"{TILES.block_k_down} in K")
-    if not tiles_fit(n, k):   # a small or ragged N (the router's experts, the mHC's columns): zero rows added
+    if not _fits(n, TILES.block_n_down):   # a small or ragged N (tiny models, the mHC's columns): zero rows
         w = jnp.pad(w, ((0, _tile_rows(n) - n), (0, 0)))
     terms = (x,) if x.dtype == jnp.bfloat16 else split_bf16x3(x)
     rows = len(terms) * m

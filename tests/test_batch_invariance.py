@@ -500,14 +500,15 @@ def test_moe_kernels_rows_ragged_and_verify(expert_weights):
 
 
 @pytest.mark.slow
-def test_dense_kernels_rows_ragged_and_verify():
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_dense_kernels_rows_ragged_and_verify(preset):
     """dense_impl="pallas" under the switch (pallas_kernels/invariant_linear.py, interpreted on a CPU: the FP8
-    projections, the shared expert's among them, and the float32 linears of bf16 weights, the LM head among them,
-    on fixed tiles over all rows at once): a sequence alone and at a row of a batch, chunked, ragged and
-    verified, bitwise."""
+    projections in V4's 128- and V4.1's 32-blocks, the shared expert's among them, and the float32 linears of bf16
+    weights, the LM head among them, on fixed tiles over all rows at once): a sequence alone and at a row of a
+    batch, chunked, ragged and verified, bitwise."""
     from flax import nnx
 
-    cfg = small_config("tiny-v4").replace(dense_weights="fp8", dense_impl="pallas")
+    cfg = small_config(preset).replace(dense_weights="fp8", dense_impl="pallas")
     model = init_random(invariant(cfg), seed=1, dtype="bfloat16")
     assert sum(getattr(m, "fp8_kernel", False) for _, m in nnx.iter_modules(model)) > 10
     assert model.head.invariant_kernel

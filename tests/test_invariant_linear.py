@@ -10,7 +10,7 @@ import pytest
 from common import cuda_text
 from pallas_kernels import reference as ref
 from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_reference
-from pallas_kernels.invariant_linear import bf16_invariant_linear, fp8_invariant_linear, tiles_fit
+from pallas_kernels.invariant_linear import bf16_invariant_linear, fp8_invariant_linear, k_fits
 
 SLICES = ((3, 4), (0, 1), (69, 70), (5, 38), (30, 70))   # rows of a batch of 70: alone, first, last, spans
 
@@ -56,7 +56,7 @@ def test_bf16_rows_do_not_depend_on_the_batch(x_dtype, k_split, n):
 
 def test_bf16_refuses_what_it_cannot_tile():
     x = jnp.ones((4, 256), jnp.float32)
-    assert tiles_fit(320, 256) and tiles_fit(16, 128) and not tiles_fit(96, 128) and not tiles_fit(8, 128)
+    assert k_fits(256) and k_fits(64) and not k_fits(200) and not k_fits(8)
     with pytest.raises(ValueError, match="does not tile"):
         bf16_invariant_linear(jnp.ones((4, 200), jnp.float32), jnp.ones((64, 200), jnp.bfloat16))
     with pytest.raises(ValueError, match="cut into 3 K chunks does not tile"):

@@ -76,7 +76,7 @@ def default_config(mode: str, rows: int, heads: int, csa: bool, head_dim: int = 
 
 
 def invariant_config(head_dim: int = 512, itemsize: int = 2) -> dict:
-    """The one tiling of the batch-invariant launch (`sparse_attention(invariant=True)`): NARROW_CONFIG fitted to
+    """The one tiling of the batch-invariant launch (`sparse_attention(window_start=...)`): NARROW_CONFIG fitted to
     the SMEM, a function of the head dim and element width only, never of the rows or the mode."""
     return fit_smem(dict(NARROW_CONFIG), head_dim, itemsize)
 
@@ -135,7 +135,8 @@ def _attn_kernel(*refs, scale, window, ratio, block_n, n_ring, n_self, n_comp, k
         acc = alpha[:, None] * acc + jnp.dot(p.astype(k.dtype), k, preferred_element_type=jnp.float32)
         return m_new, alpha * l + p.sum(axis=1), acc
 
-    # -- block counts of the three phases (dynamic; canonical: the window's, then none), then this split's share
+    # -- block counts of the three phases (dynamic; canonical: the window's W slots in place of ring and own rows),
+    # then this split's share
     nb_ring = 0
     if has_ring and not canonical:
         ring_live = rhi_ref[...] >= lo  # some ring position may fall in the window

@@ -517,26 +517,27 @@ def test_dense_kernels_rows_ragged_and_verify(preset):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
-def test_mhc_kernels_rows_ragged_and_verify(preset):
+@pytest.mark.parametrize("preset,dtype", [("tiny-v4", "bfloat16"), ("tiny-v41", "bfloat16"), ("tiny-v41", "float32")])
+def test_mhc_kernels_rows_ragged_and_verify(preset, dtype):
     """mhc_impl="pallas" under the switch (pallas_kernels/mhc.py with its coefficient GEMM on fixed tiles,
     interpreted on a CPU; V4's two passes and V4.1's carried collapse vector; three Sinkhorn rounds keep the
     interpreter short): a sequence alone and at a row of a batch, chunked, ragged and verified, bitwise."""
     cfg = small_config(preset).replace(mhc_impl="pallas", hc_sinkhorn_iters=3)
-    model = init_random(invariant(cfg), seed=1, dtype="bfloat16")
+    model = init_random(invariant(cfg), seed=1, dtype=dtype)
     _check_forward_rows(model, ((3, 1),))
     _check_ragged_chunked_and_verify(model)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,keys", [("tiny-v4", "model"), ("tiny-v41", "model"), ("tiny-v4", "fp4")])
-def test_attention_kernels_rows_ragged_and_verify(preset, keys):
+@pytest.mark.parametrize("preset,keys,dtype", [("tiny-v4", "model", "bfloat16"), ("tiny-v41", "model", "bfloat16"),
+                                               ("tiny-v4", "fp4", "bfloat16"), ("tiny-v4", "model", "float32")])
+def test_attention_kernels_rows_ragged_and_verify(preset, keys, dtype):
     """attention_impl="pallas" under the switch (interpreted on a CPU: the Triton attention kernel's invariant
     launch, each row's keys in the canonical order; the indexer's scores on its fused kernel at one tiling, V4.1's
     candidate layers among them, MXFP4 index keys read as cached): a sequence alone and at a row of a batch,
     chunked, ragged and verified, bitwise."""
     cfg = small_config(preset).replace(attention_impl="pallas", index_key_format=keys)
-    model = init_random(invariant(cfg), seed=1, dtype="bfloat16")
+    model = init_random(invariant(cfg), seed=1, dtype=dtype)
     _check_forward_rows(model, ((3, 1),))
     _check_ragged_chunked_and_verify(model)
 

@@ -76,13 +76,11 @@ class Linear(nnx.Module):
 
     def _project(self, x: jax.Array) -> jax.Array:
         if self.invariant_kernel:
-            from pallas_kernels.invariant_linear import bf16_invariant_linear
+            from pallas_kernels.invariant_linear import invariant_product
 
-            flat = x.reshape(-1, x.shape[-1])
             if jnp.dtype(self.input_dtype) != jnp.float32:
-                flat = flat.astype(self.input_dtype)
-            flat = flat if flat.dtype == jnp.bfloat16 else flat.astype(jnp.float32)
-            return bf16_invariant_linear(flat, self.weight[...]).reshape(*x.shape[:-1], -1)
+                x = x.astype(self.input_dtype)
+            return invariant_product(x, self.weight[...])
         if self.fp8_kernel:
             w, s = self.weight[...][None], self.scale[...][None]
             if fp8_kernel_runs(x.size // x.shape[-1], w, s, self.act_block, self.dtype, self.batch_invariant):
@@ -249,12 +247,9 @@ def hadamard(x: jax.Array, batch_invariant: bool = False, fixed_tiles: bool = Fa
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     if batch_invariant and fixed_tiles:
-        from pallas_kernels.invariant_linear import bf16_invariant_linear
+        from pallas_kernels.invariant_linear import invariant_product
 
-        flat = x.reshape(-1, n)
-        flat = flat if flat.dtype == jnp.bfloat16 else flat.astype(jnp.float32)
-        y = bf16_invariant_linear(flat, jnp.asarray(h.T, jnp.bfloat16)) * (1.0 / math.sqrt(n))
-        return y.reshape(x.shape).astype(x.dtype)
+        return (invariant_product(x, jnp.asarray(h.T, jnp.bfloat16)) * (1.0 / math.sqrt(n))).astype(x.dtype)
     h = jnp.asarray(h / math.sqrt(n), jnp.float32)
 
     def transform(x):

@@ -85,7 +85,7 @@ class Gate(nnx.Module):
 
     def route(self, h: jax.Array, tokens: jax.Array, fixed_tiles: bool = False) -> tuple[jax.Array, jax.Array]:
         """The router: h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32). fixed_tiles
-        (batch invariance over all rows at once): the logits by `bf16_invariant_linear`, the scores between
+        (batch invariance over all rows at once): the logits by `invariant_product`, the scores between
         optimization barriers (elementwise, or a softmax whose sum is `invariant.pairwise_sum`), the weights' sum
         by `invariant.pairwise_sum`: no op whose code XLA picks by the number of tokens."""
         cfg = self.cfg
@@ -95,10 +95,9 @@ class Gate(nnx.Module):
         # changed 0.15% of the tokens' expert sets; experiments/probes/router_precision.py)
         w = self.weight[...]
         if fixed_tiles:
-            from pallas_kernels.invariant_linear import bf16_invariant_linear
+            from pallas_kernels.invariant_linear import invariant_product
 
-            logits = jax.lax.optimization_barrier(
-                bf16_invariant_linear(h if h.dtype == jnp.bfloat16 else h.astype(jnp.float32), w))
+            logits = jax.lax.optimization_barrier(invariant_product(h, w))
         elif h.dtype == w.dtype and jnp.finfo(h.dtype).nmant <= 11:
             logits = jnp.einsum("md,ed->me", h, w, preferred_element_type=jnp.float32)
         else:

@@ -10,6 +10,7 @@ operand):
   bf16_invariant_linear  bf16 weights; float32 inputs as three bf16 terms (common.split_bf16x3) whose products are
                          exact in the float32 accumulator: the float32 linear to float32 rounding (the LM head and
                          the other float32 projections of a bf16 model: the compressors', the indexer's weights)
+  invariant_product      bf16_invariant_linear over any leading dims and any float input (the model's callers)
 
 A row-blocked XLA product (pallas_kernels/invariant.py `row_blocks`) gets the same guarantee by giving every GEMM
 8 rows, and streams each weight once per 8 rows; these read it about once.
@@ -22,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .common import interpret_flag, split_bf16x3
+from .common import interpret_flag, next_pow2, split_bf16x3
 from .fp8_linear import fp8_linear
 from .moe import triton_gemm
 from .moe.configs import TritonConfig
@@ -46,13 +47,21 @@ def k_fits(k: int) -> bool:
 def _tile_rows(n: int) -> int:
     """n weight rows padded to what TILES takes: a power of two from 16 below the tile, whole tiles above."""
     t = TILES.block_n_down
-    return max(16, 1 << (n - 1).bit_length()) if n < t else -(-n // t) * t
+    return max(16, next_pow2(n)) if n < t else -(-n // t) * t
 
 
 def fp8_invariant_linear(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype) -> jax.Array:
     """x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] with block scales [G, N/B, K/B], bf16 (or float32)
     activations -> [G, M, N] in out_dtype, on TILES whatever M."""
     return fp8_linear(x, w, scale, backend="triton", config=TILES, out_dtype=out_dtype, rows_fastest=True)
+
+
+def invariant_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w[N, K].T -> [..., N] float32 by `bf16_invariant_linear` over the rows of every leading dim, a
+    bf16 x as it is, any other float x as float32 (three exact bf16 terms)."""
+    flat = x.reshape(-1, x.shape[-1])
+    flat = flat if flat.dtype == jnp.bfloat16 else flat.astype(jnp.float32)
+    return bf16_invariant_linear(flat, w).reshape(*x.shape[:-1], w.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames="k_split")

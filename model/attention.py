@@ -62,10 +62,10 @@ class Attention(nnx.Module):
         self.eps = cfg.rms_norm_eps
         self.freqs = rope_frequencies(cfg.rope_head_dim, spec.rope_theta, spec.yarn)
         self.batch_invariant = cfg.batch_invariant  # every query row's sums in a fixed order (_rows_attention)
-        self.impl = cfg.attention_impl  # "reference" | "pallas" | "mgpu" (_attention_kernel, _topk_kernel)
-        # the attention core on its kernel (under batch_invariant: the Triton kernel's invariant launch, each row's
-        # keys in the canonical order of _rows_attention), the indexer's scores on theirs
-        self.core_kernel = self.impl != "reference"
+        # "reference" | "pallas" | "triton" | "mgpu" (_attention_kernel, _topk_kernel; under batch_invariant the
+        # Triton kernel's invariant launch, each row's keys in the canonical order of _rows_attention, and the
+        # indexer's scores on their kernel at one tiling, _fixed_tile_scores)
+        self.impl = cfg.attention_impl
         # the runner of the Pallas kernels on a mesh (sharding.BatchParallel: once per batch shard, as GSPMD cannot
         # split a pallas_call; static), from the model's runtime (Transformer._bind); None: on the whole batch
         self.per_shard = None
@@ -158,7 +158,7 @@ class Attention(nnx.Module):
         arrays are views: `cache.read`).
         """
         pos = step.positions
-        q, c_q = self.queries(h, pos, normalize=not self.core_kernel)
+        q, c_q = self.queries(h, pos, normalize=self.impl == "reference")
         kv = self.keys(h, pos)
         floor = step.floor[:, None]
         ring_pos = ring_positions(step.start, cache.kv.shape[1])
@@ -179,10 +179,11 @@ class Attention(nnx.Module):
             if self.indexer is not None:
                 with jax.named_scope("indexer"):
                     iq, iw = self.indexer.queries(h, c_q, pos)
-                    if self.core_kernel and not self.batch_invariant:
+                    if self.impl != "reference" and not self.batch_invariant:
                         topk, cand = self._topk_kernel(iq, iw, shared.keys, pos, shared.candidates)
                     else:
-                        scores = functools.partial(self._fixed_tile_scores, pos=pos) if self.core_kernel else None
+                        scores = (functools.partial(self._fixed_tile_scores, pos=pos) if self.impl != "reference"
+                                  else None)
                         topk, cand = self.indexer.select(iq, iw, shared.keys, pos, shared.candidates, scores)
                 shared = shared.replace(topk=topk, candidates=cand)
             if self.spec.topk_source is not None:
@@ -190,7 +191,7 @@ class Attention(nnx.Module):
             keys.append(entries)
             masks.append(visible)
         with jax.named_scope("attn_core"):
-            if self.core_kernel:
+            if self.impl != "reference":
                 o = self._attention_kernel(q, step, keys, ring_pos, own_pos, shared)
             elif self.batch_invariant:
                 o = self._rows_attention(q, step, keys, ring_pos, own_pos, shared)

@@ -76,9 +76,9 @@
 #   batch-invariance-kernels  the two with FP4 experts on the MoE kernels, then also with the FP8 projections on
 #                         their fixed tiles, the mHC kernels and the attention and indexer kernels (bfloat16)
 #   batch-invariance-cost the release-format steps with the switch off and on in the same call (--batch-invariant
-#                         both): V4 verify 8 / 64 x 4 and prefill 1 x 4096 at 32K context; then V4's largest FP8
-#                         projections at 256 / 4,096 rows on the invariant tiles (32 rows, the model's, and 128)
-#                         against the fast mode's dequantised GEMM (experiments.probes.fp8_linear)
+#                         both): V4 verify 8 / 64 x 4 and prefill 1 x 4096 at 32K context; then three V4 FP8
+#                         projections at 32 / 256 / 4,096 rows on the invariant tiles (32 rows, the model's, 64 and
+#                         128) against the fast mode's dequantised GEMM (experiments.probes.fp8_linear)
 # Each command runs under its own time bound (their sum per suite stays under 10 minutes).
 # Environment: BENCH_ARGS adds arguments to every bench run; SUITE_TIMEOUT (s) replaces each command's bound;
 # INVARIANT_BLOCKS (ROWS,ENTRY_BLOCK,INDEX_KEY_BLOCK) runs the batch-invariance tests at other block sizes;
@@ -280,8 +280,8 @@ for suite in "${suites[@]}"; do
     batch-invariance-cost)
         bench 250 v4_release_batch_invariant $V4 $RELEASE --batch-invariant both --phase decode,prefill --batch 8,64 \
             --prefill-batch 1 --context 32768 --time-budget 210
-        limit 90 python -m experiments.probes.fp8_linear --rows 256,4096 --ways dequantised,invariant \
-            --invariant-block-m 32,128 --projections wq_a,wq_b,wo_b 2>&1 | grep -E "^\||rror" ;;
+        limit 150 python -m experiments.probes.fp8_linear --rows 32,256,4096 --ways dequantised,invariant \
+            --invariant-block-m 32,64,128 --projections wq_a,wq_b,wo_b 2>&1 | grep -E "^\||rror" ;;
     *)
         echo "unknown suite $suite"; exit 2 ;;
     esac

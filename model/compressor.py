@@ -47,7 +47,7 @@ class Compressor(nnx.Module):
         self.ratio = r
         self.overlap = spec.overlap
         self.out_dim = out_dim
-        self.batch_invariant = cfg.batch_invariant  # each entry pooled on fixed blocks of entries
+        self.batch_invariant = cfg.batch_invariant  # each entry pooled by fixed trees (invariant.softmax_pool)
 
     def project(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D], positions [B, T] -> (a, g) float32 [B, T, c*d]."""
@@ -74,9 +74,8 @@ class Compressor(nnx.Module):
             a = jnp.concatenate([prev_a, a[..., d:]], axis=2)
             g = jnp.concatenate([prev_g, g[..., d:]], axis=2)
 
-        def entry(a, g):  # [..., slots, width] -> normalised latent [..., d]
-            return self.norm(jnp.sum(jax.nn.softmax(g, axis=-2) * a, axis=-2).astype(out_dtype))
-        return inv.row_blocks(entry, a, g, lead=2) if self.batch_invariant else entry(a, g)
+        pooled = inv.softmax_pool(a, g) if self.batch_invariant else jnp.sum(jax.nn.softmax(g, axis=-2) * a, axis=-2)
+        return self.norm(pooled.astype(out_dtype))
 
     def latents(self, h: jax.Array, step: Step, proj_a: jax.Array, proj_g: jax.Array, out_dtype):
         """Pool every block a chunk can close. h [B, S, D] at `step`; proj_a/g the projection ring.

@@ -15,7 +15,9 @@ batch, the chunk or the cache length.
 * `rms_normalize`: x * rsqrt(mean(x^2) + eps) per row (`rms_scale`: the scale alone) with the sum of squares as
   a fixed pairwise tree of elementwise adds over halves of the row (`pairwise_sum`), between optimization
   barriers: elementwise arithmetic is the same per element whatever the shape, so no loop is needed (the RMS
-  norms, V4's per-head query norm over rows x heads, the mHC kernels' statistic).
+  norms, V4's per-head query norm over rows x heads, the mHC kernels' statistic). The same way:
+  `weighted_sum` (sum_i w_i x_i over an axis: the mHC collapse, V4's head collapse and its product with fn) and
+  `softmax_pool` (the compressors' pooling of a block's slots).
 * `sink_attention`: a block of query rows against its keys gathered per row in a canonical order (the
   window by absolute position, then the selected entries), plus optionally the compressed entries in
   blocks of ENTRY_BLOCK added one block after another: blocks past a row's visible entries add exact zeros,
@@ -88,15 +90,44 @@ def row_blocks(fn: Callable, *args, lead: int = 1):
     return jax.tree.map(lambda y: y.reshape(n * ROWS, *y.shape[2:])[:m].reshape(*rows_shape, *y.shape[2:]), out)
 
 
-def pairwise_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis by elementwise adds only: the first half added to the second, then the halves of that,
-    an odd length carrying its last element to the next level. x [..., D] -> [..., 1]; each row's sum is one fixed
-    sequence of float additions whatever the number of rows (no reduction op for XLA to emit by shape)."""
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        pairs = x[..., :half] + x[..., half:2 * half]
-        x = jnp.concatenate([pairs, x[..., 2 * half:]], -1) if x.shape[-1] % 2 else pairs
+def _pairwise(x: jax.Array, combine: Callable, axis: int) -> jax.Array:
+    """x reduced over `axis` by elementwise `combine` only: the first half with the second, then the halves of that,
+    an odd length carrying its last element to the next level. -> x with `axis` of size 1."""
+    axis = axis % x.ndim
+    while x.shape[axis] > 1:
+        length, half = x.shape[axis], x.shape[axis] // 2
+        pairs = combine(jax.lax.slice_in_dim(x, 0, half, axis=axis), jax.lax.slice_in_dim(x, half, 2 * half, axis=axis))
+        x = jnp.concatenate([pairs, jax.lax.slice_in_dim(x, 2 * half, length, axis=axis)], axis) if length % 2 \
+            else pairs
     return x
+
+
+def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Sum over `axis` (kept, of size 1) by a fixed tree of elementwise adds (`_pairwise`): each row's sum is one
+    fixed sequence of float additions whatever the number of rows (no reduction op for XLA to emit by shape)."""
+    return _pairwise(x, jnp.add, axis)
+
+
+def pairwise_max(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Maximum over `axis` (kept) by elementwise maxima: exact in any order, but a reduction op would let XLA:CPU
+    fuse it with the exp after it into one kernel whose exp it emits by shape."""
+    return _pairwise(x, jnp.maximum, axis)
+
+
+def weighted_sum(weights: jax.Array, x: jax.Array, axis: int) -> jax.Array:
+    """sum_i weights_i x_i over `axis` in float32 (weights broadcast against x), the products formed apart (an
+    optimization barrier, so that none fuses into an add) and added by `pairwise_sum`; `axis` dropped."""
+    products = jax.lax.optimization_barrier(weights.astype(jnp.float32) * x.astype(jnp.float32))
+    return jnp.squeeze(pairwise_sum(products, axis), axis)
+
+
+def softmax_pool(a: jax.Array, g: jax.Array) -> jax.Array:
+    """sum_s softmax_s(g) a_s over the slots axis -2: a, g [..., slots, width] -> [..., width] float32, the
+    softmax's maximum by `pairwise_max`, its sum and the pooling's by `weighted_sum`."""
+    g = jax.lax.optimization_barrier(g.astype(jnp.float32))
+    e = jax.lax.optimization_barrier(jnp.exp(g - pairwise_max(g, -2)))
+    p = jax.lax.optimization_barrier(e / pairwise_sum(e, -2))
+    return weighted_sum(p, a, -2)
 
 
 def rms_scale(x: jax.Array, eps: float) -> jax.Array:

@@ -5,9 +5,10 @@ rho = rsqrt(mean(flat(X)^2) + eps), m = rho * (fn @ flat(X)) (fp32), then
 pre = sigmoid(m_pre * s0 + b_pre) + hc_eps, post = 2 sigmoid(m_post * s1 + b_post),
 comb = Sinkhorn(softmax_rows(M * s2 + B) + hc_eps) ending on a column normalisation.
 collapse: y = sum_i pre_i X_i; expand: X'_j = post_j F + sum_i comb_ij X_i.
-batch_invariant=True (cfg.batch_invariant): the jnp coefficients and expand run on fixed blocks of tokens
-(`invariant.row_blocks`), the collapses (a sublayer's, V4's head) sum by `invariant.weighted_sum`, the kernels run
-their coefficient GEMM on fixed tiles (pallas_kernels/mhc.py `coefficients`).
+batch_invariant=True (cfg.batch_invariant): the jnp functions run on fixed blocks of tokens (`invariant.row_blocks`)
+but V4's head collapse, which sums by `invariant.weighted_sum` (a sublayer's collapse in that form, fused with the
+sublayer after it, was not invariant on XLA:CPU: tests/test_batch_invariance.py), and the kernels run their
+coefficient GEMM on fixed tiles (pallas_kernels/mhc.py `coefficients`).
 
 A sublayer uses them through `mix_in` (coefficients + collapse) and `mix_out` (expand), which run either these
 jnp functions (cfg.mhc_impl "reference") or the two fused kernels of pallas_kernels/mhc.py ("pallas"). Between the
@@ -65,7 +66,7 @@ def hc_coefficients(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Arr
 def collapse(x: jax.Array, pre: jax.Array, batch_invariant: bool = False) -> jax.Array:
     """y = sum_i pre_i X_i (float32 sum, cast to the residual dtype). x [..., n, D], pre [..., n]."""
     if batch_invariant:
-        return weighted_sum(pre[..., None], x, -2).astype(x.dtype)
+        return row_blocks(collapse, x, pre, lead=x.ndim - 2)
     return jnp.einsum("...n,...nd->...d", pre, x.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -141,4 +142,4 @@ def hc_head_collapse(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Ar
     else:
         m = jnp.einsum("...k,ok->...o", flat, fn.astype(jnp.float32))
     pre = jax.nn.sigmoid(m * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + hc_eps
-    return collapse(x, pre, batch_invariant)
+    return weighted_sum(pre[..., None], x, -2).astype(x.dtype) if batch_invariant else collapse(x, pre)

@@ -209,9 +209,9 @@ def main(argv=None) -> dict:
                      f"{r['pallas_calls']:,} |")
     for r in records:
         lines += ["", f"{r['step']} {r['batch']} x {r['rows']}: loop trips by source", ""]
-        lines += [f"- {n:,} {where}" for where, n in list(r["trips_by_source"].items())[:args.top]]
+        lines += [f"- {n:,} {where}" for where, n in list(r["trips_by_source"].items())[:args.top]] or ["- none"]
         lines += ["", f"{r['step']} {r['batch']} x {r['rows']}: products' operand GB by source", ""]
-        lines += [f"- {gb} {where}" for where, gb in list(r["product_gb_by_source"].items())[:args.top]]
+        lines += [f"- {gb} {where}" for where, gb in list(r["product_gb_by_source"].items())[:args.top]] or ["- none"]
     text = "\n".join(lines) + "\n"
     print(text)
     out = {"meta": {"config": cfg.name, "layers": cfg.num_layers, "dtype": args.dtype, "command": command,

@@ -326,12 +326,15 @@ def test_forward_rows(case):
     path; bf16 (where the tiny presets amplify rounding: the two paths differ by up to ~0.1 relative): no farther
     from the float32 model than the default path is."""
     model, plain = case
-    alone, seq = _check_forward_rows(model, ((3, 1),))
+    _check_forward_rows(model, ((3, 1),))
+    # accuracy on eight fixed sequences (one sequence's bf16 error swings from 0.015 to 0.10 with its tokens)
+    seqs = np.random.default_rng(CASE_SEED).integers(3, plain.config.vocab_size - 2, (8, 20))
+    got = np.asarray(model(seqs))
     if model.dtype == jnp.float32:
-        assert rel_err(alone, np.asarray(plain(seq))[0]) < 1e-5
+        assert rel_err(got, np.asarray(plain(seqs))) < 1e-5
     else:
-        exact = np.asarray(init_random(plain.config, seed=CASE_SEED, dtype="float32")(seq))[0]
-        assert rel_err(alone, exact) < 1.5 * rel_err(np.asarray(plain(seq))[0], exact) + 1e-2
+        exact = np.asarray(init_random(plain.config, seed=CASE_SEED, dtype="float32")(seqs))
+        assert rel_err(got, exact) < 1.5 * rel_err(np.asarray(plain(seqs)), exact) + 1e-2
 
 
 def _step(model, cache, tokens, n_new, width):

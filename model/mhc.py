@@ -5,10 +5,10 @@ rho = rsqrt(mean(flat(X)^2) + eps), m = rho * (fn @ flat(X)) (fp32), then
 pre = sigmoid(m_pre * s0 + b_pre) + hc_eps, post = 2 sigmoid(m_post * s1 + b_post),
 comb = Sinkhorn(softmax_rows(M * s2 + B) + hc_eps) ending on a column normalisation.
 collapse: y = sum_i pre_i X_i; expand: X'_j = post_j F + sum_i comb_ij X_i.
-batch_invariant=True (cfg.batch_invariant): the jnp functions run on fixed blocks of tokens (`invariant.row_blocks`)
-but V4's head collapse, which sums by `invariant.weighted_sum` (a sublayer's collapse in that form, fused with the
-sublayer after it, was not invariant on XLA:CPU: tests/test_batch_invariance.py), and the kernels run their
-coefficient GEMM on fixed tiles (pallas_kernels/mhc.py `coefficients`).
+batch_invariant=True (cfg.batch_invariant): the jnp functions run on fixed blocks of tokens (`invariant.row_blocks`;
+as elementwise trees, `invariant.weighted_sum`, the collapses were not invariant on XLA:CPU once fused with their
+neighbours: tests/test_batch_invariance.py), the kernels with their coefficient GEMM on fixed tiles
+(pallas_kernels/mhc.py `coefficients`).
 
 A sublayer uses them through `mix_in` (coefficients + collapse) and `mix_out` (expand), which run either these
 jnp functions (cfg.mhc_impl "reference") or the two fused kernels of pallas_kernels/mhc.py ("pallas"). Between the
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import mhc as pk_mhc
-from pallas_kernels.invariant import row_blocks, weighted_sum
+from pallas_kernels.invariant import row_blocks
 
 from .layers import normal_init, per_batch_shard, rms_normalize
 
@@ -134,12 +134,11 @@ class HyperHead(nnx.Module):
 
 def hc_head_collapse(fn: jax.Array, base: jax.Array, scale: jax.Array, x: jax.Array, *, norm_eps: float,
                      hc_eps: float, batch_invariant: bool = False) -> jax.Array:
-    """x [..., n, D] -> y [..., D] collapsed by the learned head weights. batch_invariant: the product with fn and
-    the collapse by `invariant.weighted_sum` (elementwise, no loop; an intermediate of rows x n x nD floats)."""
-    flat = rms_normalize(x.reshape(*x.shape[:-2], -1), norm_eps, batch_invariant)
+    """x [..., n, D] -> y [..., D] collapsed by the learned head weights."""
     if batch_invariant:
-        m = weighted_sum(flat[..., None, :], fn, -1)
-    else:
-        m = jnp.einsum("...k,ok->...o", flat, fn.astype(jnp.float32))
+        return row_blocks(lambda x: hc_head_collapse(fn, base, scale, x, norm_eps=norm_eps, hc_eps=hc_eps), x,
+                          lead=x.ndim - 2)
+    flat = rms_normalize(x.reshape(*x.shape[:-2], -1), norm_eps)
+    m = jnp.einsum("...k,ok->...o", flat, fn.astype(jnp.float32))
     pre = jax.nn.sigmoid(m * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + hc_eps
-    return weighted_sum(pre[..., None], x, -2).astype(x.dtype) if batch_invariant else collapse(x, pre)
+    return collapse(x, pre)

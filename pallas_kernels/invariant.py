@@ -15,12 +15,12 @@ batch, the chunk or the cache length.
 * `rms_normalize`: x * rsqrt(mean(x^2) + eps) per row (`rms_scale`: the scale alone) with the sum of squares as
   a fixed pairwise tree of elementwise adds over halves of the row (`pairwise_sum`), between optimization
   barriers: elementwise arithmetic is the same per element whatever the shape, so no loop is needed (the RMS
-  norms, V4's per-head query norm over rows x heads, the mHC kernels' statistic). The same way:
-  `weighted_sum` (sum_i w_i x_i over an axis: V4's head collapse and its product with fn) and `softmax_pool` (the
-  compressors' pooling of a block's slots, its maximum by `pairwise_max`). XLA:CPU drops the optimization barriers
-  before it fuses, so these rest on its emitting an elementwise op the same way per element whatever the shape;
-  where a fused neighbour broke that (a reduction beside an exp; the mHC's sublayer collapse) the code keeps a
-  reduction out (`pairwise_max`) or stays on `row_blocks`. The tests check every one at many row counts.
+  norms, V4's per-head query norm over rows x heads, the mHC kernels' statistic). The same way `softmax_pool`
+  (the compressors' pooling of a block's slots: its maximum by `pairwise_max`, its sums by `weighted_sum`).
+  XLA:CPU drops the optimization barriers before it fuses, so these rest on its emitting an elementwise op the
+  same way per element whatever the shape; where a fused neighbour broke that (a max reduction beside an exp;
+  the mHC collapses as weighted sums, fused with the ops around them, in float32 and on a mesh) the code keeps
+  the reduction out (`pairwise_max`) or stays on `row_blocks`. The tests check each at many row counts.
 * `sink_attention`: a block of query rows against its keys gathered per row in a canonical order (the
   window by absolute position, then the selected entries), plus optionally the compressed entries in
   blocks of ENTRY_BLOCK added one block after another: blocks past a row's visible entries add exact zeros,

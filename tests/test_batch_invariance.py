@@ -86,23 +86,18 @@ def test_rms_normalize_rows(width):
 
 
 @pytest.mark.parametrize("slots,width", [(8, 128), (128, 16), (5, 7)])
-def test_softmax_pool_and_weighted_sum_rows(slots, width):
-    """The compressors' pooling and V4's head collapse without row loops: a row's softmax pool over its slots, and
-    its product with a [4, K] weight, alone and at any row of batches of 2 to 600 rows, bitwise; both to rounding
-    of the plain float32 forms."""
+def test_softmax_pool_rows(slots, width):
+    """The compressors' pooling without row loops: a row's softmax pool over its slots alone and at any row of
+    batches of 2 to 600 rows, bitwise; the plain float32 pool to rounding."""
     pool = jax.jit(inv.softmax_pool)
     a0, g0 = (RNG.standard_normal((1, slots, width)).astype(np.float32) * 3 for _ in range(2))
-    w = jnp.asarray(RNG.standard_normal((4, width)), jnp.float32)
-    dot = jax.jit(lambda x: inv.weighted_sum(x[:, None, :], w, -1))
-    pool_alone, dot_alone = np.asarray(pool(a0, g0))[0], np.asarray(dot(g0[:, 0]))[0]
+    alone = np.asarray(pool(a0, g0))[0]
     for m, r in ((2, 1), (9, 0), (33, 32), (600, 17)):
         a, g = (RNG.standard_normal((m, slots, width)).astype(np.float32) for _ in range(2))
         a[r], g[r] = a0[0], g0[0]
-        np.testing.assert_array_equal(np.asarray(pool(a, g))[r], pool_alone, err_msg=f"pool: row {r} of {m}")
-        np.testing.assert_array_equal(np.asarray(dot(g[:, 0]))[r], dot_alone, err_msg=f"dot: row {r} of {m}")
+        np.testing.assert_array_equal(np.asarray(pool(a, g))[r], alone, err_msg=f"row {r} of {m}")
     plain = jnp.sum(jax.nn.softmax(jnp.asarray(g0), axis=-2) * a0, axis=-2)[0]
-    np.testing.assert_allclose(pool_alone, np.asarray(plain), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dot_alone, np.asarray(g0[0, 0] @ np.asarray(w).T), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(alone, np.asarray(plain), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

@@ -77,14 +77,22 @@ def default_config(mode: str, rows: int, heads: int, csa: bool, head_dim: int = 
 
 def invariant_config(head_dim: int = 512, itemsize: int = 2) -> dict:
     """The one tiling of the batch-invariant launch (`sparse_attention(window_start=...)`): NARROW_CONFIG fitted to
-    the SMEM, a function of the head dim and element width only, never of the rows or the mode."""
-    return fit_smem(dict(NARROW_CONFIG), head_dim, itemsize)
+    the SMEM, a function of the head dim and element width only, never of the rows or the mode. Its two key loops
+    (the window phase, then the entries) each keep their own pipeline buffers (`smem_bytes(loops=2)`; at 512 x (32,
+    64, 2 stages) the 295,424 bytes an H100 refused), so the stages give way first: they change no number, where
+    block_n would change the blocks of the online softmax."""
+    cfg = dict(NARROW_CONFIG)
+    dp = max(16, next_pow2(head_dim))
+    while cfg["num_stages"] > 1 and smem_bytes(dp, cfg["block_h"], cfg["block_n"], cfg["num_stages"], itemsize,
+                                               loops=2) > SMEM_LIMIT:
+        cfg["num_stages"] -= 1
+    return fit_smem(cfg, head_dim, itemsize, loops=2)
 
 
-def fit_smem(cfg: dict, head_dim: int, itemsize: int) -> dict:
+def fit_smem(cfg: dict, head_dim: int, itemsize: int, loops: int = 1) -> dict:
     """cfg with block_n, then block_h, halved until its tiles fit the SMEM (`smem_bytes` of the padded head dim)."""
     dp = max(16, next_pow2(head_dim))
-    while smem_bytes(dp, cfg["block_h"], cfg["block_n"], cfg["num_stages"], itemsize) > SMEM_LIMIT:
+    while smem_bytes(dp, cfg["block_h"], cfg["block_n"], cfg["num_stages"], itemsize, loops) > SMEM_LIMIT:
         key = "block_n" if cfg["block_n"] > 16 else "block_h"
         if cfg[key] == 16:
             break   # nothing left to shrink: the compile reports it
@@ -419,9 +427,10 @@ def sparse_attention_prefill(q, q_pos, self_kv, self_pos, sink, **kw):
     return sparse_attention(q, q_pos, self_kv, self_pos, sink, mode="prefill", **kw)
 
 
-def smem_bytes(head_dim: int, block_h: int, block_n: int, num_stages: int, itemsize: int = 2) -> int:
-    """Triton SMEM estimate from PALLAS_H200.md section 1.6 (bf16: itemsize 2; limit SMEM_LIMIT)."""
-    return itemsize * head_dim * (num_stages * block_n + block_h) + 512
+def smem_bytes(head_dim: int, block_h: int, block_n: int, num_stages: int, itemsize: int = 2, loops: int = 1) -> int:
+    """Triton SMEM estimate from PALLAS_H200.md section 1.6 (bf16: itemsize 2; limit SMEM_LIMIT): the query block and
+    num_stages key blocks for each of `loops` pipelined key loops (the batch-invariant launch has two)."""
+    return itemsize * head_dim * (loops * num_stages * block_n + block_h) + 512
 
 
 def pallas_backend(q: jax.Array, keys: tuple, tiling_given: bool, interpret: bool) -> str:

@@ -296,6 +296,19 @@ def test_default_config_follows_the_h200_sweep():
         assert attention_mod.smem_bytes(512, c["block_h"], c["block_n"], c["num_stages"], 4) <= attention_mod.SMEM_LIMIT
 
 
+def test_invariant_config_fits_both_key_loops():
+    """The batch-invariant launch keeps pipeline buffers for its two key loops: at V4-Flash's 512 x (32, 64) with two
+    stages that is the 295,424 bytes an H100 refused, so its tiling drops to one stage (same blocks, same numbers);
+    float32 halves block_n as before."""
+    assert attention_mod.smem_bytes(512, 32, 64, 2, 2, loops=2) == 295424
+    assert attention_mod.invariant_config(512, 2) == dict(attention_mod.NARROW_CONFIG, num_stages=1)
+    for head_dim, itemsize in ((512, 2), (512, 4), (96, 2), (96, 4)):
+        c = attention_mod.invariant_config(head_dim, itemsize)
+        assert attention_mod.smem_bytes(max(16, 1 << (head_dim - 1).bit_length()), c["block_h"], c["block_n"],
+                                        c["num_stages"], itemsize, loops=2) <= attention_mod.SMEM_LIMIT
+    assert attention_mod.invariant_config(512, 4)["block_n"] == 32
+
+
 def test_attention_tuning_matches_docs():
     """docs/kernels.md's attention and indexer tuning tables show the configs the code uses."""
     from pathlib import Path

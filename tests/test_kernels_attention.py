@@ -22,6 +22,7 @@ from common import cuda_text, rel_err, seed_of_test, small_config, small_v41, ti
 from pallas_kernels import attention as attention_mod
 from pallas_kernels import reference as ref
 from pallas_kernels.attention import sparse_attention
+from pallas_kernels.common import next_pow2
 from pallas_kernels.indexer import grouped_topk, indexer_scores, indexer_topk
 from pallas_kernels.topk import topk_select
 
@@ -304,8 +305,8 @@ def test_invariant_config_fits_both_key_loops():
     assert attention_mod.invariant_config(512, 2) == dict(attention_mod.NARROW_CONFIG, num_stages=1)
     for head_dim, itemsize in ((512, 2), (512, 4), (96, 2), (96, 4)):
         c = attention_mod.invariant_config(head_dim, itemsize)
-        assert attention_mod.smem_bytes(max(16, 1 << (head_dim - 1).bit_length()), c["block_h"], c["block_n"],
-                                        c["num_stages"], itemsize, loops=2) <= attention_mod.SMEM_LIMIT
+        assert attention_mod.smem_bytes(max(16, next_pow2(head_dim)), c["block_h"], c["block_n"], c["num_stages"],
+                                        itemsize, loops=2) <= attention_mod.SMEM_LIMIT
     assert attention_mod.invariant_config(512, 4)["block_n"] == 32
 
 

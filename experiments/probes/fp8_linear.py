@@ -12,7 +12,7 @@ the bf16 MMA at 790 TFLOP/s, whichever is longer), and each kernel's error again
     python -m experiments.probes.fp8_linear --rows 32 --ways swap --projections wq_b,wo_b
     python -m experiments.probes.fp8_linear --generation v41 --rows 32,256 --ways dequantised,swap
     python -m experiments.probes.fp8_linear --rows 256,1024 --ways dequantised,swap --swap-tile-tokens 128,256
-    python -m experiments.probes.fp8_linear --rows 32,256,4096 --ways dequantised,invariant --invariant-block-m 32,64,128
+    python -m experiments.probes.fp8_linear --rows 32,256,4096 --ways dequantised,invariant --invariant-block-m 32,128
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class Gate(nnx.Module):
     def route(self, h: jax.Array, tokens: jax.Array, fixed_tiles: bool = False) -> tuple[jax.Array, jax.Array]:
         """The router: h [M, D], tokens [M] -> (expert ids [M, k] int32, weights [M, k] float32). fixed_tiles
         (batch invariance over all rows at once): the logits by `invariant_product`, the scores between
-        optimization barriers (elementwise, or a softmax by `invariant.pairwise_max` and `pairwise_sum`), the
+        optimization barriers (elementwise, or `invariant.softmax`: pairwise maximum and sum), the
         weights' sum by `invariant.pairwise_sum`: no op whose code XLA picks by the number of tokens."""
         cfg = self.cfg
         # IEEE float32 logits, as the official gate (torch's fp32 linear of the upcast operands, no TF32): bf16 / f16
@@ -104,9 +104,8 @@ class Gate(nnx.Module):
             logits = jnp.einsum("md,ed->me", h.astype(jnp.float32), w.astype(jnp.float32),
                                 precision=jax.lax.Precision.HIGHEST)
         scaled = logits / cfg.gate_temp
-        if fixed_tiles and cfg.scoring_func == "softmax":   # no reduction op beside the exp (invariant.pairwise_max)
-            z = jax.lax.optimization_barrier(jnp.exp(scaled - inv.pairwise_max(scaled)))
-            scores = z / inv.pairwise_sum(z)
+        if fixed_tiles and cfg.scoring_func == "softmax":
+            scores = inv.softmax(scaled)
         else:
             scores = score_function(cfg.scoring_func, scaled)
         if fixed_tiles:

@@ -124,13 +124,18 @@ def weighted_sum(weights: jax.Array, x: jax.Array, axis: int) -> jax.Array:
     return jnp.squeeze(pairwise_sum(products, axis), axis)
 
 
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax over `axis` in float32, its maximum by `pairwise_max` and its sum by `pairwise_sum`, each stage
+    between optimization barriers."""
+    x = jax.lax.optimization_barrier(x.astype(jnp.float32))
+    e = jax.lax.optimization_barrier(jnp.exp(x - pairwise_max(x, axis)))
+    return jax.lax.optimization_barrier(e / pairwise_sum(e, axis))
+
+
 def softmax_pool(a: jax.Array, g: jax.Array) -> jax.Array:
-    """sum_s softmax_s(g) a_s over the slots axis -2: a, g [..., slots, width] -> [..., width] float32, the
-    softmax's maximum by `pairwise_max`, its sum and the pooling's by `weighted_sum`."""
-    g = jax.lax.optimization_barrier(g.astype(jnp.float32))
-    e = jax.lax.optimization_barrier(jnp.exp(g - pairwise_max(g, -2)))
-    p = jax.lax.optimization_barrier(e / pairwise_sum(e, -2))
-    return weighted_sum(p, a, -2)
+    """sum_s softmax_s(g) a_s over the slots axis -2: a, g [..., slots, width] -> [..., width] float32 (`softmax`,
+    then `weighted_sum`)."""
+    return weighted_sum(softmax(g, -2), a, -2)
 
 
 def rms_scale(x: jax.Array, eps: float) -> jax.Array:

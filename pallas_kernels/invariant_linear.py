@@ -50,10 +50,11 @@ def _tile_rows(n: int) -> int:
     return max(16, next_pow2(n)) if n < t else -(-n // t) * t
 
 
-def fp8_invariant_linear(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype) -> jax.Array:
+def fp8_invariant_linear(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype,
+                         tiles: TritonConfig = TILES) -> jax.Array:
     """x [G, M, K] @ W_g^T for FP8 weights w [G, N, K] with block scales [G, N/B, K/B], bf16 (or float32)
-    activations -> [G, M, N] in out_dtype, on TILES whatever M."""
-    return fp8_linear(x, w, scale, backend="triton", config=TILES, out_dtype=out_dtype, rows_fastest=True)
+    activations -> [G, M, N] in out_dtype, on `tiles` (the model's: TILES) whatever M."""
+    return fp8_linear(x, w, scale, backend="triton", config=tiles, out_dtype=out_dtype, rows_fastest=True)
 
 
 def invariant_product(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ import numpy as np
 from experiments.bench_kernels import cupti_ms
 from pallas_kernels import reference as ref
 from pallas_kernels.fp8_linear import SWAP_TILE_TOKENS, fp8_linear, fp8_linear_reference, swap_config
-from pallas_kernels.invariant_linear import TILES
+from pallas_kernels.invariant_linear import TILES, fp8_invariant_linear
 
 HBM, BF16 = 4.4e12, 790e12
 # generation: (scale block, {name: (groups, out, in)}) at the Flash models' widths
@@ -39,7 +39,7 @@ GENERATIONS = {
                  "wo_a": (8, 1024, 4096), "wo_b": (1, 5120, 8192), "shared_w1": (1, 2304, 5120),
                  "shared_w2": (1, 5120, 2304), "engram_wkv": (1, 25600, 6144)}),
 }
-WAYS = ("dequantised", "triton", "swap", "invariant")   # fp8_linear's backends; "invariant": "triton" on fixed tiles
+WAYS = ("dequantised", "triton", "swap", "invariant")   # fp8_linear's backends; "invariant": fp8_invariant_linear
 
 
 def floor_us(g: int, n: int, k: int, m: int, block: int) -> float:
@@ -91,9 +91,10 @@ def main(argv=None) -> None:
             want = np.asarray(fp8_linear_reference(x, w, s), np.float64)
             times, errors = [], []
             for label, way, config in columns:
-                backend = "triton" if way == "invariant" else way
-                f = jax.jit(functools.partial(fp8_linear, backend=backend, config=config(m),
-                                              rows_fastest=way == "invariant"))
+                if way == "invariant":
+                    f = jax.jit(functools.partial(fp8_invariant_linear, out_dtype=jnp.bfloat16, tiles=config(m)))
+                else:
+                    f = jax.jit(functools.partial(fp8_linear, backend=way, config=config(m)))
                 got = f(x, w, s)
                 errors.append(f"{label} {np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want):.1e}")
                 t = cupti_ms(f, x, w, s, iterations=args.iterations)

@@ -81,18 +81,17 @@ def invariant_config(head_dim: int = 512, itemsize: int = 2) -> dict:
     (the window phase, then the entries) each keep their own pipeline buffers (`smem_bytes(loops=2)`; at 512 x (32,
     64, 2 stages) the 295,424 bytes an H100 refused), so the stages give way first: they change no number, where
     block_n would change the blocks of the online softmax."""
-    cfg = dict(NARROW_CONFIG)
-    dp = max(16, next_pow2(head_dim))
-    while cfg["num_stages"] > 1 and smem_bytes(dp, cfg["block_h"], cfg["block_n"], cfg["num_stages"], itemsize,
-                                               loops=2) > SMEM_LIMIT:
-        cfg["num_stages"] -= 1
-    return fit_smem(cfg, head_dim, itemsize, loops=2)
+    return fit_smem(dict(NARROW_CONFIG), head_dim, itemsize, loops=2, stages_first=True)
 
 
-def fit_smem(cfg: dict, head_dim: int, itemsize: int, loops: int = 1) -> dict:
-    """cfg with block_n, then block_h, halved until its tiles fit the SMEM (`smem_bytes` of the padded head dim)."""
+def fit_smem(cfg: dict, head_dim: int, itemsize: int, loops: int = 1, stages_first: bool = False) -> dict:
+    """cfg with block_n, then block_h, halved until its tiles fit the SMEM (`smem_bytes` of the padded head dim, for
+    `loops` pipelined key loops); stages_first: num_stages lowered to 1 before any block shrinks."""
     dp = max(16, next_pow2(head_dim))
     while smem_bytes(dp, cfg["block_h"], cfg["block_n"], cfg["num_stages"], itemsize, loops) > SMEM_LIMIT:
+        if stages_first and cfg["num_stages"] > 1:
+            cfg["num_stages"] -= 1
+            continue
         key = "block_n" if cfg["block_n"] > 16 else "block_h"
         if cfg[key] == 16:
             break   # nothing left to shrink: the compile reports it
